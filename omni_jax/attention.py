@@ -1,0 +1,148 @@
+"""`omni_jax.attention`: the one definition of what masked attention computes.
+
+    out[b, i, h] = sum_j softmax_j(score(b, h, i, j)) * value[b, j, h // group]
+
+where ``score = score_mod(softcap(scale * q.k), b, h, i, j)``, masked keys
+(any mask argument says no) get -inf, and learnable ``sinks[h]`` join the
+softmax denominator only. All mask arguments combine with logical AND.
+
+This module validates the arguments (errors at trace time), turns every
+mask argument into one `BlockMask`, hoists arrays captured by ``score_mod``
+and owns the custom_vjp; the chosen backend only computes forward/backward.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from omni_jax import validation
+from omni_jax.backends import AttentionPlan, plan_attention
+from omni_jax.masks import BlockGrid, BlockMask
+from omni_jax.masks.construct import structured_tile_flags
+from omni_jax.masks.mask_mods import And, Causal, MaskMod, SlidingWindow, document_mask
+from omni_jax.problem import AttentionProblem
+from omni_jax.scores import convert_score_mod, zero_cotangent
+
+Array = Any
+
+
+def attention(query: Array, key: Array, value: Array, *, mask: BlockMask | None = None,
+              is_causal: bool = False, local_window_size: int | tuple[int, int] | None = None,
+              q_segment_ids: Array | None = None, kv_segment_ids: Array | None = None,
+              score_mod: Callable | None = None, softcap: float | None = None,
+              sinks: Array | None = None, scale: float | None = None, return_lse: bool = False,
+              implementation: str | None = None) -> Array | tuple[Array, Array]:
+    """Exact, differentiable, block-sparse attention.
+
+    Args:
+      query: ``[batch, q_len, num_q_heads, head_dim]``.
+      key: ``[batch, kv_len, num_kv_heads, head_dim]``; ``num_q_heads`` must be
+        a multiple of ``num_kv_heads`` (GQA / MQA).
+      value: ``[batch, kv_len, num_kv_heads, head_dim_v]`` (``head_dim_v`` may
+        differ from ``head_dim``). query, key and value share one float dtype.
+      mask: a `BlockMask` from `create_block_mask` (batch and heads 1 or full).
+      is_causal: query i sees keys j <= i (top-left aligned).
+      local_window_size: ``(left, right)`` (or one int for both): query i sees
+        keys j in ``[i - left, i + right]``.
+      q_segment_ids, kv_segment_ids: int ``[batch, q_len]`` / ``[batch, kv_len]``
+        document ids of packed sequences; a query sees only keys of its document.
+        When q_len == kv_len one of them may stand for both.
+      score_mod: ``score_mod(score, batch_idx, head_idx, q_idx, kv_idx) -> score``
+        on scalars (FlexAttention semantics), applied after scaling and softcap,
+        before masking. It may capture arrays (gradients flow to float ones).
+      softcap: ``softcap * tanh(score / softcap)`` (Gemma 2).
+      sinks: float ``[num_q_heads]`` sink logits that join the softmax
+        denominator only (gpt-oss).
+      scale: score scale, default ``1 / sqrt(head_dim)``.
+      return_lse: also return the log-sum-exp ``[batch, num_q_heads, q_len]``
+        (float32; float64 for float64 inputs), natural log, sinks included.
+      implementation: None (best available), "xla", "triton" or "mosaic".
+
+    Returns:
+      ``out [batch, q_len, num_q_heads, head_dim_v]`` in query's dtype, or
+      ``(out, lse)``. A query that sees no key gets zeros and lse = -inf (its
+      sink logit when sinks are given) and zero gradients.
+    """
+    validation.check_qkv(query, key, value)
+    batch, q_len, num_q_heads, head_dim = query.shape
+    kv_len, num_kv_heads = key.shape[1:3]
+    is_causal = validation.check_flag("is_causal", is_causal)
+    return_lse = validation.check_flag("return_lse", return_lse)
+    window = validation.check_window(local_window_size)
+    segments = validation.check_segment_ids(q_segment_ids, kv_segment_ids, batch=batch,
+                                            q_len=q_len, kv_len=kv_len)
+    validation.check_block_mask(mask, batch=batch, num_q_heads=num_q_heads, q_len=q_len,
+                                kv_len=kv_len)
+    softcap = validation.check_scalar("softcap", softcap, positive=True)
+    scale = validation.check_scalar("scale", scale, positive=False)
+    sinks = validation.check_sinks(sinks, num_q_heads)
+    validation.check_implementation(implementation)
+    converted, captured = (None, []) if score_mod is None else convert_score_mod(score_mod)
+
+    problem = AttentionProblem(
+        batch=batch, q_len=q_len, kv_len=kv_len, num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, head_dim_v=value.shape[-1],
+        dtype=jnp.dtype(query.dtype),
+        scale=1.0 / math.sqrt(head_dim) if scale is None else scale, softcap=softcap,
+        score_mod=converted, has_sinks=sinks is not None, has_user_mask=mask is not None,
+        block_size=None if mask is None else mask.block_size)
+    plan = plan_attention(implementation, problem)
+    block_mask = _effective_mask(mask, _argument_mask(is_causal, window, segments), plan.problem)
+    out, lse = _attention(plan, query, key, value, block_mask, sinks, tuple(captured))
+    return (out, lse) if return_lse else out
+
+
+def _argument_mask(is_causal: bool, window: tuple[int, int] | None,
+                   segments: tuple[Array, Array] | None) -> MaskMod | None:
+    """The structured mask of is_causal / local_window_size / segment ids, or None."""
+    parts: list[MaskMod] = []
+    if is_causal:
+        parts.append(Causal())
+    if window is not None:
+        parts.append(SlidingWindow(*window))
+    if segments is not None:
+        parts.append(document_mask(*segments))
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else And(*parts)
+
+
+def _effective_mask(mask: BlockMask | None, structured: MaskMod | None,
+                    problem: AttentionProblem) -> BlockMask:
+    """One BlockMask for the call: the user's mask AND the argument masks."""
+    if mask is not None:
+        return mask if structured is None else mask.restrict(structured)
+    flags = structured_tile_flags(structured, _grid(problem))
+    return BlockMask.from_tile_flags(flags, mask_mod=structured, q_len=problem.q_len,
+                                     kv_len=problem.kv_len, block_size=problem.block_size)
+
+
+def _grid(problem: AttentionProblem) -> BlockGrid:
+    return BlockGrid(problem.q_len, problem.kv_len, *problem.block_size)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(plan: AttentionPlan, q, k, v, block_mask, sinks, captured):
+    return plan.forward.forward(plan.problem, q, k, v, block_mask, sinks, captured)
+
+
+def _attention_fwd(plan: AttentionPlan, q, k, v, block_mask, sinks, captured):
+    out, lse = plan.forward.forward(plan.problem, q, k, v, block_mask, sinks, captured)
+    return (out, lse), (q, k, v, block_mask, sinks, captured, out, lse)
+
+
+def _attention_bwd(plan: AttentionPlan, residuals, cotangents):
+    q, k, v, block_mask, sinks, captured, out, lse = residuals
+    dout, dlse = cotangents
+    dq, dk, dv, dsinks, dcaptured = plan.backward.backward(
+        plan.problem, q, k, v, block_mask, sinks, captured, out, lse, dout, dlse)
+    return (dq, dk, dv, jax.tree.map(zero_cotangent, block_mask), dsinks, tuple(dcaptured))
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)

@@ -1,0 +1,110 @@
+"""Attention backends and how one is chosen.
+
+``implementation=None`` takes the first backend, in the device's order of
+preference, that runs here and serves the call: on Hopper (sm90) "mosaic",
+then "triton", then "xla"; on other sm80+ GPUs "triton", then "xla";
+elsewhere "xla", which serves everything. The backward pass uses the same
+backend when it can, else the next one in that order that can (for example a
+Mosaic forward with the Triton backward). Naming a backend that cannot serve
+the call raises a ValueError that says why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+
+import jax
+
+from omni_jax.backends.base import AttentionBackend
+from omni_jax.problem import AttentionProblem
+
+_BACKEND_CLASSES = {
+    "xla": "omni_jax.backends.xla:XlaBackend",
+    "triton": "omni_jax.backends.triton:TritonBackend",
+    "mosaic": "omni_jax.backends.mosaic:MosaicBackend",
+}
+
+
+class _Missing(AttentionBackend):
+    """Stands in for a backend whose module is not part of this installation."""
+
+    def __init__(self, name: str, why: str):
+        self.name = name
+        self._why = why
+
+    def unavailable_reason(self):
+        return self._why
+
+    def unsupported_reason(self, problem):
+        return self._why
+
+    def block_size(self, problem):
+        raise NotImplementedError(self._why)
+
+    def forward(self, *args):
+        raise NotImplementedError(self._why)
+
+    def backward(self, *args):
+        raise NotImplementedError(self._why)
+
+
+@functools.cache
+def get_backend(name: str) -> AttentionBackend:
+    """The backend registered under ``name``."""
+    module_name, class_name = _BACKEND_CLASSES[name].split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name != module_name:
+            raise
+        return _Missing(name, f"the {name!r} attention backend is not part of this version")
+    return getattr(module, class_name)()
+
+
+def preference_order() -> tuple[str, ...]:
+    """Backend names in order of preference for the default device."""
+    if jax.default_backend() != "gpu":
+        return ("xla",)
+    from pallas_kernels import runtime
+
+    if runtime.can_run_mosaic_hopper():
+        return ("mosaic", "triton", "xla")
+    if runtime.can_run_triton():
+        return ("triton", "xla")
+    return ("xla",)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class AttentionPlan:
+    """The backends chosen for one call, and the problem with its block size set."""
+
+    problem: AttentionProblem
+    forward: AttentionBackend
+    backward: AttentionBackend
+
+
+def _why_not(backend: AttentionBackend, problem: AttentionProblem) -> str | None:
+    return backend.unavailable_reason() or backend.unsupported_reason(problem)
+
+
+def plan_attention(implementation: str | None, problem: AttentionProblem) -> AttentionPlan:
+    """Chooses the forward and backward backends for ``problem``."""
+    order = preference_order()
+    if implementation is None:
+        forward = next(get_backend(name) for name in order
+                       if _why_not(get_backend(name), problem) is None)
+    else:
+        forward = get_backend(implementation)
+        reason = _why_not(forward, problem)
+        if reason is not None:
+            raise ValueError(f"implementation={implementation!r} cannot serve this call: "
+                             f"{reason}")
+    if problem.block_size is None:
+        problem = problem.with_block_size(forward.block_size(problem))
+    fallbacks = [forward.name, *(name for name in order if name != forward.name), "xla"]
+    backward = next(get_backend(name) for name in fallbacks
+                    if get_backend(name).unavailable_reason() is None
+                    and get_backend(name).backward_unsupported_reason(problem) is None)
+    return AttentionPlan(problem, forward, backward)

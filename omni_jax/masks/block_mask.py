@@ -1,0 +1,233 @@
+"""`BlockMask`: which (q-block, kv-block) tiles of the score matrix are computed, and how.
+
+Each tile of a ``q_len x kv_len`` score matrix, cut in ``block_size`` tiles, is
+
+* MASKED: absent from the mask; kernels never load its K/V nor do its math;
+* FULL (flags 0): every element visible, no mask math at all;
+* COMPUTED (flag bit 1): the mask follows from indices: the BlockMask's
+  structured `mask_mod` (causal, window, documents, ...) and the sequence
+  bound ``kv_idx < kv_len`` are evaluated inside the tile;
+* PARTIAL (flag bit 2): the mask is a stored boolean tile
+  ``partial_masks[partial_id]``; identical tiles share one stored tile.
+
+Both bits may be set (a stored tile further restricted by a structured mask).
+
+The mask is stored per (batch, head, q-block) as a compacted list of its
+active kv-blocks (ascending; past the count, padded with the last active
+block, so a prefetch past the end stays in bounds), as the forward kernels
+walk it; and per (batch, head, kv-block) as the list of active q-blocks, as
+the dK/dV backward walks it. Batch and head dimensions may be 1 (broadcast).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from omni_jax.masks.mask_mods import And, BlockGrid, MaskMod
+
+Array = Any
+
+FULL = 0
+COMPUTED = 1
+PARTIAL = 2
+MASKED = -1  # Only in the dense tile-flag view; masked tiles are absent from the lists.
+
+
+def _compact(dense_flags: Array, dense_partial_ids: Array):
+    """Lists the active tiles of the last axis first, in ascending order.
+
+    Returns (count, indices, flags, partial_ids), the last three shaped like
+    ``dense_flags``; entries past ``count`` repeat the last active tile (block
+    0 when there is none) with flags FULL and partial id -1.
+    """
+    n = dense_flags.shape[-1]
+    position = jnp.arange(n, dtype=jnp.int32)
+    active = dense_flags >= 0
+    order = jnp.argsort(jnp.where(active, position, position + n), axis=-1, stable=True)
+    order = order.astype(jnp.int32)
+    count = active.sum(axis=-1, dtype=jnp.int32)
+    valid = position < count[..., None]
+    last = jnp.take_along_axis(order, jnp.maximum(count - 1, 0)[..., None], axis=-1)
+    last = jnp.where(count[..., None] > 0, last, 0)
+    indices = jnp.where(valid, order, last)
+    flags = jnp.where(valid, jnp.take_along_axis(dense_flags, order, axis=-1), FULL)
+    partial_ids = jnp.where(valid, jnp.take_along_axis(dense_partial_ids, order, axis=-1), -1)
+    return count, indices, flags.astype(jnp.int32), partial_ids.astype(jnp.int32)
+
+
+def mark_kv_tail(tile_flags: Array, grid: BlockGrid) -> Array:
+    """Adds COMPUTED to active tiles of a ragged last kv block (bound ``kv_idx < kv_len``)."""
+    if grid.kv_len % grid.block_kv == 0:
+        return tile_flags
+    last = tile_flags[..., -1:]
+    last = jnp.where(last >= 0, last | COMPUTED, last)
+    return jnp.concatenate([tile_flags[..., :-1], last], axis=-1)
+
+
+@jax.tree_util.register_pytree_node_class
+class BlockMask:
+    """Block-sparse attention mask; build one with `create_block_mask`.
+
+    Arrays (``Bm``/``Hm``: batch/heads, 1 when broadcast; ``nq``/``nkv``: blocks):
+
+    * ``kv_num_blocks [Bm, Hm, nq]``, ``kv_indices``, ``kv_tile_flags``,
+      ``kv_partial_ids`` ``[Bm, Hm, nq, nkv]``: the q-major walk (forward, dQ);
+    * ``q_num_blocks [Bm, Hm, nkv]``, ``q_indices``, ``q_tile_flags``,
+      ``q_partial_ids`` ``[Bm, Hm, nkv, nq]``: the kv-major walk (dK, dV);
+    * ``partial_masks [P, block_q, block_kv]`` bool: deduplicated stored tiles
+      (at least one, all False, when no tile is PARTIAL);
+    * ``mask_mod``: the structured predicate of COMPUTED tiles, or None.
+    """
+
+    def __init__(self, *, kv_num_blocks, kv_indices, kv_tile_flags, kv_partial_ids,
+                 q_num_blocks, q_indices, q_tile_flags, q_partial_ids, partial_masks,
+                 mask_mod: MaskMod | None, q_len: int, kv_len: int,
+                 block_size: tuple[int, int]):
+        self.kv_num_blocks = kv_num_blocks
+        self.kv_indices = kv_indices
+        self.kv_tile_flags = kv_tile_flags
+        self.kv_partial_ids = kv_partial_ids
+        self.q_num_blocks = q_num_blocks
+        self.q_indices = q_indices
+        self.q_tile_flags = q_tile_flags
+        self.q_partial_ids = q_partial_ids
+        self.partial_masks = partial_masks
+        self.mask_mod = mask_mod
+        self.q_len = q_len
+        self.kv_len = kv_len
+        self.block_size = block_size
+
+    _ARRAYS = ("kv_num_blocks", "kv_indices", "kv_tile_flags", "kv_partial_ids",
+               "q_num_blocks", "q_indices", "q_tile_flags", "q_partial_ids", "partial_masks",
+               "mask_mod")
+
+    def tree_flatten(self):
+        children = tuple(getattr(self, name) for name in self._ARRAYS)
+        return children, (self.q_len, self.kv_len, self.block_size)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        q_len, kv_len, block_size = aux
+        return cls(**dict(zip(cls._ARRAYS, children, strict=True)), q_len=q_len,
+                   kv_len=kv_len, block_size=block_size)
+
+    # -- construction ---------------------------------------------------------------------
+
+    @classmethod
+    def from_tile_flags(cls, tile_flags: Array, partial_ids: Array | None = None,
+                        partial_masks: Array | None = None, mask_mod: MaskMod | None = None,
+                        *, q_len: int, kv_len: int, block_size: tuple[int, int]) -> BlockMask:
+        """Builds both walks from dense ``tile_flags [Bm, Hm, nq, nkv]`` (MASKED = -1).
+
+        Active tiles of a ragged last kv block get COMPUTED added, so kernels
+        bound ``kv_idx < kv_len`` exactly where a tile crosses the end.
+        """
+        tile_flags = jnp.asarray(tile_flags, jnp.int32)
+        grid = BlockGrid(q_len, kv_len, *block_size)
+        expected = (grid.num_q_blocks, grid.num_kv_blocks)
+        if tile_flags.ndim != 4 or tile_flags.shape[2:] != expected:
+            raise ValueError(f"tile_flags must be [batch, heads, {expected[0]}, {expected[1]}] "
+                             f"for q_len={q_len}, kv_len={kv_len}, block_size={block_size}, "
+                             f"got shape {tile_flags.shape}")
+        tile_flags = mark_kv_tail(tile_flags, grid)
+        if partial_ids is None:
+            partial_ids = jnp.full(tile_flags.shape, -1, jnp.int32)
+        partial_ids = jnp.broadcast_to(jnp.asarray(partial_ids, jnp.int32), tile_flags.shape)
+        if partial_masks is None:
+            partial_masks = jnp.zeros((1, *block_size), bool)
+        kv_walk = _compact(tile_flags, partial_ids)
+        q_walk = _compact(tile_flags.swapaxes(-1, -2), partial_ids.swapaxes(-1, -2))
+        return cls(kv_num_blocks=kv_walk[0], kv_indices=kv_walk[1], kv_tile_flags=kv_walk[2],
+                   kv_partial_ids=kv_walk[3], q_num_blocks=q_walk[0], q_indices=q_walk[1],
+                   q_tile_flags=q_walk[2], q_partial_ids=q_walk[3],
+                   partial_masks=jnp.asarray(partial_masks, bool), mask_mod=mask_mod,
+                   q_len=q_len, kv_len=kv_len, block_size=tuple(block_size))
+
+    # -- views ------------------------------------------------------------------------------
+
+    @property
+    def grid(self) -> BlockGrid:
+        return BlockGrid(self.q_len, self.kv_len, *self.block_size)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(batch, heads, q_len, kv_len); batch or heads is 1 when broadcast."""
+        batch, heads = self.kv_num_blocks.shape[:2]
+        return batch, heads, self.q_len, self.kv_len
+
+    def tile_flags(self) -> Array:
+        """Dense ``[Bm, Hm, nq, nkv]`` tile flags, MASKED (-1) for absent tiles."""
+        dense, _ = self._dense_tiles()
+        return dense
+
+    def _dense_tiles(self) -> tuple[Array, Array]:
+        """Dense (flags, partial ids), scattered back from the q-major walk."""
+        *lead, nq, nkv = self.kv_indices.shape
+        valid = jnp.arange(nkv) < self.kv_num_blocks[..., None]
+        slot = jnp.where(valid, self.kv_indices, nkv)  # Padding lands in a dropped column.
+        flags = jnp.full((*lead, nq, nkv + 1), MASKED, jnp.int32)
+        ids = jnp.full((*lead, nq, nkv + 1), -1, jnp.int32)
+        index = tuple(jnp.indices(slot.shape, sparse=True)[:-1]) + (slot,)
+        flags = flags.at[index].set(self.kv_tile_flags)
+        ids = ids.at[index].set(self.kv_partial_ids)
+        return flags[..., :nkv], ids[..., :nkv]
+
+    def density(self) -> float:
+        """Fraction of tiles that are computed (1.0 for dense attention)."""
+        total = np.prod(self.kv_indices.shape)
+        return float(jnp.sum(self.kv_num_blocks)) / float(total)
+
+    def sparsity(self) -> float:
+        """Fraction of tiles skipped entirely (no loads, no math)."""
+        return 1.0 - self.density()
+
+    def restrict(self, mask_mod: MaskMod) -> BlockMask:
+        """This mask AND a structured mask_mod, classified on this mask's tiles."""
+        full, empty = mask_mod.classify(self.grid)
+        flags, ids = self._dense_tiles()
+        new_flags = jnp.where(empty, MASKED, jnp.where((flags >= 0) & ~full,
+                                                        flags | COMPUTED, flags))
+        new_ids = jnp.where(new_flags >= 0, ids, -1)
+        combined = mask_mod if self.mask_mod is None else And(self.mask_mod, mask_mod)
+        return BlockMask.from_tile_flags(new_flags, new_ids, self.partial_masks, combined,
+                                         q_len=self.q_len, kv_len=self.kv_len,
+                                         block_size=self.block_size)
+
+    def to_dense(self) -> Array:
+        """The element mask ``[Bm, Hm, q_len, kv_len]`` bool (O(q_len * kv_len): debugging)."""
+        flags, ids = self._dense_tiles()
+        bq, bkv = self.block_size
+        q_idx = jnp.arange(self.q_len)
+        kv_idx = jnp.arange(self.kv_len)
+        tile_flags = flags[:, :, q_idx // bq][:, :, :, kv_idx // bkv]
+        tile_ids = ids[:, :, q_idx // bq][:, :, :, kv_idx // bkv]
+        bits = self.partial_masks[jnp.maximum(tile_ids, 0), (q_idx % bq)[:, None],
+                                  (kv_idx % bkv)[None, :]]
+        visible = tile_flags >= 0
+        visible &= ((tile_flags & PARTIAL) == 0) | bits
+        if self.mask_mod is not None:
+            batch = jnp.arange(flags.shape[0])[:, None, None, None]
+            structured = self.mask_mod(batch, 0, q_idx[:, None], kv_idx[None, :])
+            visible &= ((tile_flags & COMPUTED) == 0) | structured
+        return visible
+
+    def __repr__(self) -> str:
+        batch, heads, q_len, kv_len = self.shape
+        header = (f"BlockMask(shape=({batch}, {heads}, {q_len}, {kv_len}), "
+                  f"block_size={self.block_size}")
+        if isinstance(self.kv_num_blocks, jax.core.Tracer):
+            return header + ", traced)"
+        flags = np.asarray(self.tile_flags()[0, 0])
+        symbols = {MASKED: ".", FULL: "#", COMPUTED: "c", PARTIAL: "p", COMPUTED | PARTIAL: "p"}
+        rows = ["".join(symbols[int(f)] for f in row[:64]) + ("..." if len(row) > 64 else "")
+                for row in flags[:32]]
+        if len(flags) > 32:
+            rows.append("...")
+        legend = "# full, c computed from indices, p stored partial, . skipped"
+        return (header + f", sparsity={self.sparsity():.2%})\n  "
+                + "\n  ".join(rows) + f"\n  ({legend}; batch 0, head 0)")
+

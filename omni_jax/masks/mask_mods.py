@@ -1,0 +1,411 @@
+"""Structured mask predicates: causal, sliding window, documents, prefix-LM, chunks.
+
+A `MaskMod` is a FlexAttention-style ``mask_mod(b, h, q_idx, kv_idx) -> bool``
+that also knows its own structure, which buys two things:
+
+* `classify` labels every (q-block, kv-block) tile FULL / MASKED / mixed in
+  O(number of blocks), with interval arithmetic instead of evaluating elements;
+* kernels evaluate it inside a tile from indices alone (`predicate`), so mixed
+  tiles of structured masks need no stored bit-mask.
+
+A MaskMod is a pytree: the arrays it closes over (segment ids, prefix lengths)
+are its leaves, so masks are traced, jitted and vmapped like any other input.
+Every leaf has a *kind* saying how it is indexed:
+
+* ``"q"``: ``[batch, q_len]`` (one value per query position),
+* ``"kv"``: ``[batch, kv_len]`` (one value per key position),
+* ``"batch"``: ``[batch]`` (one value per sequence).
+
+A batch size of 1 broadcasts. `gather_leaves` replaces each leaf by its value
+at given (batch, position) indices; `predicate` then evaluates the mask from
+gathered leaves and global indices. Kernels do the gathering themselves (they
+load the q-block and kv-block slices of each leaf) and call `predicate`.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+LeafKind = Literal["q", "kv", "batch"]
+Array = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockGrid:
+    """The (q-block, kv-block) tiling of a ``q_len x kv_len`` score matrix.
+
+    Bounds are inclusive and clipped to the real lengths, shaped to broadcast
+    as ``[1, 1, num_q_blocks, 1]`` (q) and ``[1, 1, 1, num_kv_blocks]`` (kv).
+    """
+
+    q_len: int
+    kv_len: int
+    block_q: int
+    block_kv: int
+
+    @property
+    def num_q_blocks(self) -> int:
+        return -(-self.q_len // self.block_q)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return -(-self.kv_len // self.block_kv)
+
+    def q_bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        start = np.arange(self.num_q_blocks) * self.block_q
+        end = np.minimum(start + self.block_q, self.q_len) - 1
+        return start[None, None, :, None], end[None, None, :, None]
+
+    def kv_bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        start = np.arange(self.num_kv_blocks) * self.block_kv
+        end = np.minimum(start + self.block_kv, self.kv_len) - 1
+        return start[None, None, None, :], end[None, None, None, :]
+
+
+class MaskMod(abc.ABC):
+    """A structured ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (True = may attend)."""
+
+    def __call__(self, b: Array, h: Array, q_idx: Array, kv_idx: Array) -> Array:
+        del h  # No structured mask depends on the head.
+        return self.gather_leaves(b, q_idx, kv_idx).predicate(q_idx, kv_idx)
+
+    @abc.abstractmethod
+    def predicate(self, q_idx: Array, kv_idx: Array) -> Array:
+        """The mask at global indices, with every leaf already gathered there."""
+
+    @abc.abstractmethod
+    def classify(self, grid: BlockGrid) -> tuple[Array, Array]:
+        """(full, empty) booleans per tile, broadcastable to ``[batch, 1, nq, nkv]``."""
+
+    @abc.abstractmethod
+    def leaf_kinds(self) -> tuple[LeafKind, ...]:
+        """The kind of each leaf, in `jax.tree.leaves` order."""
+
+    def gather_leaves(self, b: Array, q_idx: Array, kv_idx: Array) -> MaskMod:
+        """A copy whose leaves are their values at (b, q_idx) / (b, kv_idx) / b.
+
+        Indices broadcast against each other (scalars or index grids).
+        """
+        leaves, treedef = jax.tree.flatten(self)
+        index = {"q": q_idx, "kv": kv_idx}
+        gathered = []
+        for leaf, kind in zip(leaves, self.leaf_kinds(), strict=True):
+            batch = 0 if leaf.shape[0] == 1 else b
+            if kind == "batch":
+                gathered.append(leaf[batch])
+            else:
+                position = jnp.clip(index[kind], 0, leaf.shape[1] - 1)
+                gathered.append(leaf[batch, position])
+        return jax.tree.unflatten(treedef, gathered)
+
+    def batch_size(self) -> int:
+        """Leading size of the leaves (1 when the mask is the same for every sequence)."""
+        sizes = {leaf.shape[0] for leaf in jax.tree.leaves(self)} - {1}
+        return sizes.pop() if sizes else 1
+
+
+def _static_pytree(cls):
+    """Registers a MaskMod whose dataclass fields are all static (no leaves)."""
+
+    def flatten(mod):
+        return (), tuple(getattr(mod, f.name) for f in dataclasses.fields(mod))
+
+    def unflatten(aux, _):
+        return cls(*aux)
+
+    jax.tree_util.register_pytree_node(cls, flatten, unflatten)
+    return cls
+
+
+@_static_pytree
+@dataclasses.dataclass(frozen=True)
+class Causal(MaskMod):
+    """Query i sees keys j <= i + offset (offset 0: top-left aligned causal)."""
+
+    offset: int = 0
+
+    def predicate(self, q_idx, kv_idx):
+        return kv_idx <= q_idx + self.offset
+
+    def classify(self, grid):
+        q_start, q_end = grid.q_bounds()
+        kv_start, kv_end = grid.kv_bounds()
+        full = kv_end <= q_start + self.offset
+        empty = kv_start > q_end + self.offset
+        return jnp.asarray(full), jnp.asarray(empty)
+
+    def leaf_kinds(self):
+        return ()
+
+
+@_static_pytree
+@dataclasses.dataclass(frozen=True)
+class SlidingWindow(MaskMod):
+    """Query i sees keys j in [i - left, i + right]; None leaves a side unbounded."""
+
+    left: int | None
+    right: int | None
+
+    def predicate(self, q_idx, kv_idx):
+        visible = jnp.ones(jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx)), bool)
+        if self.left is not None:
+            visible &= kv_idx >= q_idx - self.left
+        if self.right is not None:
+            visible &= kv_idx <= q_idx + self.right
+        return visible
+
+    def classify(self, grid):
+        q_start, q_end = grid.q_bounds()
+        kv_start, kv_end = grid.kv_bounds()
+        full = np.ones((1, 1, grid.num_q_blocks, grid.num_kv_blocks), bool)
+        empty = np.zeros_like(full)
+        if self.left is not None:
+            full &= kv_start >= q_end - self.left
+            empty |= kv_end < q_start - self.left
+        if self.right is not None:
+            full &= kv_end <= q_start + self.right
+            empty |= kv_start > q_end + self.right
+        return jnp.asarray(full), jnp.asarray(empty)
+
+    def leaf_kinds(self):
+        return ()
+
+
+@_static_pytree
+@dataclasses.dataclass(frozen=True)
+class Chunked(MaskMod):
+    """Query i sees keys j in the same chunk: i // chunk_size == j // chunk_size."""
+
+    chunk_size: int
+
+    def predicate(self, q_idx, kv_idx):
+        return q_idx // self.chunk_size == kv_idx // self.chunk_size
+
+    def classify(self, grid):
+        q_start, q_end = grid.q_bounds()
+        kv_start, kv_end = grid.kv_bounds()
+        c = self.chunk_size
+        full = (q_start // c == q_end // c) & (kv_start // c == kv_end // c) & (
+            q_start // c == kv_start // c
+        )
+        empty = (kv_end // c < q_start // c) | (kv_start // c > q_end // c)
+        return jnp.asarray(full), jnp.asarray(empty)
+
+    def leaf_kinds(self):
+        return ()
+
+
+def _block_min_max(ids: Array, length: int, block: int) -> tuple[Array, Array]:
+    """Per-block min and max of ``ids [batch, length]`` -> ``[batch, num_blocks]``."""
+    num_blocks = -(-length // block)
+    padded = jnp.pad(ids, ((0, 0), (0, num_blocks * block - length)), mode="edge")
+    blocks = padded.reshape(ids.shape[0], num_blocks, block)
+    return blocks.min(axis=-1), blocks.max(axis=-1)
+
+
+@jax.tree_util.register_pytree_node_class
+class Document(MaskMod):
+    """Packed documents: a query sees only keys with the same segment id."""
+
+    def __init__(self, q_segment_ids: Array, kv_segment_ids: Array):
+        self.q_segment_ids = q_segment_ids
+        self.kv_segment_ids = kv_segment_ids
+
+    def tree_flatten(self):
+        return (self.q_segment_ids, self.kv_segment_ids), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children)
+
+    def predicate(self, q_idx, kv_idx):
+        return self.q_segment_ids == self.kv_segment_ids
+
+    def classify(self, grid):
+        q_min, q_max = _block_min_max(self.q_segment_ids, grid.q_len, grid.block_q)
+        kv_min, kv_max = _block_min_max(self.kv_segment_ids, grid.kv_len, grid.block_kv)
+        q_min, q_max = q_min[:, None, :, None], q_max[:, None, :, None]
+        kv_min, kv_max = kv_min[:, None, None, :], kv_max[:, None, None, :]
+        full = (q_min == q_max) & (kv_min == kv_max) & (q_min == kv_min)
+        empty = (q_max < kv_min) | (kv_max < q_min)
+        return full, empty
+
+    def leaf_kinds(self):
+        return ("q", "kv")
+
+
+@jax.tree_util.register_pytree_node_class
+class KeyPrefix(MaskMod):
+    """Query i sees keys j < lengths[b] (the bidirectional prefix of prefix-LM)."""
+
+    def __init__(self, lengths: Array):
+        self.lengths = lengths
+
+    def tree_flatten(self):
+        return (self.lengths,), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children)
+
+    def predicate(self, q_idx, kv_idx):
+        return kv_idx < self.lengths
+
+    def classify(self, grid):
+        kv_start, kv_end = grid.kv_bounds()
+        lengths = self.lengths[:, None, None, None]
+        return kv_end < lengths, kv_start >= lengths
+
+    def leaf_kinds(self):
+        return ("batch",)
+
+
+class _Combination(MaskMod):
+    """Common part of And / Or: children are MaskMods, leaves are theirs."""
+
+    def __init__(self, *mods: MaskMod):
+        self.mods = tuple(mods)
+
+    def tree_flatten(self):
+        return self.mods, None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children)
+
+    def leaf_kinds(self):
+        return tuple(kind for mod in self.mods for kind in mod.leaf_kinds())
+
+    def __repr__(self):
+        return f"{type(self).__name__}({', '.join(map(repr, self.mods))})"
+
+
+@jax.tree_util.register_pytree_node_class
+class And(_Combination):
+    """Visible where every child is visible."""
+
+    def predicate(self, q_idx, kv_idx):
+        result = self.mods[0].predicate(q_idx, kv_idx)
+        for mod in self.mods[1:]:
+            result = result & mod.predicate(q_idx, kv_idx)
+        return result
+
+    def classify(self, grid):
+        classes = [mod.classify(grid) for mod in self.mods]
+        full = classes[0][0]
+        empty = classes[0][1]
+        for child_full, child_empty in classes[1:]:
+            full, empty = full & child_full, empty | child_empty
+        return full, empty
+
+
+@jax.tree_util.register_pytree_node_class
+class Or(_Combination):
+    """Visible where any child is visible."""
+
+    def predicate(self, q_idx, kv_idx):
+        result = self.mods[0].predicate(q_idx, kv_idx)
+        for mod in self.mods[1:]:
+            result = result | mod.predicate(q_idx, kv_idx)
+        return result
+
+    def classify(self, grid):
+        classes = [mod.classify(grid) for mod in self.mods]
+        full = classes[0][0]
+        empty = classes[0][1]
+        for child_full, child_empty in classes[1:]:
+            full, empty = full | child_full, empty & child_empty
+        return full, empty
+
+
+# Ready-made mask_mods. Each is a MaskMod, so create_block_mask classifies it
+# analytically, and it also works as a plain FlexAttention mask_mod.
+
+causal_mask = Causal()
+
+
+def sliding_window_mask(left: int | None, right: int | None = 0) -> MaskMod:
+    """Keys within ``[i - left, i + right]`` of query i (``right=0``: causal window)."""
+    for name, value in (("left", left), ("right", right)):
+        if value is not None and (not isinstance(value, (int, np.integer)) or value < 0):
+            raise ValueError(f"sliding_window_mask: {name} must be a non-negative int or None, "
+                             f"got {value!r}")
+    return SlidingWindow(None if left is None else int(left), None if right is None else int(right))
+
+
+def _as_segment_ids(name: str, ids: Array) -> Array:
+    ids = jnp.asarray(ids)
+    if ids.ndim == 1:
+        ids = ids[None]
+    if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"{name} must be an integer array [batch, seq_len] or [seq_len], "
+                         f"got shape {ids.shape} dtype {ids.dtype}")
+    return ids.astype(jnp.int32)
+
+
+def document_mask(q_segment_ids: Array, kv_segment_ids: Array | None = None) -> MaskMod:
+    """Packed documents from segment ids ``[batch, seq]`` (kv defaults to q's)."""
+    q_ids = _as_segment_ids("q_segment_ids", q_segment_ids)
+    kv_ids = q_ids if kv_segment_ids is None else _as_segment_ids("kv_segment_ids",
+                                                                  kv_segment_ids)
+    if q_ids.shape[0] != kv_ids.shape[0] and 1 not in (q_ids.shape[0], kv_ids.shape[0]):
+        raise ValueError(f"document_mask: q_segment_ids batch {q_ids.shape[0]} and "
+                         f"kv_segment_ids batch {kv_ids.shape[0]} differ")
+    return Document(q_ids, kv_ids)
+
+
+def prefix_lm_mask(prefix_lengths: Array | int) -> MaskMod:
+    """Prefix-LM: keys before ``prefix_lengths[b]`` are visible to all, the rest causally."""
+    lengths = jnp.asarray(prefix_lengths)
+    if lengths.ndim == 0:
+        lengths = lengths[None]
+    if lengths.ndim != 1 or not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise ValueError(f"prefix_lengths must be an int or an integer array [batch], got "
+                         f"shape {lengths.shape} dtype {lengths.dtype}")
+    return Or(Causal(), KeyPrefix(lengths.astype(jnp.int32)))
+
+
+def chunked_mask(chunk_size: int, causal: bool = True) -> MaskMod:
+    """Chunked local attention (Llama 4): keys in the query's chunk, causal by default."""
+    if not isinstance(chunk_size, (int, np.integer)) or chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    chunks = Chunked(int(chunk_size))
+    return And(Causal(), chunks) if causal else chunks
+
+
+MaskFn = Callable[[Array, Array, Array, Array], Array]
+
+
+def and_masks(*mask_mods: MaskFn) -> MaskFn:
+    """Intersection of mask_mods; structured if every argument is a MaskMod."""
+    return _combine(And, jnp.logical_and, mask_mods)
+
+
+def or_masks(*mask_mods: MaskFn) -> MaskFn:
+    """Union of mask_mods; structured if every argument is a MaskMod."""
+    return _combine(Or, jnp.logical_or, mask_mods)
+
+
+def _combine(structured: type[_Combination], op, mask_mods: Sequence[MaskFn]) -> MaskFn:
+    if not mask_mods:
+        raise ValueError("at least one mask_mod is needed")
+    for i, mod in enumerate(mask_mods):
+        if not callable(mod):
+            raise TypeError(f"mask_mods[{i}] must be callable, got {type(mod).__name__}")
+    if all(isinstance(mod, MaskMod) for mod in mask_mods):
+        return structured(*mask_mods)
+
+    def combined(b, h, q_idx, kv_idx):
+        result = mask_mods[0](b, h, q_idx, kv_idx)
+        for mod in mask_mods[1:]:
+            result = op(result, mod(b, h, q_idx, kv_idx))
+        return result
+
+    return combined
