@@ -1,0 +1,1 @@
+"""Benchmarks: our kernels timed beside their peers (cuDNN, cuBLAS, XLA, JAX's Pallas ops)."""
