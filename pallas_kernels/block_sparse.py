@@ -1,0 +1,137 @@
+"""The block-sparse mask as Pallas attention kernels consume it (Triton and Mosaic alike).
+
+`kernel_mask` turns a `BlockMask` into flat kernel inputs; `tile_visibility`
+evaluates, inside a kernel, which elements of one (q-block, kv-block) tile are
+visible. Both kernel families walk the mask through these two functions, so
+the walk and the tile semantics exist once:
+
+* walk the ``count`` active kv-blocks of a q-block (forward, dQ) from
+  ``kv_num_blocks``/``kv_indices``, or the active q-blocks of a kv-block
+  (dK/dV) from ``q_num_blocks``/``q_indices``;
+* FULL tiles (flags 0) need no mask math at all: branch on ``flags != 0``;
+* COMPUTED tiles evaluate the structured mask_mod from indices and the
+  kv bound; PARTIAL tiles read ``partial_masks[partial_id]``.
+
+Structured mask_mods carry arrays (segment ids, prefix lengths). Each leaf has
+a kind: ``"q"`` leaves are padded to ``[Bm, num_q_blocks * block_q]`` and a
+kernel loads the slice of its q-block; ``"kv"`` leaves are padded to
+``[Bm, num_kv_blocks * block_kv]`` and the kernel loads the slice of the
+current kv-block; ``"batch"`` leaves are ``[Bm]`` and the kernel loads one
+scalar. `tile_visibility` takes those loaded values in leaf order, shaped
+``[block_q, 1]``, ``[1, block_kv]`` and scalar respectively.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from omni_jax.masks import COMPUTED, PARTIAL, BlockMask
+from omni_jax.masks.mask_mods import LeafKind
+
+Array = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskLayout:
+    """Static facts a kernel needs to evaluate a tile's mask."""
+
+    q_len: int
+    kv_len: int
+    block_q: int
+    block_kv: int
+    num_q_blocks: int
+    num_kv_blocks: int
+    # Structure of the mask_mod (None: no structured mask) and its leaves' kinds.
+    mask_mod_treedef: Any
+    leaf_kinds: tuple[LeafKind, ...]
+
+    @property
+    def ragged_kv(self) -> bool:
+        return self.kv_len % self.block_kv != 0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KernelMask:
+    """A BlockMask's arrays as kernel inputs (int32 walks, int8 stored tiles).
+
+    Leading dims ``[Bm, Hm]`` are 1 when broadcast: index them with
+    ``b if Bm > 1 else 0`` (see `batch_head_index`).
+    """
+
+    kv_num_blocks: Array  # [Bm, Hm, nq]
+    kv_indices: Array  # [Bm, Hm, nq, nkv]
+    kv_tile_flags: Array
+    kv_partial_ids: Array
+    q_num_blocks: Array  # [Bm, Hm, nkv]
+    q_indices: Array  # [Bm, Hm, nkv, nq]
+    q_tile_flags: Array
+    q_partial_ids: Array
+    partial_masks: Array  # [P, block_q, block_kv] int8
+    leaves: tuple[Array, ...]  # mask_mod leaves, padded (module docstring)
+
+
+def kernel_mask(mask: BlockMask) -> tuple[KernelMask, MaskLayout]:
+    """Kernel inputs and static layout of ``mask``."""
+    grid = mask.grid
+    if mask.mask_mod is None:
+        leaves, treedef, kinds = [], None, ()
+    else:
+        leaves, treedef = jax.tree.flatten(mask.mask_mod)
+        kinds = mask.mask_mod.leaf_kinds()
+    padded_length = {"q": grid.num_q_blocks * grid.block_q,
+                     "kv": grid.num_kv_blocks * grid.block_kv}
+    padded = []
+    for leaf, kind in zip(leaves, kinds, strict=True):
+        leaf = jnp.asarray(leaf, jnp.int32)
+        if kind != "batch":
+            leaf = jnp.pad(leaf, ((0, 0), (0, padded_length[kind] - leaf.shape[1])), mode="edge")
+        padded.append(leaf)
+    arrays = KernelMask(
+        kv_num_blocks=mask.kv_num_blocks, kv_indices=mask.kv_indices,
+        kv_tile_flags=mask.kv_tile_flags, kv_partial_ids=mask.kv_partial_ids,
+        q_num_blocks=mask.q_num_blocks, q_indices=mask.q_indices,
+        q_tile_flags=mask.q_tile_flags, q_partial_ids=mask.q_partial_ids,
+        partial_masks=mask.partial_masks.astype(jnp.int8), leaves=tuple(padded))
+    layout = MaskLayout(q_len=grid.q_len, kv_len=grid.kv_len, block_q=grid.block_q,
+                        block_kv=grid.block_kv, num_q_blocks=grid.num_q_blocks,
+                        num_kv_blocks=grid.num_kv_blocks, mask_mod_treedef=treedef,
+                        leaf_kinds=tuple(kinds))
+    return arrays, layout
+
+
+def batch_head_index(mask_array: Array, batch: Array, head: Array) -> tuple[Array, Array]:
+    """Indices into the broadcastable leading ``[Bm, Hm]`` dims of a mask array."""
+    bm, hm = mask_array.shape[:2]
+    return (batch if bm > 1 else 0), (head if hm > 1 else 0)
+
+
+def structured_visibility(layout: MaskLayout, q_idx: Array, kv_idx: Array,
+                          leaf_values: Sequence[Array]) -> Array:
+    """The structured mask_mod AND ``kv_idx < kv_len`` at global indices."""
+    visible = kv_idx < layout.kv_len
+    if layout.mask_mod_treedef is not None:
+        mask_mod = jax.tree.unflatten(layout.mask_mod_treedef, list(leaf_values))
+        visible = visible & mask_mod.predicate(q_idx, kv_idx)
+    return visible
+
+
+def tile_visibility(layout: MaskLayout, flags: Array, q_idx: Array, kv_idx: Array,
+                    leaf_values: Sequence[Array], partial_tile: Array | None) -> Array:
+    """Visible elements of a tile with tile ``flags`` (branch-free in the flags).
+
+    ``q_idx [block_q, 1]`` and ``kv_idx [1, block_kv]`` are global positions;
+    ``partial_tile [block_q, block_kv]`` is the tile's stored mask (any int or
+    bool dtype), or None when the kernel knows no tile is PARTIAL. Kernels
+    call this only for tiles with ``flags != 0`` (FULL tiles need no mask).
+    """
+    computed = structured_visibility(layout, q_idx, kv_idx, leaf_values)
+    visible = ((flags & COMPUTED) == 0) | computed
+    if partial_tile is not None:
+        visible = visible & (((flags & PARTIAL) == 0) | (partial_tile != 0))
+    return visible
