@@ -1,0 +1,1 @@
+"""Portable Pallas kernels lowered through Triton (sm80+: Ampere, Ada, Hopper)."""
