@@ -1,0 +1,245 @@
+"""The attention test suite every backend runs.
+
+A backend's test module subclasses `AttentionSuite`, sets ``implementation``
+and, if it must, narrows ``dtypes``, ``cases`` or ``mask_block_size`` (for
+kernels with tile constraints); `tests/conftest.py` parametrizes the methods
+from those class attributes. Each case checks the output, lse and every
+gradient (query, key, value, sinks, score_mod's captured array) against the
+dense float64 reference by relative error, on fresh random inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import omni_jax
+from tests.reference import dense_mask, reference_attention, relative_error
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    batch: int = 2
+    q_len: int = 64
+    kv_len: int = 64
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 32
+    head_dim_v: int | None = None
+    is_causal: bool = False
+    window: tuple[int, int] | None = None
+    segments: str | None = None  # "packed": shared documents; "orphans": some rows see nothing
+    block_mask: str | None = None  # "generic" (stored tiles), "prefix_lm", "chunked"
+    softcap: float | None = None
+    sinks: bool = False
+    score_mod: str | None = None  # "alibi" (captured float slopes), "relative_table"
+    scale: float | None = None
+
+
+CASES = (
+    Case("dense"),
+    Case("causal", is_causal=True),
+    Case("causal_ragged", q_len=45, kv_len=77, is_causal=True),
+    Case("window", q_len=96, kv_len=96, window=(17, 5)),
+    Case("documents", q_len=80, kv_len=80, segments="packed"),
+    Case("documents_causal_window", q_len=96, kv_len=96, segments="packed", is_causal=True,
+         window=(24, 0)),
+    Case("orphan_rows", segments="orphans", sinks=False),
+    Case("generic_block_mask", q_len=70, kv_len=90, block_mask="generic"),
+    Case("generic_block_mask_and_causal", q_len=96, kv_len=96, block_mask="generic",
+         is_causal=True),
+    Case("prefix_lm", q_len=96, kv_len=96, block_mask="prefix_lm"),
+    Case("chunked", q_len=96, kv_len=96, block_mask="chunked"),
+    Case("mqa_value_dim", heads=4, kv_heads=1, head_dim_v=48),
+    Case("softcap_sinks", is_causal=True, softcap=5.0, sinks=True, scale=0.3),
+    Case("alibi_score_mod", is_causal=True, score_mod="alibi"),
+    Case("relative_table_score_mod", score_mod="relative_table", sinks=True),
+)
+
+TOLERANCE = {"float64": 1e-9, "float32": 5e-5, "bfloat16": 3e-2, "float16": 6e-3}
+
+
+def _segment_ids(rng, case: Case):
+    if case.segments == "orphans":
+        # Query segments 0..3, key segments 0..2: every query of segment 3 sees no key.
+        q_ids = np.sort(rng.integers(0, 4, (case.batch, case.q_len)), axis=-1)
+        kv_ids = np.sort(rng.integers(0, 3, (case.batch, case.kv_len)), axis=-1)
+        q_ids[:, -5:] = 3
+        return q_ids.astype(np.int32), kv_ids.astype(np.int32)
+    cuts = np.sort(rng.integers(1, case.q_len, (case.batch, 3)), axis=-1)
+    ids = (np.arange(case.q_len)[None, :, None] >= cuts[:, None, :]).sum(-1)
+    return ids.astype(np.int32), ids.astype(np.int32)
+
+
+def _generic_mask_fn(b, h, q, k):
+    return ((q * 7 + k * 3 + h) % 5 != 0) & (k <= q + 40)
+
+
+def _block_mask(case: Case, rng, block_size):
+    if case.block_mask == "generic":
+        fn = _generic_mask_fn
+        mask = omni_jax.create_block_mask(fn, None, case.heads, case.q_len, case.kv_len,
+                                          block_size)
+        return mask, lambda b, h, q, k: fn(b, h, q, k)
+    if case.block_mask == "prefix_lm":
+        lengths = rng.integers(1, case.kv_len, case.batch).astype(np.int32)
+        mask = omni_jax.create_block_mask(omni_jax.prefix_lm_mask(lengths), case.batch, None,
+                                          case.q_len, case.kv_len, block_size)
+        return mask, lambda b, h, q, k: (k <= q) | (k < lengths[b])
+    if case.block_mask == "chunked":
+        mask = omni_jax.create_block_mask(omni_jax.chunked_mask(24), None, None, case.q_len,
+                                          case.kv_len, block_size)
+        return mask, lambda b, h, q, k: (k <= q) & (q // 24 == k // 24)
+    return None, None
+
+
+def _score_mod(case: Case, captured):
+    if case.score_mod == "alibi":
+        return lambda s, b, h, q, k: s - captured[h] * jnp.abs(q - k).astype(s.dtype)
+    if case.score_mod == "relative_table":
+        offset = case.kv_len
+        return lambda s, b, h, q, k: s + captured[jnp.clip(q - k + offset, 0,
+                                                            captured.shape[0] - 1)]
+    return None
+
+
+def _captured(case: Case, rng):
+    if case.score_mod == "alibi":
+        return rng.uniform(0.01, 0.3, case.heads)
+    if case.score_mod == "relative_table":
+        return rng.standard_normal(case.q_len + case.kv_len)
+    return None
+
+
+def check_case(implementation: str, case: Case, dtype: str,
+               mask_block_size: tuple[int, int], check_gradients: bool = True) -> None:
+    seed = int(np.random.default_rng().integers(2**31))
+    rng = np.random.default_rng(seed)
+    context = f"[{implementation} {case.name} {dtype} seed={seed}]"
+    head_dim_v = case.head_dim_v or case.head_dim
+    shapes = ((case.batch, case.q_len, case.heads, case.head_dim),
+              (case.batch, case.kv_len, case.kv_heads, case.head_dim),
+              (case.batch, case.kv_len, case.kv_heads, head_dim_v))
+    q, k, v = (jnp.asarray(rng.standard_normal(s), dtype) for s in shapes)
+    param_dtype = jnp.float64 if dtype == "float64" else jnp.float32
+    sinks = jnp.asarray(rng.standard_normal(case.heads), param_dtype) if case.sinks else None
+    captured_np = _captured(case, rng)
+    captured = None if captured_np is None else jnp.asarray(captured_np, param_dtype)
+    q_ids = kv_ids = None
+    if case.segments:
+        q_ids, kv_ids = _segment_ids(rng, case)
+    block_mask, block_mask_fn = _block_mask(case, rng, mask_block_size)
+
+    def run(q, k, v, sinks, captured):
+        return omni_jax.attention(
+            q, k, v, mask=block_mask, is_causal=case.is_causal, local_window_size=case.window,
+            q_segment_ids=None if q_ids is None else jnp.asarray(q_ids),
+            kv_segment_ids=None if kv_ids is None else jnp.asarray(kv_ids),
+            score_mod=_score_mod(case, captured), softcap=case.softcap, sinks=sinks,
+            scale=case.scale, return_lse=True, implementation=implementation)
+
+    (out, lse), vjp = jax.vjp(run, q, k, v, sinks, captured)
+    assert out.dtype == q.dtype and out.shape == (*shapes[0][:3], head_dim_v), context
+    assert lse.shape == (case.batch, case.heads, case.q_len), context
+
+    visible = dense_mask(case.batch, case.heads, case.q_len, case.kv_len,
+                         is_causal=case.is_causal, window=case.window, q_segment_ids=q_ids,
+                         kv_segment_ids=kv_ids, mask_fn=block_mask_fn)
+    dout = rng.standard_normal(out.shape)
+    dlse = rng.standard_normal(lse.shape)
+    with jax.enable_x64(True):
+        def reference(q, k, v, sinks, captured):
+            return reference_attention(q, k, v, visible, scale=case.scale, softcap=case.softcap,
+                                       score_mod=_score_mod(case, captured), sinks=sinks)
+
+        as64 = lambda x: None if x is None else jnp.asarray(np.asarray(x, np.float64))
+        ref_args = tuple(as64(x) for x in (q, k, v, sinks, captured))
+        (ref_out, ref_lse), ref_vjp = jax.vjp(reference, *ref_args)
+        ref_grads = ref_vjp((jnp.asarray(dout), jnp.asarray(dlse)))
+        ref_out, ref_lse = np.asarray(ref_out), np.asarray(ref_lse)
+        ref_grads = [None if g is None else np.asarray(g) for g in ref_grads]
+
+    tolerance = TOLERANCE[dtype]
+    assert not np.isnan(np.asarray(out, np.float64)).any(), f"{context} NaN in output"
+    assert relative_error(out, ref_out) < tolerance, (context, relative_error(out, ref_out))
+    assert relative_error(lse, ref_lse) < max(tolerance, 1e-5), (
+        context, relative_error(lse, ref_lse))
+    blind = ~visible.any(axis=-1)  # [B, H, Sq]: rows that see no key.
+    if blind.any():
+        blind_rows = np.transpose(blind, (0, 2, 1))
+        assert (np.asarray(out, np.float32)[blind_rows] == 0).all(), f"{context} blind rows"
+        if sinks is None:
+            assert np.isneginf(np.asarray(lse)[blind]).all(), f"{context} blind lse"
+
+    if not check_gradients:
+        return
+    grads = vjp((jnp.asarray(dout, out.dtype), jnp.asarray(dlse, lse.dtype)))
+    for name, grad, ref in zip(("dq", "dk", "dv", "dsinks", "dcaptured"), grads, ref_grads,
+                               strict=True):
+        if ref is None:
+            continue
+        assert grad.shape == ref.shape, (context, name)
+        error = relative_error(grad, ref)
+        assert error < 2 * tolerance, (context, name, error)
+
+
+class AttentionSuite:
+    """Subclass with ``implementation = "..."``; see the module docstring."""
+
+    implementation: ClassVar[str]
+    dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16")
+    cases: ClassVar[tuple[Case, ...]] = CASES
+    mask_block_size: ClassVar[tuple[int, int]] = (32, 32)
+    check_gradients: ClassVar[bool] = True
+
+    def test_case(self, case: Case, dtype: str) -> None:
+        check_case(self.implementation, case, dtype, self.mask_block_size,
+                   self.check_gradients)
+
+    def test_jit_and_vmap_over_batch_of_masks(self) -> None:
+        rng = np.random.default_rng()
+        ids = np.stack([_segment_ids(rng, Case("x", batch=1, q_len=64))[0] for _ in range(3)])
+        q, k, v = (jnp.asarray(rng.standard_normal((3, 1, 64, 2, 32)), jnp.float32)
+                   for _ in range(3))
+
+        def one(q, k, v, ids):
+            return omni_jax.attention(q, k, v, q_segment_ids=ids, is_causal=True,
+                                      implementation=self.implementation)
+
+        batched = jax.jit(jax.vmap(one))(q, k, v, jnp.asarray(ids))
+        for i in range(3):
+            expected = one(q[i], k[i], v[i], jnp.asarray(ids[i]))
+            assert relative_error(batched[i], expected) < 1e-5
+
+    def test_no_nan_gradient_for_blind_rows(self) -> None:
+        rng = np.random.default_rng()
+        q, k, v = (jnp.asarray(rng.standard_normal((1, 64, 2, 32)), jnp.float32)
+                   for _ in range(3))
+        q_ids = jnp.asarray(np.r_[np.zeros(32), np.ones(32)][None].astype(np.int32))
+        kv_ids = jnp.zeros((1, 64), jnp.int32)
+
+        def loss(q, k, v):
+            out = omni_jax.attention(q, k, v, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
+                                     implementation=self.implementation)
+            return (out ** 2).sum()
+
+        grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+        for grad in grads:
+            assert np.isfinite(np.asarray(grad)).all()
+        assert (np.asarray(grads[0])[:, 32:] == 0).all()
+
+
+def suite_parameters(cls: Any) -> dict[str, list]:
+    """The parametrization `tests/conftest.py` applies to a suite subclass."""
+    return {"case": list(cls.cases), "dtype": list(cls.dtypes)}
+
+
+def case_id(value: Any) -> str:
+    return value.name if isinstance(value, Case) else str(value)
+
+
