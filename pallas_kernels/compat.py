@@ -1,0 +1,221 @@
+"""Pallas API differences between the JAX releases we support, wrapped in one place.
+
+Supported: jax 0.10.x (the CPU machines, where kernels run interpreted) and
+0.11.x (the GPU machines). Kernels import whatever moved between releases from
+here instead of guarding imports themselves, so a rename is fixed once.
+Append new wrappers; keep existing signatures stable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+Array = Any
+
+# --------------------------------------------------------------------------- Triton lowering
+
+
+def _triton_module():
+    from jax.experimental.pallas import triton as pl_triton
+
+    return pl_triton
+
+
+def triton_compiler_params(*, num_warps: int, num_stages: int) -> Any:
+    """Triton compiler parameters (``CompilerParams``; ``TritonCompilerParams`` before 0.6)."""
+    pl_triton = _triton_module()
+    params = getattr(pl_triton, "CompilerParams", None) or pl_triton.TritonCompilerParams
+    return params(num_warps=num_warps, num_stages=num_stages)
+
+
+def triton_load(ref, *, mask=None, other=None):
+    """Masked load of a whole (sliced) ref in a Triton-lowered kernel."""
+    load = getattr(_triton_module(), "load", None) or pl.load
+    return load(ref, mask=mask, other=other)
+
+
+def triton_store(ref, value, *, mask=None) -> None:
+    """Masked store of a whole (sliced) ref in a Triton-lowered kernel."""
+    store = getattr(_triton_module(), "store", None) or pl.store
+    store(ref, value, mask=mask)
+
+
+@functools.cache
+def triton_lowerable_primitives() -> frozenset | None:
+    """Primitives the Pallas Triton lowering handles, or None when JAX hides the table.
+
+    The table is private to JAX; backends use it to decline user code (a
+    score_mod) that would fail to lower, instead of failing inside the compiler.
+    """
+    try:
+        from jax._src.pallas.triton import lowering
+    except ImportError:
+        return None
+    rules = getattr(lowering, "triton_lowering_rules", None)
+    return None if rules is None else frozenset(rules)
+
+
+# --------------------------------------------------------------------------- Mosaic GPU
+
+
+def _mosaic_module():
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return plgpu
+
+
+@functools.cache
+def _kernel_output_keyword() -> str:
+    """``plgpu.kernel`` took ``out_shape`` before it took ``out_type``."""
+    parameters = inspect.signature(_mosaic_module().kernel).parameters
+    return "out_type" if "out_type" in parameters else "out_shape"
+
+
+def mosaic_kernel(body: Callable[..., None], out_type: Any, **kwargs: Any) -> Callable:
+    """``plgpu.kernel(body, out_type=...)`` under either keyword."""
+    return _mosaic_module().kernel(body, **{_kernel_output_keyword(): out_type}, **kwargs)
+
+
+def wgmma_row_layout() -> Any:
+    """The layout of a row reduction (``axis=1``) of a WGMMA-layout array."""
+    layout = _mosaic_module().Layout
+    return layout.WGMMA.reduce(1) if hasattr(layout.WGMMA, "reduce") else layout.WGMMA_ROW
+
+
+def wgmma_col_layout() -> Any:
+    """The layout of a column reduction (``axis=0``) of a WGMMA-layout array."""
+    layout = _mosaic_module().Layout
+    return layout.WGMMA.reduce(0) if hasattr(layout.WGMMA, "reduce") else layout.WGMMA_COL
+
+
+def wgmma_accumulate(acc: Array, a: Any, b: Any, *, interpret: bool) -> Array:
+    """Returns ``acc + a @ b`` computed by wgmma (acc float32 in the WGMMA layout).
+
+    Compiled, the product accumulates in place into ``acc``'s registers
+    (``pl.run_state`` over an initialised accumulator: no extra registers and
+    no extra adds). The Mosaic-GPU interpreter cannot run ``run_state``, so
+    interpreted kernels take the product in a fresh zeroed accumulator and add
+    it: the same value, the same operands, the same smem reads.
+    """
+    plgpu = _mosaic_module()
+    if not interpret:
+
+        def update(acc_ref):
+            plgpu.wgmma(acc_ref, a, b)
+
+        return pl.run_state(update)(plgpu.ACC.init(acc))
+
+    def product(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+        return acc_ref[...]
+
+    return acc + pl.run_scoped(product, plgpu.ACC(acc.shape, jnp.float32))
+
+
+def tma_faithful_interpret_params(params):
+    """Mosaic-GPU interpreter params under which TMA copies behave as on hardware.
+
+    Hardware TMA zero-fills out-of-bounds loads and clips out-of-bounds stores;
+    the 0.10 interpreter instead raises on such loads and drops such stores
+    whole, and it cannot read transposed wgmma operands. This reads
+    out-of-bounds as zeros and installs (once) the store and wgmma shims below.
+    """
+    _install_interpreter_shims()
+    return dataclasses.replace(
+        params, out_of_bounds_reads="uninitialized", uninitialized_memory="zero"
+    )
+
+
+@functools.cache
+def _install_interpreter_shims() -> None:
+    try:
+        from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as cb
+        from jax._src.state.types import TransposeTransform
+    except ImportError:  # pragma: no cover - interpreter internals moved
+        return
+    if not hasattr(cb, "_get_shared_memory") or not hasattr(cb, "HostAllocationKey"):
+        return  # pragma: no cover - interpreter internals moved
+
+    import jax
+    import numpy as np
+    from jax._src.pallas.mosaic.interpret import utils as interpret_utils
+
+    def split_transforms(transforms):
+        """(index range, axes permutation or None) of an interpreter transform chain."""
+        transforms = cb._remove_noop_transforms(transforms)
+        indexers = tuple(t for t in transforms if not isinstance(t, TransposeTransform))
+        perms = [t.permutation for t in transforms if isinstance(t, TransposeTransform)]
+        perm = None
+        for p in perms:
+            perm = p if perm is None else tuple(perm[i] for i in p)
+        return interpret_utils.to_range(jax.tree.map(int, indexers)), perm
+
+    def read(shared_memory, key_array, transforms, thread):
+        rnge, perm = split_transforms(transforms)
+        key = cb.HostAllocationKey.from_array(key_array)
+        value, _, _ = shared_memory.get_buffer_content(key, rnge, thread)
+        return value if perm is None else np.transpose(value, perm)
+
+    original_wgmma = cb.wgmma
+
+    def wgmma(**kw):
+        transforms = (*kw["a_transforms"], *kw["b_transforms"])
+        if not any(isinstance(t, TransposeTransform) for t in transforms):
+            return original_wgmma(**kw)
+        shared_memory = cb._get_shared_memory()
+        thread = shared_memory.get_global_thread_id(int(kw["device_id"]), int(kw["thread_id"]))
+        a = read(shared_memory, kw["a_allocation_key_as_array"], kw["a_transforms"], thread)
+        b = read(shared_memory, kw["b_allocation_key_as_array"], kw["b_transforms"], thread)
+        acc_key = cb.HostAllocationKey.from_array(kw["acc_allocation_key_as_array"])
+        acc_range, _ = split_transforms(kw["acc_transforms"])
+        acc, _, _ = shared_memory.get_buffer_content(acc_key, acc_range, thread)
+        result = acc + np.matmul(a, b, dtype=kw["acc_dtype"])
+        shared_memory.store_buffer_content(acc_key, acc_range, result, thread)
+        return kw["token"]
+
+    original_store = cb.copy_smem_to_gmem
+
+    def copy_smem_to_gmem(**kw):
+        shared_memory = cb._get_shared_memory()
+        dst_key = cb.HostAllocationKey.from_array(kw["dst_allocation_key_as_array"])
+        dst_range, _ = split_transforms(kw["dst_transforms"])
+        shape = shared_memory.mem[dst_key].logical_shape
+        clipped = _clip_range(dst_range, shape)
+        if clipped is None:  # in bounds: the interpreter's own copy is exact
+            return original_store(**kw)
+        dst_range, keep = clipped
+        thread = shared_memory.get_global_thread_id(int(kw["device_id"]), int(kw["thread_id"]))
+        value = read(shared_memory, kw["src_allocation_key_as_array"], kw["src_transforms"], thread)
+        if keep is not None:
+            shared_memory.store_buffer_content(dst_key, dst_range, value[keep], thread)
+        return kw["token"]
+
+    cb.wgmma = wgmma
+    cb.copy_smem_to_gmem = copy_smem_to_gmem
+
+
+def _clip_range(rnge, shape):
+    """None if ``rnge`` is in bounds, else (clipped range, slices of the value to keep).
+
+    The slices are None when nothing is in bounds.
+    """
+    if all(isinstance(r, int) or r.stop <= d for r, d in zip(rnge, shape, strict=True)):
+        return None
+    clipped, keep = [], []
+    for r, d in zip(rnge, shape, strict=True):
+        if isinstance(r, int):
+            clipped.append(r)
+            continue
+        stop = min(r.stop, d)
+        if stop <= r.start:
+            return rnge, None
+        clipped.append(slice(r.start, stop))
+        keep.append(slice(0, stop - r.start))
+    return tuple(clipped), tuple(keep)
