@@ -1,10 +1,7 @@
 """The shared attention suite on the XLA backend, plus what only the reference backend does."""
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-import omni_jax
 from tests.omni_jax.attention_suite import AttentionSuite, Case, check_case
 
 
