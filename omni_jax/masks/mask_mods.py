@@ -84,9 +84,9 @@ class MaskMod(abc.ABC):
     def classify(self, grid: BlockGrid) -> tuple[Array, Array]:
         """(full, empty) booleans per tile, broadcastable to ``[batch, 1, nq, nkv]``."""
 
-    @abc.abstractmethod
     def leaf_kinds(self) -> tuple[LeafKind, ...]:
-        """The kind of each leaf, in `jax.tree.leaves` order."""
+        """The kind of each leaf, in `jax.tree.leaves` order (none for index-only masks)."""
+        return ()
 
     def gather_leaves(self, b: Array, q_idx: Array, kv_idx: Array) -> MaskMod:
         """A copy whose leaves are their values at (b, q_idx) / (b, kv_idx) / b.
@@ -141,9 +141,6 @@ class Causal(MaskMod):
         empty = kv_start > q_end + self.offset
         return jnp.asarray(full), jnp.asarray(empty)
 
-    def leaf_kinds(self):
-        return ()
-
 
 @_static_pytree
 @dataclasses.dataclass(frozen=True)
@@ -174,9 +171,6 @@ class SlidingWindow(MaskMod):
             empty |= kv_start > q_end + self.right
         return jnp.asarray(full), jnp.asarray(empty)
 
-    def leaf_kinds(self):
-        return ()
-
 
 @_static_pytree
 @dataclasses.dataclass(frozen=True)
@@ -197,9 +191,6 @@ class Chunked(MaskMod):
         )
         empty = (kv_end // c < q_start // c) | (kv_start // c > q_end // c)
         return jnp.asarray(full), jnp.asarray(empty)
-
-    def leaf_kinds(self):
-        return ()
 
 
 def _block_min_max(ids: Array, length: int, block: int) -> tuple[Array, Array]:
