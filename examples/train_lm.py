@@ -168,10 +168,11 @@ def eval_step(model: LanguageModel, tokens: Array, segments: Array) -> Array:
 
 
 def evaluate(model: LanguageModel, data: PackedData, batch: int, max_batches: int) -> float:
-    """Mean loss over the first eval rows (whole batches only, so one compiled shape)."""
+    """Mean loss over eval rows spread evenly through the eval files (same rows every time)."""
     count = min(max_batches, data.tokens.shape[0] // batch)
-    losses = [eval_step(model, data.tokens[i * batch:(i + 1) * batch],
-                        data.segments[i * batch:(i + 1) * batch]) for i in range(count)]
+    rows = np.linspace(0, data.tokens.shape[0] - 1, count * batch).astype(int)
+    losses = [eval_step(model, data.tokens[part], data.segments[part])
+              for part in np.split(rows, count)]
     return float(np.mean(jax.device_get(losses)))
 
 
@@ -215,10 +216,12 @@ def generate(model: LanguageModel, prompt: bytes, num_tokens: int, temperature: 
 # -- checkpoints --------------------------------------------------------------------------
 
 
-def save_checkpoint(path: Path, model: LanguageModel, optimizer: nnx.Optimizer,
-                    step: int) -> None:
-    """Parameters and optimizer state as one .npz keyed by their nnx paths."""
+def save_checkpoint(path: Path, model: LanguageModel, optimizer: nnx.Optimizer, step: int,
+                    curves: dict[str, list[tuple[int, float]]]) -> None:
+    """Parameters, optimizer state, step and loss curves as one .npz (nnx paths as keys)."""
     arrays = {"step": np.asarray(step)}
+    arrays |= {f"curve/{name}": np.asarray(points, np.float64).reshape(-1, 2)
+               for name, points in curves.items()}
     for prefix, node in (("model", model), ("optimizer", optimizer)):
         state = nnx.state(node, nnx.Param if node is model else nnx.optimizer.OptState)
         for key, value in nnx.to_flat_state(state):
@@ -228,8 +231,9 @@ def save_checkpoint(path: Path, model: LanguageModel, optimizer: nnx.Optimizer,
     tmp.replace(path)
 
 
-def restore_checkpoint(path: Path, model: LanguageModel, optimizer: nnx.Optimizer) -> int:
-    """Loads `save_checkpoint`'s file into model and optimizer; returns the step."""
+def restore_checkpoint(path: Path, model: LanguageModel, optimizer: nnx.Optimizer,
+                       curves: dict[str, list[tuple[int, float]]]) -> int:
+    """Loads `save_checkpoint`'s file into model, optimizer and curves; returns the step."""
     with np.load(path) as saved:
         for prefix, node in (("model", model), ("optimizer", optimizer)):
             state = nnx.state(node, nnx.Param if node is model else nnx.optimizer.OptState)
@@ -241,6 +245,8 @@ def restore_checkpoint(path: Path, model: LanguageModel, optimizer: nnx.Optimize
                                      f"(different flags?)")
                 value[...] = jnp.asarray(saved[name], value[...].dtype)
             nnx.update(node, nnx.from_flat_state(flat))
+        for name, points in curves.items():
+            points[:] = [(int(step), float(loss)) for step, loss in saved[f"curve/{name}"]]
         return int(saved["step"])
 
 
@@ -329,15 +335,16 @@ def main(argv: list[str] | None = None) -> dict:
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = args.out_dir / "checkpoint.npz"
+    train_curve: list[tuple[int, float]] = []
+    eval_curve: list[tuple[int, float]] = []
+    curves = {"train": train_curve, "eval": eval_curve}
     first_step = 0
     if args.resume and checkpoint.exists():
-        first_step = restore_checkpoint(checkpoint, model, optimizer)
+        first_step = restore_checkpoint(checkpoint, model, optimizer, curves)
         print(f"resumed from {checkpoint} at step {first_step}")
 
     rng = np.random.default_rng(args.seed + first_step)
     data = batches(train_data, args.batch, rng)
-    train_curve: list[tuple[int, float]] = []
-    eval_curve: list[tuple[int, float]] = []
     if first_step == 0:
         eval_curve.append((0, evaluate(model, eval_data, args.batch, args.eval_batches)))
         print(f"step 0: eval loss {eval_curve[-1][1]:.3f}")
@@ -351,7 +358,7 @@ def main(argv: list[str] | None = None) -> dict:
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             eval_curve.append((step + 1, evaluate(model, eval_data, args.batch,
                                                   args.eval_batches)))
-            save_checkpoint(checkpoint, model, optimizer, step + 1)
+            save_checkpoint(checkpoint, model, optimizer, step + 1, curves)
             progress.write(f"step {step + 1}: train loss {loss:.3f}, "
                            f"eval loss {eval_curve[-1][1]:.3f}")
         progress.set_postfix(loss=f"{loss:.3f}")
