@@ -72,10 +72,13 @@ def decode_mask(index: Array, num_new: int, max_len: int,
 
 
 def write_cache(cache: Array, new: Array, index: Array) -> Array:
-    """``cache [b, max_len, h, d]`` with ``new [b, n, h, d]`` written at slots ``index[b]...``.
+    """``cache [b, max_len, ...]`` with ``new [b, n, ...]`` written at slots ``index[b]...``.
 
     Slots past ``max_len`` cannot be written: XLA clamps the start, so callers
     must keep ``index + n <= max_len``.
     """
-    update = lambda c, x, i: lax.dynamic_update_slice(c, x.astype(c.dtype), (i, 0, 0))
+    def update(c, x, i):
+        start = (i,) + (0,) * (c.ndim - 1)
+        return lax.dynamic_update_slice(c, x.astype(c.dtype), start)
+
     return jax.vmap(update)(cache, new, index)

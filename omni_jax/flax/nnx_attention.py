@@ -90,30 +90,34 @@ class Attention(nnx.Module):
         self.implementation = implementation
         self.dtype = dtype
 
-        def init(names: tuple[str | None, ...]) -> Initializer:
-            return kernel_init if axis_names is None else nnx.with_partitioning(kernel_init,
-                                                                                names)
+        def sharded(init: Initializer, names: tuple[str | None, ...]) -> Initializer:
+            return init if axis_names is None else nnx.with_partitioning(init, names)
 
         a = axis_names or AxisNames()
-        common = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
-                      bias_init=bias_init, rngs=rngs)
-        self.query = nnx.LinearGeneral(in_features, (num_heads, head_dim),
-                                       kernel_init=init((a.embed, a.heads, a.head_dim)), **common)
-        self.key = nnx.LinearGeneral(in_features, (num_kv_heads, head_dim),
-                                     kernel_init=init((a.embed, a.heads, a.head_dim)), **common)
-        self.value = nnx.LinearGeneral(in_features, (num_kv_heads, head_dim),
-                                       kernel_init=init((a.embed, a.heads, a.head_dim)),
-                                       **common)
-        self.out = nnx.LinearGeneral((num_heads, head_dim), out_features or in_features,
-                                     axis=(-2, -1),
-                                     kernel_init=init((a.heads, a.head_dim, a.embed)), **common)
-        norm = lambda: nnx.RMSNorm(head_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        in_heads = (a.embed, a.heads, a.head_dim)
+
+        def projection(in_axes, out_axes, kernel_names, bias_names, **kwargs):
+            return nnx.LinearGeneral(
+                in_axes, out_axes, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+                kernel_init=sharded(kernel_init, kernel_names),
+                bias_init=sharded(bias_init, bias_names), rngs=rngs, **kwargs)
+
+        self.query = projection(in_features, (num_heads, head_dim), in_heads, in_heads[1:])
+        self.key = projection(in_features, (num_kv_heads, head_dim), in_heads, in_heads[1:])
+        self.value = projection(in_features, (num_kv_heads, head_dim), in_heads, in_heads[1:])
+        self.out = projection((num_heads, head_dim), out_features or in_features,
+                              (a.heads, a.head_dim, a.embed), (a.embed,), axis=(-2, -1))
+        norm = lambda: nnx.RMSNorm(head_dim, dtype=dtype, param_dtype=param_dtype,
+                                   scale_init=sharded(nnx.initializers.ones_init(),
+                                                      (a.head_dim,)), rngs=rngs)
         self.query_norm = norm() if qk_norm else None
         self.key_norm = norm() if qk_norm else None
-        self.sinks = (nnx.Param(jnp.zeros((num_heads,), param_dtype)) if learnable_sinks
-                      else None)
+        sinks_init = sharded(nnx.initializers.zeros_init(), (a.heads,))
+        self.sinks = (nnx.Param(sinks_init(rngs.params(), (num_heads,), param_dtype))
+                      if learnable_sinks else None)
         self.cached_key: nnx.Cache | None = nnx.data(None)
         self.cached_value: nnx.Cache | None = nnx.data(None)
+        self.cached_segment_ids: nnx.Cache | None = nnx.data(None)
         self.cache_index: nnx.Cache | None = nnx.data(None)
 
     def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> None:
@@ -122,6 +126,7 @@ class Attention(nnx.Module):
         shape = (batch, max_len, self.num_kv_heads, self.head_dim)
         self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
         self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
+        self.cached_segment_ids = nnx.Cache(jnp.zeros((batch, max_len), jnp.int32))
         self.cache_index = nnx.Cache(jnp.zeros((batch,), jnp.int32))
 
     def __call__(self, x: Array, *, positions: Array | None = None,
@@ -133,13 +138,18 @@ class Attention(nnx.Module):
 
         Args:
           positions: int ``[batch|1, seq]`` RoPE positions. Default: the position
-            inside each document when ``segment_ids`` is given, the cache slot
-            when decoding, else ``0..seq-1``.
+            inside each document when ``segment_ids`` is given (counted over the
+            cache when decoding), else the token's index (its cache slot when
+            decoding).
           mask, is_causal, local_window_size, score_mod: as `omni_jax.attention`.
-          segment_ids: int ``[batch, seq]`` packed-document ids (both q and kv).
+          segment_ids: int ``[batch, seq]`` packed-document ids: a token sees only
+            tokens of its own document (cached ones too when decoding).
           decode: append ``x``'s keys/values to the cache (see `init_cache`) and
-            attend to everything cached so far, causally. Only
-            ``local_window_size`` (its left side) combines with it.
+            attend to everything cached so far, causally; one token or several
+            (a prompt, a chunk) per call, at each sequence's own cache length.
+            ``local_window_size`` (its left side) and ``segment_ids`` combine
+            with it; ``mask`` and ``score_mod`` (whose indices would be the
+            step's, not the cache's) do not.
 
         Returns:
           ``[batch, seq, out_features]``.
@@ -147,42 +157,64 @@ class Attention(nnx.Module):
         query, key, value = self.query(x), self.key(x), self.value(x)
         if self.query_norm is not None:
             query, key = self.query_norm(query), self.key_norm(key)
-        if decode:
-            if self.cache_index is None:
-                raise ValueError("decode=True needs a KV cache: call init_cache(batch, max_len) "
-                                 "first")
-            if mask is not None or segment_ids is not None or score_mod is not None:
-                raise ValueError("decode=True attends causally over the cache; mask, "
-                                 "segment_ids and score_mod are not supported with it")
-            index = self.cache_index[...]
-            if positions is None:
-                positions = index[:, None] + jnp.arange(x.shape[1], dtype=jnp.int32)
-        elif positions is None:
-            positions = (jnp.arange(x.shape[1], dtype=jnp.int32)[None] if segment_ids is None
-                         else segment_positions(segment_ids))
-        if self.rope_base is not None:
-            query = apply_rope(query, positions, base=self.rope_base)
-            key = apply_rope(key, positions, base=self.rope_base)
         sinks = None if self.sinks is None else self.sinks[...]
         common = dict(softcap=self.softcap, sinks=sinks, implementation=self.implementation)
         if decode:
-            out = self._decode(query, key, value, index, local_window_size, common)
-        else:
-            out = omni_jax.attention(query, key, value, mask=mask, is_causal=is_causal,
-                                     local_window_size=local_window_size,
-                                     q_segment_ids=segment_ids, score_mod=score_mod, **common)
+            out = self._decode(query, key, value, positions, segment_ids, mask, score_mod,
+                               local_window_size, common)
+            return self.out(out)
+        if positions is None:
+            positions = (jnp.arange(x.shape[1], dtype=jnp.int32)[None] if segment_ids is None
+                         else segment_positions(segment_ids))
+        query, key = self._rotate(query, key, positions)
+        out = omni_jax.attention(query, key, value, mask=mask, is_causal=is_causal,
+                                 local_window_size=local_window_size,
+                                 q_segment_ids=segment_ids, score_mod=score_mod, **common)
         return self.out(out)
 
-    def _decode(self, query: Array, key: Array, value: Array, index: Array,
+    def _rotate(self, query: Array, key: Array, positions: Array) -> tuple[Array, Array]:
+        if self.rope_base is None:
+            return query, key
+        return (apply_rope(query, positions, base=self.rope_base),
+                apply_rope(key, positions, base=self.rope_base))
+
+    def _decode(self, query: Array, key: Array, value: Array, positions: Array | None,
+                segment_ids: Array | None, mask: BlockMask | None, score_mod: Callable | None,
                 local_window_size: int | tuple[int, int] | None, common: dict) -> Array:
-        """Writes key/value at the cache index and attends over the whole cache."""
-        num_new = query.shape[1]
+        """Writes the step into the cache at its index and attends over the whole cache."""
+        if self.cache_index is None:
+            raise ValueError("decode=True needs a KV cache: call init_cache(batch, max_len) "
+                             "first")
+        if mask is not None or score_mod is not None:
+            raise ValueError("decode=True attends causally over the cache; mask and score_mod "
+                             "are not supported with it (segment_ids and local_window_size "
+                             "are)")
+        batch, num_new = query.shape[:2]
+        index = self.cache_index[...]
+        max_len = self.cached_key.shape[1]
+        if self.cached_key.shape[0] != batch:
+            raise ValueError(f"decode: x has batch {batch}, the cache was made for batch "
+                             f"{self.cached_key.shape[0]}")
+        if num_new > max_len:
+            raise ValueError(f"decode: {num_new} new tokens do not fit a cache of {max_len}")
+        slots = index[:, None] + jnp.arange(num_new, dtype=jnp.int32)
+        kv_segments = None
+        if segment_ids is not None:
+            segment_ids = jnp.broadcast_to(jnp.asarray(segment_ids, jnp.int32),
+                                           (batch, num_new))
+            kv_segments = write_cache(self.cached_segment_ids[...], segment_ids, index)
+            self.cached_segment_ids[...] = kv_segments
+        if positions is None:
+            positions = (slots if kv_segments is None else
+                         jnp.take_along_axis(segment_positions(kv_segments), slots, axis=1))
+        query, key = self._rotate(query, key, positions)
         keys = write_cache(self.cached_key[...], key, index)
         values = write_cache(self.cached_value[...], value, index)
         self.cached_key[...], self.cached_value[...] = keys, values
         self.cache_index[...] = index + num_new
         if isinstance(local_window_size, tuple):
             local_window_size = local_window_size[0]
-        mask = decode_mask(index, num_new, keys.shape[1], local_window_size)
+        step_mask = decode_mask(index, num_new, max_len, local_window_size)
         return omni_jax.attention(query, keys.astype(query.dtype), values.astype(query.dtype),
-                                  mask=mask, **common)
+                                  mask=step_mask, q_segment_ids=segment_ids,
+                                  kv_segment_ids=kv_segments, **common)
