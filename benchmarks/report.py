@@ -67,11 +67,13 @@ def _number(value: Any, digits: int) -> str:
 def format_table(rows: Sequence[Row], markdown: bool = False) -> str:
     """Rows as an aligned text table (or a markdown table)."""
     header = ("case", "impl", "ms", "TFLOP/s", "ratio", "note")
-    body = [(str(r["case"]), str(r["impl"]), _number(r["ms"], 3), _number(r["tflops"], 1),
+    body = [(str(r["case"]), str(r["impl"]), _number(r["ms"], 3),
+             _number(r["tflops"], 1 if (r["tflops"] or 0) >= 10 else 3),
              _number(r["ratio"], 2), str(r.get("note") or "")) for r in rows]
     if markdown:
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        lines += ["| " + " | ".join(cells) + " |" for cells in body]
+        lines += ["| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+                  for cells in body]
         return "\n".join(lines)
     widths = [max(len(c) for c in column) for column in zip(header, *body, strict=True)]
     fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True))
