@@ -1,0 +1,84 @@
+"""KV cache for autoregressive decoding, and the mask of a decode step.
+
+The cache is preallocated ``[batch, max_len, kv_heads, head_dim]`` with one
+current length per sequence. A decode step appends ``n`` tokens (one while
+sampling; a whole prompt or a chunk of it while prefilling) at slots
+``[index, index + n)`` and attends to the whole cache through `CachedCausal`:
+query ``t`` of the step sees slots ``j <= index + t``. Being a structured
+`MaskMod`, it is classified tile by tile, so unfilled cache blocks are skipped
+by every backend, and it is jittable with a traced ``index``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from omni_jax.masks import BlockGrid, BlockMask, MaskMod, create_block_mask
+
+Array = Any
+
+
+@jax.tree_util.register_pytree_node_class
+class CachedCausal(MaskMod):
+    """Query t sees cache slots ``j`` with ``offsets[b] + t - window_left <= j <= offsets[b] + t``.
+
+    ``offsets [batch]`` (int32) is the cache length before the step;
+    ``window_left`` None means no sliding window.
+    """
+
+    def __init__(self, offsets: Array, window_left: int | None = None):
+        self.offsets = offsets
+        self.window_left = window_left
+
+    def tree_flatten(self):
+        return (self.offsets,), self.window_left
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children, aux)
+
+    def predicate(self, q_idx, kv_idx):
+        position = q_idx + self.offsets
+        visible = kv_idx <= position
+        if self.window_left is not None:
+            visible &= kv_idx >= position - self.window_left
+        return visible
+
+    def classify(self, grid: BlockGrid):
+        q_start, q_end = grid.q_bounds()
+        kv_start, kv_end = grid.kv_bounds()
+        offsets = self.offsets[:, None, None, None]
+        full = kv_end <= q_start + offsets
+        empty = kv_start > q_end + offsets
+        if self.window_left is not None:
+            full &= kv_start >= q_end + offsets - self.window_left
+            empty |= kv_end < q_start + offsets - self.window_left
+        return full, empty
+
+    def leaf_kinds(self):
+        return ("batch",)
+
+
+def decode_mask(index: Array, num_new: int, max_len: int,
+                window_left: int | None = None) -> BlockMask:
+    """The BlockMask of a step appending ``num_new`` tokens at per-sequence ``index [batch]``."""
+    index = jnp.asarray(index, jnp.int32)
+    return create_block_mask(CachedCausal(index, window_left), index.shape[0], None, num_new,
+                             max_len)
+
+
+def write_cache(cache: Array, new: Array, index: Array) -> Array:
+    """``cache [b, max_len, ...]`` with ``new [b, n, ...]`` written at slots ``index[b]...``.
+
+    Slots past ``max_len`` cannot be written: XLA clamps the start, so callers
+    must keep ``index + n <= max_len``.
+    """
+    def update(c, x, i):
+        start = (i,) + (0,) * (c.ndim - 1)
+        return lax.dynamic_update_slice(c, x.astype(c.dtype), start)
+
+    return jax.vmap(update)(cache, new, index)

@@ -1,0 +1,59 @@
+"""`Attention` for `flax.linen`: the nnx layer wrapped by `flax.nnx.bridge`.
+
+One implementation serves both APIs, so the linen module computes exactly
+what `omni_jax.flax.Attention` does; its parameters live in the ``params``
+collection under the same names (``query/kernel``, ``out/kernel``, ...).
+Use the nnx layer for KV-cache decoding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+from flax.nnx import bridge
+
+from omni_jax.flax.nnx_attention import Attention as NnxAttention
+from omni_jax.flax.nnx_attention import AxisNames
+from omni_jax.masks import BlockMask
+
+Array = Any
+
+
+class Attention(nn.Module):
+    """Linen self-attention on `omni_jax.attention`; fields as `omni_jax.flax.Attention`."""
+
+    num_heads: int
+    in_features: int
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    out_features: int | None = None
+    use_bias: bool = False
+    qk_norm: bool = False
+    rope_base: float | None = 10_000.0
+    softcap: float | None = None
+    learnable_sinks: bool = False
+    implementation: str | None = None
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    axis_names: AxisNames | None = None
+
+    @nn.compact
+    def __call__(self, x: Array, *, positions: Array | None = None,
+                 mask: BlockMask | None = None, is_causal: bool = False,
+                 local_window_size: int | tuple[int, int] | None = None,
+                 segment_ids: Array | None = None,
+                 score_mod: Callable | None = None) -> Array:
+        """Attends ``x [batch, seq, in_features]`` to itself (see the nnx layer's __call__)."""
+        layer = bridge.to_linen(
+            NnxAttention, self.num_heads, self.in_features, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, out_features=self.out_features, use_bias=self.use_bias,
+            qk_norm=self.qk_norm, rope_base=self.rope_base, softcap=self.softcap,
+            learnable_sinks=self.learnable_sinks, implementation=self.implementation,
+            dtype=self.dtype, param_dtype=self.param_dtype, axis_names=self.axis_names,
+            name="attention")
+        return layer(x, positions=positions, mask=mask, is_causal=is_causal,
+                     local_window_size=local_window_size, segment_ids=segment_ids,
+                     score_mod=score_mod)

@@ -1,0 +1,220 @@
+"""`Attention`: a `flax.nnx` self-attention layer computed by `omni_jax.attention`.
+
+q/k/v/out projections, grouped-query attention (``num_kv_heads``), rotary
+position embeddings, optional qk-norm (RMSNorm over head_dim, as Gemma 3 /
+OLMo 2), softcap, optional learnable attention sinks (gpt-oss), any mask of
+`omni_jax.attention` given at call time, and a KV-cache decode step. The
+layer only prepares q/k/v; the kernel choice stays with ``implementation``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
+from flax import nnx
+
+import omni_jax
+from omni_jax.flax.cache import decode_mask, write_cache
+from omni_jax.flax.rope import apply_rope, segment_positions
+from omni_jax.masks import BlockMask
+
+Array = Any
+Initializer = Callable[..., Array]
+
+# Flax's defaults for attention projections (nnx.MultiHeadAttention uses the same).
+DEFAULT_KERNEL_INIT = nnx.initializers.lecun_normal()
+DEFAULT_BIAS_INIT = nnx.initializers.zeros_init()
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisNames:
+    """Mesh axis names for the kernels' dimensions (`nnx.with_partitioning` metadata).
+
+    The default shards heads over a ``"model"`` axis (Megatron-style tensor
+    parallelism); None leaves a dimension replicated.
+    """
+
+    embed: str | None = None
+    heads: str | None = "model"
+    head_dim: str | None = None
+
+
+class Attention(nnx.Module):
+    """Multi-head self-attention on `omni_jax.attention`.
+
+    Args:
+      num_heads: query heads.
+      in_features: input (and, by default, output) feature size.
+      num_kv_heads: key/value heads (GQA/MQA); default ``num_heads``.
+      head_dim: per-head size; default ``in_features // num_heads``.
+      out_features: output feature size; default ``in_features``.
+      use_bias: biases on the q/k/v/out projections.
+      qk_norm: RMSNorm on queries and keys (per head, over head_dim), before RoPE.
+      rope_base: RoPE base frequency; None disables rotary embeddings.
+      softcap: attention logit softcap (Gemma 2).
+      learnable_sinks: a learnable sink logit per query head (gpt-oss).
+      implementation: `omni_jax.attention` backend: None (best available),
+        "xla", "triton" or "mosaic".
+      dtype: computation dtype (default: inferred from inputs and params).
+      param_dtype: parameter dtype.
+      kernel_init, bias_init: initialisers of the projections.
+      axis_names: shard the projection kernels over these mesh axes (None: no
+        sharding metadata).
+      rngs: flax.nnx random streams (``params``).
+    """
+
+    def __init__(self, num_heads: int, in_features: int, *, num_kv_heads: int | None = None,
+                 head_dim: int | None = None, out_features: int | None = None,
+                 use_bias: bool = False, qk_norm: bool = False,
+                 rope_base: float | None = 10_000.0, softcap: float | None = None,
+                 learnable_sinks: bool = False, implementation: str | None = None,
+                 dtype: Any = None, param_dtype: Any = jnp.float32,
+                 kernel_init: Initializer = DEFAULT_KERNEL_INIT,
+                 bias_init: Initializer = DEFAULT_BIAS_INIT,
+                 axis_names: AxisNames | None = None, rngs: nnx.Rngs):
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
+                             f"({num_kv_heads})")
+        if head_dim is None:
+            if in_features % num_heads:
+                raise ValueError(f"in_features ({in_features}) is not divisible by num_heads "
+                                 f"({num_heads}): pass head_dim")
+            head_dim = in_features // num_heads
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.rope_base = rope_base
+        self.softcap = softcap
+        self.implementation = implementation
+        self.dtype = dtype
+
+        def sharded(init: Initializer, names: tuple[str | None, ...]) -> Initializer:
+            return init if axis_names is None else nnx.with_partitioning(init, names)
+
+        a = axis_names or AxisNames()
+        in_heads = (a.embed, a.heads, a.head_dim)
+
+        def projection(in_axes, out_axes, kernel_names, bias_names, **kwargs):
+            return nnx.LinearGeneral(
+                in_axes, out_axes, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+                kernel_init=sharded(kernel_init, kernel_names),
+                bias_init=sharded(bias_init, bias_names), rngs=rngs, **kwargs)
+
+        self.query = projection(in_features, (num_heads, head_dim), in_heads, in_heads[1:])
+        self.key = projection(in_features, (num_kv_heads, head_dim), in_heads, in_heads[1:])
+        self.value = projection(in_features, (num_kv_heads, head_dim), in_heads, in_heads[1:])
+        self.out = projection((num_heads, head_dim), out_features or in_features,
+                              (a.heads, a.head_dim, a.embed), (a.embed,), axis=(-2, -1))
+        norm = lambda: nnx.RMSNorm(head_dim, dtype=dtype, param_dtype=param_dtype,
+                                   scale_init=sharded(nnx.initializers.ones_init(),
+                                                      (a.head_dim,)), rngs=rngs)
+        self.query_norm = norm() if qk_norm else None
+        self.key_norm = norm() if qk_norm else None
+        sinks_init = sharded(nnx.initializers.zeros_init(), (a.heads,))
+        self.sinks = (nnx.Param(sinks_init(rngs.params(), (num_heads,), param_dtype))
+                      if learnable_sinks else None)
+        self.cached_key: nnx.Cache | None = nnx.data(None)
+        self.cached_value: nnx.Cache | None = nnx.data(None)
+        self.cached_segment_ids: nnx.Cache | None = nnx.data(None)
+        self.cache_index: nnx.Cache | None = nnx.data(None)
+
+    def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> None:
+        """Allocates an empty KV cache ``[batch, max_len, num_kv_heads, head_dim]``."""
+        dtype = dtype or self.dtype or self.query.param_dtype
+        shape = (batch, max_len, self.num_kv_heads, self.head_dim)
+        self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
+        self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
+        self.cached_segment_ids = nnx.Cache(jnp.zeros((batch, max_len), jnp.int32))
+        self.cache_index = nnx.Cache(jnp.zeros((batch,), jnp.int32))
+
+    def __call__(self, x: Array, *, positions: Array | None = None,
+                 mask: BlockMask | None = None, is_causal: bool = False,
+                 local_window_size: int | tuple[int, int] | None = None,
+                 segment_ids: Array | None = None, score_mod: Callable | None = None,
+                 decode: bool = False) -> Array:
+        """Attends ``x [batch, seq, in_features]`` to itself.
+
+        Args:
+          positions: int ``[batch|1, seq]`` RoPE positions. Default: the position
+            inside each document when ``segment_ids`` is given (counted over the
+            cache when decoding), else the token's index (its cache slot when
+            decoding).
+          mask, is_causal, local_window_size, score_mod: as `omni_jax.attention`.
+          segment_ids: int ``[batch, seq]`` packed-document ids: a token sees only
+            tokens of its own document (cached ones too when decoding).
+          decode: append ``x``'s keys/values to the cache (see `init_cache`) and
+            attend to everything cached so far, causally; one token or several
+            (a prompt, a chunk) per call, at each sequence's own cache length.
+            ``local_window_size`` (its left side) and ``segment_ids`` combine
+            with it; ``mask`` and ``score_mod`` (whose indices would be the
+            step's, not the cache's) do not.
+
+        Returns:
+          ``[batch, seq, out_features]``.
+        """
+        query, key, value = self.query(x), self.key(x), self.value(x)
+        if self.query_norm is not None:
+            query, key = self.query_norm(query), self.key_norm(key)
+        sinks = None if self.sinks is None else self.sinks[...]
+        common = dict(softcap=self.softcap, sinks=sinks, implementation=self.implementation)
+        if decode:
+            out = self._decode(query, key, value, positions, segment_ids, mask, score_mod,
+                               local_window_size, common)
+            return self.out(out)
+        if positions is None:
+            positions = (jnp.arange(x.shape[1], dtype=jnp.int32)[None] if segment_ids is None
+                         else segment_positions(segment_ids))
+        query, key = self._rotate(query, key, positions)
+        out = omni_jax.attention(query, key, value, mask=mask, is_causal=is_causal,
+                                 local_window_size=local_window_size,
+                                 q_segment_ids=segment_ids, score_mod=score_mod, **common)
+        return self.out(out)
+
+    def _rotate(self, query: Array, key: Array, positions: Array) -> tuple[Array, Array]:
+        if self.rope_base is None:
+            return query, key
+        return (apply_rope(query, positions, base=self.rope_base),
+                apply_rope(key, positions, base=self.rope_base))
+
+    def _decode(self, query: Array, key: Array, value: Array, positions: Array | None,
+                segment_ids: Array | None, mask: BlockMask | None, score_mod: Callable | None,
+                local_window_size: int | tuple[int, int] | None, common: dict) -> Array:
+        """Writes the step into the cache at its index and attends over the whole cache."""
+        if self.cache_index is None:
+            raise ValueError("decode=True needs a KV cache: call init_cache(batch, max_len) "
+                             "first")
+        if mask is not None or score_mod is not None:
+            raise ValueError("decode=True attends causally over the cache; mask and score_mod "
+                             "are not supported with it (segment_ids and local_window_size "
+                             "are)")
+        batch, num_new = query.shape[:2]
+        index = self.cache_index[...]
+        max_len = self.cached_key.shape[1]
+        if self.cached_key.shape[0] != batch:
+            raise ValueError(f"decode: x has batch {batch}, the cache was made for batch "
+                             f"{self.cached_key.shape[0]}")
+        if num_new > max_len:
+            raise ValueError(f"decode: {num_new} new tokens do not fit a cache of {max_len}")
+        slots = index[:, None] + jnp.arange(num_new, dtype=jnp.int32)
+        kv_segments = None
+        if segment_ids is not None:
+            segment_ids = jnp.broadcast_to(jnp.asarray(segment_ids, jnp.int32),
+                                           (batch, num_new))
+            kv_segments = write_cache(self.cached_segment_ids[...], segment_ids, index)
+            self.cached_segment_ids[...] = kv_segments
+        if positions is None:
+            positions = (slots if kv_segments is None else
+                         jnp.take_along_axis(segment_positions(kv_segments), slots, axis=1))
+        query, key = self._rotate(query, key, positions)
+        keys = write_cache(self.cached_key[...], key, index)
+        values = write_cache(self.cached_value[...], value, index)
+        self.cached_key[...], self.cached_value[...] = keys, values
+        self.cache_index[...] = index + num_new
+        if isinstance(local_window_size, tuple):
+            local_window_size = local_window_size[0]
+        step_mask = decode_mask(index, num_new, max_len, local_window_size)
+        return omni_jax.attention(query, keys.astype(query.dtype), values.astype(query.dtype),
+                                  mask=step_mask, q_segment_ids=segment_ids,
+                                  kv_segment_ids=kv_segments, **common)

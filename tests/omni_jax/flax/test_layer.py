@@ -1,0 +1,209 @@
+"""`omni_jax.flax.Attention` against a plain-JAX float64 layer with the same parameters."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import omni_jax
+from omni_jax.flax import Attention, AxisNames, segment_positions
+from tests.omni_jax.flax.reference_layer import layer_params, reference_layer
+from tests.reference import dense_mask, relative_error
+
+BATCH, SEQ, FEATURES = 2, 24, 32
+SEGMENTS = np.array([[1] * 10 + [2] * 14, [1] * 5 + [2] * 12 + [3] * 7], np.int32)
+TOLERANCE = 2e-5  # float32 layer against the float64 reference
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCase:
+    name: str
+    layer: dict
+    call: str  # which mask arguments the call gets
+
+    def __str__(self):
+        return self.name
+
+
+CASES = [
+    LayerCase("causal_documents_gqa_bias", dict(num_heads=4, num_kv_heads=2, use_bias=True),
+              "causal_documents"),
+    LayerCase("window_softcap_sinks_qknorm_mqa",
+              dict(num_heads=4, num_kv_heads=1, qk_norm=True, learnable_sinks=True,
+                   softcap=5.0), "window"),
+    LayerCase("block_mask_no_rope", dict(num_heads=2, rope_base=None, head_dim=8),
+              "block_mask"),
+]
+
+
+def _prefix_causal(b, h, q_idx, kv_idx):
+    return (kv_idx <= q_idx) | (kv_idx < 4 + 3 * b)
+
+
+def make_layer(case: LayerCase, seed: int = 0) -> Attention:
+    """A layer with every parameter random (biases and sinks too, not their zero init)."""
+    layer = Attention(in_features=FEATURES, implementation="xla", rngs=nnx.Rngs(seed),
+                      **case.layer)
+    rng = np.random.default_rng(seed)
+    for path, param in nnx.to_flat_state(nnx.state(layer, nnx.Param)):
+        if path[-1] in ("bias", "sinks", "scale"):
+            param[...] = jnp.asarray(rng.normal(1.0 if path[-1] == "scale" else 0.0, 0.5,
+                                                param[...].shape), jnp.float32)
+    return layer
+
+
+def call_arguments(case: LayerCase) -> tuple[dict, dict]:
+    """(layer kwargs, reference kwargs: positions and dense mask) for the case's masks."""
+    heads = case.layer["num_heads"]
+    if case.call == "causal_documents":
+        kwargs = dict(is_causal=True, segment_ids=jnp.asarray(SEGMENTS))
+        positions = np.asarray(segment_positions(jnp.asarray(SEGMENTS)))
+        mask = dense_mask(BATCH, heads, SEQ, SEQ, is_causal=True, q_segment_ids=SEGMENTS,
+                          kv_segment_ids=SEGMENTS)
+    elif case.call == "window":
+        kwargs = dict(local_window_size=(5, 2))
+        positions = np.broadcast_to(np.arange(SEQ), (BATCH, SEQ))
+        mask = dense_mask(BATCH, heads, SEQ, SEQ, window=(5, 2))
+    else:
+        positions = np.array([np.arange(SEQ) + 3, np.arange(SEQ)[::-1]])
+        kwargs = dict(mask=omni_jax.create_block_mask(_prefix_causal, BATCH, None, SEQ, SEQ,
+                                                      block_size=8),
+                      positions=jnp.asarray(positions))
+        mask = dense_mask(BATCH, heads, SEQ, SEQ, mask_fn=_prefix_causal)
+    return kwargs, dict(positions=positions, mask=mask)
+
+
+def test_segment_positions_restart_in_every_document():
+    expected = np.concatenate([np.arange(5), np.arange(12), np.arange(7)])
+    np.testing.assert_array_equal(segment_positions(jnp.asarray(SEGMENTS))[1], expected)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_layer_matches_reference(case):
+    layer = make_layer(case)
+    x = jax.random.normal(jax.random.key(1), (BATCH, SEQ, FEATURES))
+    kwargs, reference_kwargs = call_arguments(case)
+    out = layer(x, **kwargs)
+    with jax.enable_x64(True):
+        expected = reference_layer(layer_params(layer), np.asarray(x),
+                                   rope_base=layer.rope_base, softcap=layer.softcap,
+                                   **reference_kwargs)
+    assert relative_error(out, expected) < TOLERANCE
+
+
+def test_gradients_match_reference_under_nnx_jit():
+    case = CASES[1]
+    layer = make_layer(case, seed=2)
+    x = jax.random.normal(jax.random.key(3), (BATCH, SEQ, FEATURES))
+    weights = jax.random.normal(jax.random.key(4), (BATCH, SEQ, FEATURES))
+    kwargs, reference_kwargs = call_arguments(case)
+
+    @nnx.jit
+    def grads(layer, x):
+        return nnx.grad(lambda layer: jnp.sum(layer(x, **kwargs) * weights))(layer)
+
+    actual = {"/".join(map(str, path)): value[...]
+              for path, value in nnx.to_flat_state(grads(layer, x))}
+    with jax.enable_x64(True):
+        params = {k: jnp.asarray(v) for k, v in layer_params(layer).items()}
+        loss = lambda p: jnp.sum(reference_layer(p, np.asarray(x), rope_base=layer.rope_base,
+                                                 softcap=layer.softcap, **reference_kwargs)
+                                 * np.asarray(weights, np.float64))
+        expected = jax.grad(loss)(params)
+    assert set(actual) == set(expected)
+    for name, value in expected.items():
+        assert relative_error(actual[name], value) < 1e-4, name
+
+
+@pytest.mark.parametrize("masks", ["documents", "window"])
+def test_decode_with_cache_equals_full_sequence(masks):
+    layer = make_layer(CASES[1], seed=5)
+    x = jax.random.normal(jax.random.key(6), (BATCH, SEQ, FEATURES))
+    if masks == "documents":
+        full_kwargs = dict(is_causal=True, segment_ids=jnp.asarray(SEGMENTS))
+        step_kwargs = lambda s: dict(segment_ids=jnp.asarray(SEGMENTS[:, s]))
+    else:
+        full_kwargs = dict(is_causal=True, local_window_size=(4, 0))
+        step_kwargs = lambda s: dict(local_window_size=4)
+    full = layer(x, **full_kwargs)
+    layer.init_cache(BATCH, SEQ + 8)
+    step = nnx.jit(lambda layer, x, kwargs: layer(x, decode=True, **kwargs))
+    outs, start = [], 0
+    for size in (7, 1, 1, 9, 6):  # a prompt, single tokens, chunks crossing documents
+        part = slice(start, start + size)
+        outs.append(step(layer, x[:, part], step_kwargs(part)))
+        start += size
+    np.testing.assert_array_equal(layer.cache_index[...], [SEQ, SEQ])
+    assert relative_error(jnp.concatenate(outs, axis=1), full) < TOLERANCE
+
+
+def test_nnx_scan_over_stacked_layers():
+    num_layers = 3
+
+    @nnx.split_rngs(splits=num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs):
+        return Attention(4, FEATURES, num_kv_heads=2, implementation="xla", rngs=rngs)
+
+    layers = create(nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(7), (BATCH, SEQ, FEATURES))
+    segments = jnp.asarray(SEGMENTS)
+
+    @nnx.jit
+    def forward(layers, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def body(x, layer):
+            return x + layer(x, is_causal=True, segment_ids=segments)
+
+        return body(x, layers)
+
+    out = forward(layers, x)
+    graphdef, state = nnx.split(layers)
+    expected = x
+    for i in range(num_layers):
+        layer = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state))
+        expected = expected + layer(expected, is_causal=True, segment_ids=segments)
+    assert relative_error(out, expected) < TOLERANCE
+
+
+def test_sharding_annotations():
+    with nnx.use_eager_sharding(False):
+        layer = Attention(4, FEATURES, use_bias=True, qk_norm=True, learnable_sinks=True,
+                          axis_names=AxisNames(embed="data"), rngs=nnx.Rngs(0))
+    specs = nnx.get_partition_spec(nnx.state(layer, nnx.Param))
+    assert specs["query"]["kernel"].get_value() == jax.sharding.PartitionSpec("data", "model", None)
+    assert specs["out"]["kernel"].get_value() == jax.sharding.PartitionSpec("model", None, "data")
+    assert specs["sinks"].get_value() == jax.sharding.PartitionSpec("model")
+
+
+def test_heads_sharded_over_two_devices_match_unsharded():
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 devices (conftest forces 2 CPU devices)")
+    mesh = jax.make_mesh((2,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
+    x = jax.random.normal(jax.random.key(8), (BATCH, SEQ, FEATURES))
+    plain = Attention(4, FEATURES, num_kv_heads=2, implementation="xla", rngs=nnx.Rngs(0))
+    with jax.set_mesh(mesh):
+        sharded = Attention(4, FEATURES, num_kv_heads=2, implementation="xla",
+                            axis_names=AxisNames(), rngs=nnx.Rngs(0))
+        assert tuple(sharded.query.kernel[...].sharding.spec)[:2] == (None, "model")
+        out = nnx.jit(lambda layer, x: layer(x, is_causal=True))(sharded, x)
+    assert relative_error(out, plain(x, is_causal=True)) < TOLERANCE
+
+
+def test_errors_name_the_problem():
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        Attention(4, FEATURES, num_kv_heads=3, rngs=nnx.Rngs(0))
+    layer = Attention(2, FEATURES, implementation="xla", rngs=nnx.Rngs(0))
+    x = jnp.ones((1, 4, FEATURES))
+    with pytest.raises(ValueError, match="init_cache"):
+        layer(x, decode=True)
+    layer.init_cache(1, 8)
+    with pytest.raises(ValueError, match="mask and score_mod"):
+        layer(x, decode=True, score_mod=lambda s, b, h, q, k: s)
+    with pytest.raises(ValueError, match="batch"):
+        layer(jnp.ones((2, 1, FEATURES)), decode=True)
