@@ -1,0 +1,466 @@
+"""Persistent, warp-specialized, TMA-pipelined GEMM for Hopper (sm90), in Pallas Mosaic-GPU.
+
+Structure of one CTA (``num_consumers + 1`` warpgroups):
+
+* the producer warpgroup (last one) walks this CTA's output tiles and, for each,
+  streams the K loop's A and B tiles into a ``stages``-deep shared-memory ring
+  with TMA. Slot ``s`` has a *full* barrier (TMA bytes landed) and an *empty*
+  barrier (every consumer finished reading it). The ring position is one counter
+  running across tiles, so the producer prefetches the next tile's K loop while
+  the consumers are still in this tile's epilogue.
+* each consumer warpgroup owns ``tile_m`` rows of the CTA tile, waits on *full*,
+  issues wgmma into a register accumulator, and releases the slot on *empty*.
+  Its epilogue (scale, bias, activation, cast) goes through shared memory and a
+  TMA store that it does not wait for: the store drains during the next tile's
+  main loop.
+
+Tiles are visited in a grouped order (``group_m`` M-tiles per band) for L2 reuse.
+M/N/K tails need no padding: TMA zero-fills out-of-bounds loads (zeros add
+nothing to the K sum) and clips out-of-bounds stores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import compat, runtime
+from pallas_kernels.matmul_common import (
+    GemmProblem,
+    epilogue,
+    flatten_batch,
+    grouped_tile,
+    operand_batch_index,
+    problem_of,
+)
+
+# Usable dynamic shared memory per CTA on H100 (227 KiB), less room for barriers.
+SMEM_BYTES = 227 * 1024 - 1024
+# Register budget split (per thread): the producer only issues TMA.
+_PRODUCER_REGISTERS = 40
+_CONSUMER_REGISTERS = 232
+# A consumer warpgroup (128 threads) holds its accumulator in registers: at
+# most 192 float32 per thread, leaving room for addresses and the epilogue.
+_MAX_ACC_ELEMENTS = 128 * 192
+# TMA needs 16-byte aligned global strides.
+_TMA_ALIGN_BYTES = 16
+_FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+_IN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), *_FP8_DTYPES)
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulConfig:
+    """Tiling of the Hopper GEMM.
+
+    A CTA computes a ``(num_consumers * tile_m, tile_n)`` output tile; each
+    consumer warpgroup accumulates ``tile_m x tile_n`` in float32 registers.
+    ``num_programs`` persistent CTAs (default: one per SM) share the tiles.
+    """
+
+    tile_m: int = 128
+    tile_n: int = 128
+    tile_k: int = 64
+    stages: int = 4
+    num_consumers: int = 2
+    epilogue_tile_m: int = 64
+    epilogue_tile_n: int = 64
+    group_m: int = 8
+    num_programs: int | None = None
+
+    @property
+    def cta_tile_m(self) -> int:
+        return self.num_consumers * self.tile_m
+
+    def smem_bytes(self, in_dtype, out_dtype) -> int:
+        """Shared memory the kernel allocates with this config."""
+        in_bytes = jnp.dtype(in_dtype).itemsize
+        ring = self.stages * (self.cta_tile_m + self.tile_n) * self.tile_k * in_bytes
+        out = (
+            self.num_consumers * 2 * self.epilogue_tile_m * self.epilogue_tile_n
+            * jnp.dtype(out_dtype).itemsize
+        )
+        vectors = self.num_consumers * 2 * self.tile_n * 4
+        return ring + out + vectors
+
+    def check(self, problem: GemmProblem) -> None:
+        """Raises ValueError when this config cannot run ``problem``."""
+        if self.tile_m % 64 or self.tile_n % 8 or not 8 <= self.tile_n <= 256:
+            raise ValueError(
+                f"wgmma needs tile_m % 64 == 0 and tile_n in 8..256 step 8; got {self}"
+            )
+        if self.tile_m * self.tile_n > _MAX_ACC_ELEMENTS:
+            raise ValueError(
+                f"a {self.tile_m}x{self.tile_n} float32 accumulator needs more than"
+                f" {_MAX_ACC_ELEMENTS // 128} registers per thread: {self}"
+            )
+        k_bytes = self.tile_k * problem.in_dtype.itemsize
+        if k_bytes % 128:
+            raise ValueError(f"tile_k must span a multiple of 128 bytes; got {self.tile_k}")
+        if self.tile_m % self.epilogue_tile_m or self.tile_n % self.epilogue_tile_n:
+            raise ValueError(f"epilogue tile must divide (tile_m, tile_n); got {self}")
+        if self.smem_bytes(problem.in_dtype, problem.out_dtype) > SMEM_BYTES:
+            raise ValueError(
+                f"config needs {self.smem_bytes(problem.in_dtype, problem.out_dtype)} bytes of"
+                f" shared memory, more than {SMEM_BYTES}: {self}"
+            )
+
+
+def default_config(m: int, n: int, k: int, in_dtype, out_dtype) -> MatmulConfig:
+    """Tuned defaults per shape class (H100), with the deepest ring that fits."""
+    del k
+    tile_k = 128 // jnp.dtype(in_dtype).itemsize  # one 128-byte swizzle span
+    if max(m, n) <= 1024:
+        # Few tiles: smaller CTA tiles keep more SMs busy.
+        base = MatmulConfig(tile_m=64, tile_n=128, tile_k=tile_k)
+    elif n >= 2 * m:
+        # Wide outputs: 128 x 256 CTA tiles, each warpgroup a 64 x 256 half.
+        base = MatmulConfig(tile_m=64, tile_n=256, tile_k=tile_k)
+    else:
+        base = MatmulConfig(tile_m=128, tile_n=128, tile_k=tile_k)
+    for stages in range(6, 1, -1):
+        config = dataclasses.replace(base, stages=stages)
+        if config.smem_bytes(in_dtype, out_dtype) <= SMEM_BYTES:
+            return config
+    return dataclasses.replace(base, stages=2)
+
+
+def _k_major(problem: GemmProblem) -> bool:
+    """fp8 wgmma reads only K-major operands: a as (M, K), b as (N, K)."""
+    return problem.in_dtype in _FP8_DTYPES
+
+
+def unsupported_reason(problem: GemmProblem) -> str | None:
+    """Why this kernel cannot run ``problem`` (None when it can); devices are not checked."""
+    if problem.in_dtype not in _IN_DTYPES:
+        return f"input dtype {problem.in_dtype} is not one of bf16, f16, fp8 (e4m3fn, e5m2)"
+    in_bytes = problem.in_dtype.itemsize
+    transpose_a = problem.transpose_a and not _k_major(problem)
+    transpose_b = problem.transpose_b or _k_major(problem)
+    a_minor = problem.m if transpose_a else problem.k
+    b_minor = problem.k if transpose_b else problem.n
+    for name, minor, itemsize in (
+        ("a", a_minor, in_bytes),
+        ("b", b_minor, in_bytes),
+        ("out", problem.n, problem.out_dtype.itemsize),
+    ):
+        if (minor * itemsize) % _TMA_ALIGN_BYTES:
+            return (
+                f"TMA needs 16-byte aligned rows: {name}'s minor dimension {minor} x"
+                f" {itemsize} bytes is not a multiple of 16"
+            )
+    return None
+
+
+def _swizzled(shape: tuple[int, ...], dtype) -> plgpu.SMEM:
+    """A shared-memory buffer tiled and swizzled for wgmma/TMA along its minor dimension."""
+    bits = jnp.dtype(dtype).itemsize * 8
+    swizzle = plgpu.find_swizzle(shape[-1] * bits)
+    transforms = (
+        plgpu.TilingTransform((8, swizzle * 8 // bits)),
+        plgpu.SwizzleTransform(swizzle),
+    )
+    return plgpu.SMEM(shape, dtype, transforms=transforms)
+
+
+def _kernel(*refs, p: GemmProblem, config: MatmulConfig):
+    """Kernel body; ``refs`` are a, b, [scale], [bias], out."""
+    a_gmem, b_gmem, *rest = refs
+    scale_gmem = rest.pop(0) if p.has_scale else None
+    bias_gmem = rest.pop(0) if p.has_bias else None
+    (out_gmem,) = rest
+    vec_gmems = [v for v in (scale_gmem, bias_gmem) if v is not None]
+
+    c = config
+    cta_m = c.cta_tile_m
+    m_tiles = pl.cdiv(p.m, cta_m)
+    n_tiles = pl.cdiv(p.n, c.tile_n)
+    k_iters = pl.cdiv(p.k, c.tile_k)
+    num_tiles = p.batch * m_tiles * n_tiles
+    epi_m, epi_n = c.epilogue_tile_m, c.epilogue_tile_n
+    a_block = (c.tile_k, c.tile_m) if p.transpose_a else (c.tile_m, c.tile_k)
+    b_block = (c.tile_n, c.tile_k) if p.transpose_b else (c.tile_k, c.tile_n)
+
+    def tile_coords(lin):
+        """(batch index of a, b, vectors, out; m offset; n offset) of linear tile ``lin``."""
+        bi = lin // (m_tiles * n_tiles)
+        mi, ni = grouped_tile(lin % (m_tiles * n_tiles), m_tiles, n_tiles, c.group_m)
+        idx = (
+            operand_batch_index(bi, p.batch_shape, p.a_batch),
+            operand_batch_index(bi, p.batch_shape, p.b_batch),
+            operand_batch_index(bi, p.batch_shape, p.vec_batch),
+            bi,
+        )
+        return idx, mi * cta_m, ni * c.tile_n
+
+    def a_tile(ai, m0, ki, wg):
+        rows = pl.ds(m0 + wg * c.tile_m, c.tile_m)
+        cols = pl.ds(ki * c.tile_k, c.tile_k)
+        return a_gmem.at[ai, cols, rows] if p.transpose_a else a_gmem.at[ai, rows, cols]
+
+    def b_tile(bi, n0, ki):
+        rows = pl.ds(ki * c.tile_k, c.tile_k)
+        cols = pl.ds(n0, c.tile_n)
+        return b_gmem.at[bi, cols, rows] if p.transpose_b else b_gmem.at[bi, rows, cols]
+
+    def scoped(a_smem, b_smem, out_smem, vec_smem, full, empty, vec_bar):
+        wg = lax.axis_index("wg")
+
+        def producer():
+            plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+
+            @plgpu.nd_loop((num_tiles,), collective_axes="sm")
+            def _tile(info):
+                (lin,) = info.index
+                (ai, bi, _, _), m0, n0 = tile_coords(lin)
+                first_step = info.local_index * k_iters
+
+                @pl.loop(0, k_iters)
+                def _k(ki):
+                    step = first_step + ki
+                    slot = lax.rem(step, c.stages)
+
+                    # The slot's previous contents (step - stages) must be consumed.
+                    @pl.when(step >= c.stages)
+                    def _():
+                        plgpu.barrier_wait(empty.at[slot])
+
+                    for w in range(c.num_consumers):
+                        plgpu.copy_gmem_to_smem(
+                            a_tile(ai, m0, ki, w), a_smem.at[slot, w], full.at[slot]
+                        )
+                    plgpu.copy_gmem_to_smem(b_tile(bi, n0, ki), b_smem.at[slot], full.at[slot])
+
+            # Observe the releases of the last `stages` steps too, so that every
+            # phase of every empty barrier is waited on before the CTA exits.
+            pid = lax.axis_index("sm")
+            num_steps = pl.cdiv(num_tiles - pid, lax.axis_size("sm")) * k_iters
+
+            @pl.loop(jnp.maximum(num_steps - c.stages, 0), num_steps)
+            def _drain(step):
+                plgpu.barrier_wait(empty.at[lax.rem(step, c.stages)])
+
+        def consumer():
+            plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+
+            @plgpu.nd_loop((num_tiles,), collective_axes="sm")
+            def _tile(info):
+                (lin,) = info.index
+                (_, _, vi, oi), m0, n0 = tile_coords(lin)
+                first_step = info.local_index * k_iters
+                # Epilogue vectors for this tile; the copy overlaps the main loop.
+                for j, vec in enumerate(vec_gmems):
+                    plgpu.copy_gmem_to_smem(
+                        vec.at[vi, pl.ds(n0, c.tile_n)], vec_smem.at[wg, j], vec_bar.at[wg]
+                    )
+
+                def main_loop(acc_ref):
+                    @pl.loop(0, k_iters)
+                    def _k(ki):
+                        slot = lax.rem(first_step + ki, c.stages)
+                        plgpu.barrier_wait(full.at[slot])
+                        a_op = a_smem.at[slot, wg]
+                        if p.transpose_a:
+                            a_op = plgpu.transpose_ref(a_op, (1, 0))
+                        b_op = b_smem.at[slot]
+                        if p.transpose_b:
+                            b_op = plgpu.transpose_ref(b_op, (1, 0))
+                        plgpu.wgmma(acc_ref, a_op, b_op)
+                        plgpu.wgmma_wait(0)
+                        # This warpgroup is done reading the slot.
+                        plgpu.barrier_arrive(empty.at[slot])
+
+                    store_tile(acc_ref[...], m0 + wg * c.tile_m, n0, oi)
+
+                pl.run_scoped(main_loop, plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
+
+            # The last TMA stores must finish reading shared memory before the CTA exits.
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        def store_tile(acc, row0, n0, oi):
+            if vec_gmems:
+                plgpu.barrier_wait(vec_bar.at[wg])
+            chunks_n = c.tile_n // epi_n
+            for em in range(c.tile_m // epi_m):
+                for en in range(chunks_n):
+                    cols = slice(en * epi_n, (en + 1) * epi_n)
+                    vecs = [vec_smem[wg, j, cols] for j in range(len(vec_gmems))]
+                    scale = vecs.pop(0) if p.has_scale else None
+                    bias = vecs.pop(0) if p.has_bias else None
+                    rows = slice(em * epi_m, (em + 1) * epi_m)
+                    tile = epilogue(acc[rows, cols], scale, bias, p.activation, p.out_dtype)
+                    slot = (em * chunks_n + en) % 2
+                    # The store issued two chunks ago read this slot; let it finish.
+                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                    out_smem[wg, slot] = tile
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(
+                        out_smem.at[wg, slot],
+                        out_gmem.at[
+                            oi, pl.ds(row0 + em * epi_m, epi_m), pl.ds(n0 + en * epi_n, epi_n)
+                        ],
+                    )
+
+        lax.cond(wg == c.num_consumers, producer, consumer)
+
+    pl.run_scoped(
+        scoped,
+        a_smem=_swizzled((c.stages, c.num_consumers, *a_block), p.in_dtype),
+        b_smem=_swizzled((c.stages, *b_block), p.in_dtype),
+        out_smem=_swizzled((c.num_consumers, 2, epi_m, epi_n), p.out_dtype),
+        vec_smem=plgpu.SMEM((c.num_consumers, max(1, len(vec_gmems)), c.tile_n), jnp.float32),
+        # full: one TMA arrival per A block and one for B.
+        full=plgpu.Barrier(num_arrivals=c.num_consumers + 1, num_barriers=c.stages),
+        # empty: one arrival per consumer warpgroup.
+        empty=plgpu.Barrier(num_arrivals=c.num_consumers, num_barriers=c.stages),
+        vec_bar=plgpu.Barrier(num_arrivals=max(1, len(vec_gmems)), num_barriers=c.num_consumers),
+        collective_axes="wg",
+    )
+
+
+def _num_programs(config: MatmulConfig, num_tiles: int) -> int:
+    if config.num_programs is not None:
+        programs = config.num_programs
+    elif runtime.interpret_requested():
+        programs = 2  # enough to exercise the persistent loop, cheap to interpret
+    else:
+        programs = jax.devices()[0].core_count
+    return max(1, min(programs, num_tiles))
+
+
+def matmul(
+    a: jax.Array,
+    b: jax.Array,
+    scale: jax.Array | None = None,
+    bias: jax.Array | None = None,
+    *,
+    transpose_a: bool = False,
+    transpose_b: bool = False,
+    activation: str | None = None,
+    out_dtype=None,
+    config: MatmulConfig | None = None,
+) -> jax.Array:
+    """Batched ``act(op(a) @ op(b) * scale + bias)`` on Hopper; operands as in ``matmul_common``.
+
+    Returns ``(*batch_shape, M, N)``. Validation of user input lives in
+    ``omni_jax.matmul``; this raises ValueError only for unsupported layouts or configs.
+    """
+    out_dtype = jnp.dtype(out_dtype or a.dtype)
+    if jnp.dtype(a.dtype) != jnp.dtype(b.dtype):
+        raise ValueError(f"wgmma needs one operand dtype, got {a.dtype} and {b.dtype}")
+    if jnp.dtype(a.dtype) in _FP8_DTYPES:
+        # fp8 wgmma reads K-major operands only: other layouts are transposed
+        # once by XLA (the one copy this kernel makes).
+        if transpose_a:
+            a, transpose_a = jnp.swapaxes(a, -1, -2), False
+        if not transpose_b:
+            b, transpose_b = jnp.swapaxes(b, -1, -2), True
+    p = problem_of(
+        a, b, scale, bias,
+        transpose_a=transpose_a, transpose_b=transpose_b,
+        activation=activation, out_dtype=out_dtype,
+    )
+    reason = unsupported_reason(p)
+    if reason is not None:
+        raise ValueError(reason)
+    config = config or _TUNED.get(tuning_key(p)) or default_config(
+        p.m, p.n, p.k, p.in_dtype, p.out_dtype
+    )
+    config.check(p)
+    num_tiles = p.batch * pl.cdiv(p.m, config.cta_tile_m) * pl.cdiv(p.n, config.tile_n)
+    interpret = runtime.mosaic_interpret_params()
+    if interpret is not None:
+        interpret = compat.tma_faithful_interpret_params(interpret)
+    kernel = compat.mosaic_kernel(
+        functools.partial(_kernel, p=p, config=config),
+        jax.ShapeDtypeStruct((p.batch, p.m, p.n), out_dtype),
+        grid=(_num_programs(config, num_tiles),),
+        grid_names=("sm",),
+        num_threads=config.num_consumers + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup
+        ),
+        interpret=interpret,
+    )
+    operands = [flatten_batch(a, 2), flatten_batch(b, 2)]
+    operands += [flatten_batch(v, 1) for v in (scale, bias) if v is not None]
+    out = kernel(*operands)
+    return out.reshape(*p.batch_shape, p.m, p.n)
+
+
+# Winners of `autotune`, by `tuning_key`; `matmul` prefers them to the defaults.
+_TUNED: dict[tuple, MatmulConfig] = {}
+
+
+def tuning_key(p: GemmProblem) -> tuple:
+    """What the best config depends on: sizes, layouts and dtypes (not the epilogue)."""
+    return (p.m, p.n, p.k, p.transpose_a, p.transpose_b, str(p.in_dtype), str(p.out_dtype))
+
+
+def autotune(
+    a: jax.Array,
+    b: jax.Array,
+    scale: jax.Array | None = None,
+    bias: jax.Array | None = None,
+    *,
+    candidates: list[MatmulConfig] | None = None,
+    samples: int = 10,
+    **kwargs,
+) -> tuple[MatmulConfig, dict[MatmulConfig, float]]:
+    """Times ``candidates`` (default: `config_candidates`) on the device; caches the winner.
+
+    ``kwargs`` are `matmul`'s keywords. Returns the fastest config and the median
+    milliseconds of every candidate that built; configs that fail to build (for
+    example out of shared memory on this device) are skipped. Later `matmul` calls
+    with the same sizes, layouts and dtypes use the winner.
+    """
+    from benchmarks.timing import bench
+
+    out_dtype = jnp.dtype(kwargs.get("out_dtype") or a.dtype)
+    if candidates is None:
+        candidates = config_candidates(a.dtype, out_dtype)
+    timings: dict[MatmulConfig, float] = {}
+    for config in candidates:
+        fn = jax.jit(functools.partial(matmul, config=config, **kwargs))
+        try:
+            timings[config] = bench(fn, [(a, b, scale, bias)], samples=samples)
+        except Exception:  # noqa: BLE001 - a config that does not build is no candidate
+            continue
+    if not timings:
+        raise ValueError("autotune: no candidate config built for this problem")
+    best = min(timings, key=timings.get)
+    p = problem_of(
+        a, b, scale, bias,
+        transpose_a=kwargs.get("transpose_a", False),
+        transpose_b=kwargs.get("transpose_b", False),
+        activation=kwargs.get("activation"), out_dtype=out_dtype,
+    )
+    _TUNED[tuning_key(p)] = best
+    return best, timings
+
+
+def config_candidates(in_dtype, out_dtype) -> list[MatmulConfig]:
+    """The autotuning search space: warpgroup tiles x ring depth x grouping."""
+    tile_k = 128 // jnp.dtype(in_dtype).itemsize
+    configs = []
+    for tile_m, tile_n in ((128, 128), (64, 256), (128, 192), (64, 128), (128, 64)):
+        for stages in (3, 4, 5, 6):
+            for group_m in (4, 8, 16):
+                config = MatmulConfig(
+                    tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, stages=stages, group_m=group_m
+                )
+                if config.smem_bytes(in_dtype, out_dtype) <= SMEM_BYTES:
+                    configs.append(config)
+    return configs
+
+
+__all__ = [
+    "MatmulConfig", "autotune", "config_candidates", "default_config", "matmul",
+    "tuning_key", "unsupported_reason",
+]

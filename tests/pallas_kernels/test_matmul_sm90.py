@@ -1,0 +1,86 @@
+"""The Hopper GEMM kernel's configs, and its pipeline under configs the defaults never pick.
+
+Interpreted (with race detection) where there is no GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels import compat, runtime
+from pallas_kernels.matmul_common import problem_of
+from pallas_kernels.mosaic import matmul_sm90 as sm90
+from tests.omni_jax.matmul_helpers import assert_close, random_operands, reference
+
+BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
+ON_GPU = jax.default_backend() == "gpu"
+
+
+@pytest.fixture(autouse=True)
+def _interpret_without_gpu(monkeypatch):
+    if not ON_GPU:
+        monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
+    yield
+    if not ON_GPU:
+        runtime.reset_mosaic_interpreter()
+
+
+@pytest.mark.parametrize("in_dtype", [jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("m,n,k", [(256, 256, 256), (8192, 8192, 8192), (2048, 16384, 4096),
+                                   (16384, 4096, 14336)])
+def test_default_configs_are_valid(in_dtype, out_dtype, m, n, k):
+    a = jax.ShapeDtypeStruct((m, k), in_dtype)
+    b = jax.ShapeDtypeStruct((n, k), in_dtype)
+    problem = problem_of(a, b, None, None, transpose_a=False, transpose_b=True,
+                         activation=None, out_dtype=out_dtype)
+    config = sm90.default_config(m, n, k, in_dtype, out_dtype)
+    config.check(problem)
+    assert config.stages >= 3
+
+
+def test_candidates_are_valid():
+    a = jax.ShapeDtypeStruct((512, 512), BF16)
+    problem = problem_of(a, a, None, None, transpose_a=False, transpose_b=False,
+                         activation=None, out_dtype=BF16)
+    candidates = sm90.config_candidates(BF16, BF16)
+    assert len(candidates) > 10
+    for config in candidates:
+        config.check(problem)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(tile_m=96), "tile_m % 64"),
+    (dict(tile_m=128, tile_n=256), "registers per thread"),
+    (dict(tile_k=32), "128 bytes"),
+    (dict(stages=12), "shared memory"),
+])
+def test_bad_configs_are_refused(change, message):
+    a = jax.ShapeDtypeStruct((512, 512), BF16)
+    problem = problem_of(a, a, None, None, transpose_a=False, transpose_b=False,
+                         activation=None, out_dtype=BF16)
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(sm90.MatmulConfig(), **change).check(problem)
+
+
+@pytest.mark.parametrize("transpose_a,transpose_b", [(False, False), (True, True)])
+def test_shallow_ring_wraps_across_tiles(transpose_a, transpose_b):
+    """2 stages, 5 K steps per tile, 6 tiles on 2 persistent CTAs: every slot's
+    barriers flip phase many times, also mid-tile, and the epilogue of one tile
+    overlaps the next tile's loads."""
+    m, n, k = 136, 192, 320
+    config = sm90.MatmulConfig(tile_m=64, tile_n=64, tile_k=64, stages=2, num_consumers=1,
+                               group_m=2, num_programs=2)
+    a, b, bias, seed = random_operands(m, n, k, BF16, transpose_a=transpose_a,
+                                       transpose_b=transpose_b, batch=(1,))
+    out = sm90.matmul(a, b, None, bias[None], transpose_a=transpose_a,
+                      transpose_b=transpose_b, activation="silu", out_dtype=F32, config=config)
+    if not ON_GPU:
+        assert not compat.mosaic_interpreter_races_found()
+    expected = reference(a, b, bias=bias, activation="silu", transpose_a=transpose_a,
+                         transpose_b=transpose_b)
+    assert_close(out, expected, F32, seed)
