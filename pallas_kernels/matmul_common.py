@@ -49,6 +49,13 @@ ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
 }
 
 
+def _along_rows(vector: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """``(..., N)`` broadcast to ``(..., M, N)`` in one step (the 1-D case lowers in
+    Mosaic-GPU to the accumulator's column layout, with no (1, N) intermediate)."""
+    batch_dims = tuple(range(vector.ndim - 1))
+    return lax.broadcast_in_dim(vector, shape, (*batch_dims, len(shape) - 1))
+
+
 def epilogue(
     acc: jax.Array,
     scale: jax.Array | None,
@@ -58,9 +65,9 @@ def epilogue(
 ) -> jax.Array:
     """``cast(act(acc * scale + bias))`` of float32 ``(..., M, N)``; ``(..., N)`` vectors."""
     if scale is not None:
-        acc = acc * scale[..., None, :]
+        acc = acc * _along_rows(scale, acc.shape)
     if bias is not None:
-        acc = acc + bias[..., None, :]
+        acc = acc + _along_rows(bias, acc.shape)
     if activation is not None:
         acc = ACTIVATIONS[activation](acc)
     return acc.astype(out_dtype)

@@ -60,6 +60,9 @@ class MatmulConfig:
 
     A CTA computes a ``(num_consumers * tile_m, tile_n)`` output tile; each
     consumer warpgroup accumulates ``tile_m x tile_n`` in float32 registers.
+    ``stages`` K steps are buffered in shared memory; ``wgmma_in_flight`` (0 or 1)
+    products may still run while a consumer waits for the next step.
+    ``group_m`` CTA rows of tiles form one band of the grouped order.
     ``num_programs`` persistent CTAs (default: one per SM) share the tiles.
     """
 
@@ -71,6 +74,7 @@ class MatmulConfig:
     epilogue_tile_m: int = 64
     epilogue_tile_n: int = 64
     group_m: int = 8
+    wgmma_in_flight: int = 1
     num_programs: int | None = None
 
     @property
@@ -102,6 +106,8 @@ class MatmulConfig:
         k_bytes = self.tile_k * problem.in_dtype.itemsize
         if k_bytes % 128:
             raise ValueError(f"tile_k must span a multiple of 128 bytes; got {self.tile_k}")
+        if self.wgmma_in_flight not in (0, 1):
+            raise ValueError(f"wgmma_in_flight must be 0 or 1; got {self}")
         if self.tile_m % self.epilogue_tile_m or self.tile_n % self.epilogue_tile_n:
             raise ValueError(f"epilogue tile must divide (tile_m, tile_n); got {self}")
         if self.smem_bytes(problem.in_dtype, problem.out_dtype) > SMEM_BYTES:
@@ -168,7 +174,7 @@ def _swizzled(shape: tuple[int, ...], dtype) -> plgpu.SMEM:
     return plgpu.SMEM(shape, dtype, transforms=transforms)
 
 
-def _kernel(*refs, p: GemmProblem, config: MatmulConfig):
+def _kernel(*refs, p: GemmProblem, config: MatmulConfig, num_programs: int):
     """Kernel body; ``refs`` are a, b, [scale], [bias], out."""
     a_gmem, b_gmem, *rest = refs
     scale_gmem = rest.pop(0) if p.has_scale else None
@@ -239,7 +245,7 @@ def _kernel(*refs, p: GemmProblem, config: MatmulConfig):
             # Observe the releases of the last `stages` steps too, so that every
             # phase of every empty barrier is waited on before the CTA exits.
             pid = lax.axis_index("sm")
-            num_steps = pl.cdiv(num_tiles - pid, lax.axis_size("sm")) * k_iters
+            num_steps = pl.cdiv(num_tiles - pid, num_programs) * k_iters
 
             @pl.loop(jnp.maximum(num_steps - c.stages, 0), num_steps)
             def _drain(step):
@@ -271,18 +277,27 @@ def _kernel(*refs, p: GemmProblem, config: MatmulConfig):
                         if p.transpose_b:
                             b_op = plgpu.transpose_ref(b_op, (1, 0))
                         plgpu.wgmma(acc_ref, a_op, b_op)
-                        plgpu.wgmma_wait(0)
-                        # This warpgroup is done reading the slot.
-                        plgpu.barrier_arrive(empty.at[slot])
+                        # Keep `wgmma_in_flight` products running while the next
+                        # slot is awaited; the slot of the one that completed is free.
+                        plgpu.wgmma_wait(c.wgmma_in_flight)
+                        done = ki - c.wgmma_in_flight
 
-                    store_tile(acc_ref[...], m0 + wg * c.tile_m, n0, oi)
+                        @pl.when(done >= 0)
+                        def _():
+                            plgpu.barrier_arrive(empty.at[lax.rem(first_step + done, c.stages)])
+
+                    plgpu.wgmma_wait(0)
+                    for late in range(max(0, k_iters - c.wgmma_in_flight), k_iters):
+                        plgpu.barrier_arrive(empty.at[lax.rem(first_step + late, c.stages)])
+
+                    store_tile(acc_ref[...], m0 + wg * c.tile_m, n0, oi, info.local_index)
 
                 pl.run_scoped(main_loop, plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
 
             # The last TMA stores must finish reading shared memory before the CTA exits.
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-        def store_tile(acc, row0, n0, oi):
+        def store_tile(acc, row0, n0, oi, local_tile):
             if vec_gmems:
                 plgpu.barrier_wait(vec_bar.at[wg])
             chunks_n = c.tile_n // epi_n
@@ -294,8 +309,10 @@ def _kernel(*refs, p: GemmProblem, config: MatmulConfig):
                     bias = vecs.pop(0) if p.has_bias else None
                     rows = slice(em * epi_m, (em + 1) * epi_m)
                     tile = epilogue(acc[rows, cols], scale, bias, p.activation, p.out_dtype)
-                    slot = (em * chunks_n + en) % 2
-                    # The store issued two chunks ago read this slot; let it finish.
+                    # Two staging slots alternate over this CTA's whole sequence of
+                    # chunks; the store issued two chunks ago read this slot.
+                    chunk = local_tile * (chunks_n * (c.tile_m // epi_m)) + em * chunks_n + en
+                    slot = lax.rem(chunk, 2)
                     plgpu.wait_smem_to_gmem(1, wait_read_only=True)
                     out_smem[wg, slot] = tile
                     plgpu.commit_smem()
@@ -373,13 +390,14 @@ def matmul(
     )
     config.check(p)
     num_tiles = p.batch * pl.cdiv(p.m, config.cta_tile_m) * pl.cdiv(p.n, config.tile_n)
+    num_programs = _num_programs(config, num_tiles)
     interpret = runtime.mosaic_interpret_params()
     if interpret is not None:
         interpret = compat.tma_faithful_interpret_params(interpret)
     kernel = compat.mosaic_kernel(
-        functools.partial(_kernel, p=p, config=config),
+        functools.partial(_kernel, p=p, config=config, num_programs=num_programs),
         jax.ShapeDtypeStruct((p.batch, p.m, p.n), out_dtype),
-        grid=(_num_programs(config, num_tiles),),
+        grid=(num_programs,),
         grid_names=("sm",),
         num_threads=config.num_consumers + 1,
         thread_name="wg",

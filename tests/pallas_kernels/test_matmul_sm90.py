@@ -67,14 +67,15 @@ def test_bad_configs_are_refused(change, message):
         dataclasses.replace(sm90.MatmulConfig(), **change).check(problem)
 
 
-@pytest.mark.parametrize("transpose_a,transpose_b", [(False, False), (True, True)])
-def test_shallow_ring_wraps_across_tiles(transpose_a, transpose_b):
+@pytest.mark.parametrize("transpose_a,transpose_b,wgmma_in_flight", [
+    (False, False, 1), (True, True, 0), (True, False, 1)])
+def test_shallow_ring_wraps_across_tiles(transpose_a, transpose_b, wgmma_in_flight):
     """2 stages, 5 K steps per tile, 6 tiles on 2 persistent CTAs: every slot's
     barriers flip phase many times, also mid-tile, and the epilogue of one tile
     overlaps the next tile's loads."""
     m, n, k = 136, 192, 320
     config = sm90.MatmulConfig(tile_m=64, tile_n=64, tile_k=64, stages=2, num_consumers=1,
-                               group_m=2, num_programs=2)
+                               group_m=2, wgmma_in_flight=wgmma_in_flight, num_programs=2)
     a, b, bias, seed = random_operands(m, n, k, BF16, transpose_a=transpose_a,
                                        transpose_b=transpose_b, batch=(1,))
     out = sm90.matmul(a, b, None, bias[None], transpose_a=transpose_a,
