@@ -117,18 +117,32 @@ class MatmulConfig:
             )
 
 
-def default_config(m: int, n: int, k: int, in_dtype, out_dtype) -> MatmulConfig:
-    """Tuned defaults per shape class (H100), with the deepest ring that fits."""
+# Warpgroup tiles the defaults choose from, with the relative mainloop efficiency
+# of their CTA tile (operand bytes per MAC: bigger tiles reuse more).
+_DEFAULT_TILES = (((128, 128), 1.0), ((64, 256), 1.0), ((64, 128), 0.9), ((64, 64), 0.75))
+H100_SMS = 132
+
+
+def default_config(
+    m: int, n: int, k: int, in_dtype, out_dtype, *, batch: int = 1, num_sms: int = H100_SMS
+) -> MatmulConfig:
+    """Defaults per shape class, with the deepest ring that fits in shared memory.
+
+    Big outputs take 256x128 CTA tiles (two 128x128 warpgroup tiles). Otherwise
+    the CTA tile is the one that best fills the last wave of ``num_sms``
+    persistent CTAs, weighed against a smaller tile's lower operand reuse.
+    """
     del k
     tile_k = 128 // jnp.dtype(in_dtype).itemsize  # one 128-byte swizzle span
-    if max(m, n) <= 1024:
-        # Few tiles: smaller CTA tiles keep more SMs busy.
-        base = MatmulConfig(tile_m=64, tile_n=128, tile_k=tile_k)
-    elif n >= 2 * m:
-        # Wide outputs: 128 x 256 CTA tiles, each warpgroup a 64 x 256 half.
-        base = MatmulConfig(tile_m=64, tile_n=256, tile_k=tile_k)
-    else:
-        base = MatmulConfig(tile_m=128, tile_n=128, tile_k=tile_k)
+
+    def score(choice):
+        (tile_m, tile_n), efficiency = choice
+        tiles = batch * pl.cdiv(m, 2 * tile_m) * pl.cdiv(n, tile_n)
+        return efficiency * tiles / (pl.cdiv(tiles, num_sms) * num_sms)
+
+    # Ties go to the earlier tile: 128x128 warpgroup tiles leave room for a deeper ring.
+    (tile_m, tile_n), _ = max(_DEFAULT_TILES, key=score)
+    base = MatmulConfig(tile_m=tile_m, tile_n=tile_n, tile_k=tile_k)
     for stages in range(6, 1, -1):
         config = dataclasses.replace(base, stages=stages)
         if config.smem_bytes(in_dtype, out_dtype) <= SMEM_BYTES:
@@ -340,13 +354,19 @@ def _kernel(*refs, p: GemmProblem, config: MatmulConfig, num_programs: int):
     )
 
 
+def _num_sms() -> int:
+    """SMs of the device (H100's count where there is no GPU)."""
+    device = jax.devices()[0]
+    return getattr(device, "core_count", None) if device.platform == "gpu" else H100_SMS
+
+
 def _num_programs(config: MatmulConfig, num_tiles: int) -> int:
     if config.num_programs is not None:
         programs = config.num_programs
     elif runtime.interpret_requested():
         programs = 2  # enough to exercise the persistent loop, cheap to interpret
     else:
-        programs = jax.devices()[0].core_count
+        programs = _num_sms()
     return max(1, min(programs, num_tiles))
 
 
@@ -386,7 +406,7 @@ def matmul(
     if reason is not None:
         raise ValueError(reason)
     config = config or _TUNED.get(tuning_key(p)) or default_config(
-        p.m, p.n, p.k, p.in_dtype, p.out_dtype
+        p.m, p.n, p.k, p.in_dtype, p.out_dtype, batch=p.batch, num_sms=_num_sms()
     )
     config.check(p)
     num_tiles = p.batch * pl.cdiv(p.m, config.cta_tile_m) * pl.cdiv(p.n, config.tile_n)
@@ -464,17 +484,20 @@ def autotune(
 
 
 def config_candidates(in_dtype, out_dtype) -> list[MatmulConfig]:
-    """The autotuning search space: warpgroup tiles x ring depth x grouping."""
+    """The autotuning search space: warpgroup tiles x the two deepest rings x grouping."""
     tile_k = 128 // jnp.dtype(in_dtype).itemsize
     configs = []
-    for tile_m, tile_n in ((128, 128), (64, 256), (128, 192), (64, 128), (128, 64)):
-        for stages in (3, 4, 5, 6):
-            for group_m in (4, 8, 16):
-                config = MatmulConfig(
-                    tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, stages=stages, group_m=group_m
-                )
-                if config.smem_bytes(in_dtype, out_dtype) <= SMEM_BYTES:
-                    configs.append(config)
+    for tile_m, tile_n in ((128, 128), (64, 256), (128, 192), (64, 128), (64, 64)):
+        base = MatmulConfig(tile_m=tile_m, tile_n=tile_n, tile_k=tile_k)
+        fitting = [
+            dataclasses.replace(base, stages=stages)
+            for stages in range(8, 1, -1)
+            if dataclasses.replace(base, stages=stages).smem_bytes(in_dtype, out_dtype)
+            <= SMEM_BYTES
+        ]
+        for config in fitting[:2]:
+            configs += [dataclasses.replace(config, group_m=g) for g in (8, 16)]
+    configs.append(dataclasses.replace(configs[0], wgmma_in_flight=0))
     return configs
 
 

@@ -85,3 +85,26 @@ def test_shallow_ring_wraps_across_tiles(transpose_a, transpose_b, wgmma_in_flig
     expected = reference(a, b, bias=bias, activation="silu", transpose_a=transpose_a,
                          transpose_b=transpose_b)
     assert_close(out, expected, F32, seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("config", sm90.config_candidates(BF16, BF16), ids=str)
+def test_gpu_every_candidate_is_correct(config):
+    """Each autotuning candidate computes the right thing (tails in M, N and K)."""
+    m, n, k = 1000, 776, 1096
+    a, b, bias, seed = random_operands(m, n, k, BF16, batch=(1,))
+    out = sm90.matmul(a, b, None, bias[None], activation="gelu", config=config)
+    assert_close(out, reference(a, b, bias=bias, activation="gelu"), BF16, seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_gpu_autotune_caches_the_winner():
+    a, b, _, _ = random_operands(1024, 1024, 1024, BF16)
+    candidates = sm90.config_candidates(BF16, BF16)[:3]
+    best, timings = sm90.autotune(a, b, candidates=candidates, samples=3)
+    assert best in candidates and set(timings) <= set(candidates)
+    problem = problem_of(a, b, None, None, transpose_a=False, transpose_b=False,
+                         activation=None, out_dtype=BF16)
+    assert sm90._TUNED[sm90.tuning_key(problem)] == best
