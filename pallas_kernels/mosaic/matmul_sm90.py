@@ -49,7 +49,11 @@ _CONSUMER_REGISTERS = 232
 # most 192 float32 per thread, leaving room for addresses and the epilogue.
 _MAX_ACC_ELEMENTS = 128 * 192
 # TMA needs 16-byte aligned global strides.
-_TMA_ALIGN_BYTES = 16
+# Shared-memory tiles are swizzled in 128-byte rows, (8 rows, 128 bytes) per
+# tile; Mosaic's TMA views each global array through that tiling, so its two
+# minor dimensions must be multiples of (8, 128 bytes).
+_SWIZZLE_BYTES = 128
+_TILE_ROWS = 8
 _FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 _IN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), *_FP8_DTYPES)
 
@@ -103,9 +107,18 @@ class MatmulConfig:
                 f"a {self.tile_m}x{self.tile_n} float32 accumulator needs more than"
                 f" {_MAX_ACC_ELEMENTS // 128} registers per thread: {self}"
             )
-        k_bytes = self.tile_k * problem.in_dtype.itemsize
-        if k_bytes % 128:
-            raise ValueError(f"tile_k must span a multiple of 128 bytes; got {self.tile_k}")
+        in_bytes = problem.in_dtype.itemsize
+        transpose_a, transpose_b = _stored_layouts(problem)
+        minor_dims = {"tile_k": self.tile_k}  # the swizzled minor dims of the smem tiles
+        if transpose_a:
+            minor_dims["tile_m"] = self.tile_m
+        if not transpose_b:
+            minor_dims["tile_n"] = self.tile_n
+        for name, size in minor_dims.items():
+            if size * in_bytes % _SWIZZLE_BYTES:
+                raise ValueError(
+                    f"{name} must span a multiple of {_SWIZZLE_BYTES} bytes; got {size}"
+                )
         if self.wgmma_in_flight not in (0, 1):
             raise ValueError(f"wgmma_in_flight must be 0 or 1; got {self}")
         if self.tile_m % self.epilogue_tile_m or self.tile_n % self.epilogue_tile_n:
@@ -155,24 +168,29 @@ def _k_major(problem: GemmProblem) -> bool:
     return problem.in_dtype in _FP8_DTYPES
 
 
+def _stored_layouts(problem: GemmProblem) -> tuple[bool, bool]:
+    """(transpose_a, transpose_b) as the kernel reads the operands (fp8: K-major)."""
+    if _k_major(problem):
+        return False, True
+    return problem.transpose_a, problem.transpose_b
+
+
 def unsupported_reason(problem: GemmProblem) -> str | None:
     """Why this kernel cannot run ``problem`` (None when it can); devices are not checked."""
     if problem.in_dtype not in _IN_DTYPES:
         return f"input dtype {problem.in_dtype} is not one of bf16, f16, fp8 (e4m3fn, e5m2)"
-    in_bytes = problem.in_dtype.itemsize
-    transpose_a = problem.transpose_a and not _k_major(problem)
-    transpose_b = problem.transpose_b or _k_major(problem)
-    a_minor = problem.m if transpose_a else problem.k
-    b_minor = problem.k if transpose_b else problem.n
-    for name, minor, itemsize in (
-        ("a", a_minor, in_bytes),
-        ("b", b_minor, in_bytes),
-        ("out", problem.n, problem.out_dtype.itemsize),
+    transpose_a, transpose_b = _stored_layouts(problem)
+    p = problem
+    for name, shape, itemsize in (
+        ("a", (p.k, p.m) if transpose_a else (p.m, p.k), p.in_dtype.itemsize),
+        ("b", (p.n, p.k) if transpose_b else (p.k, p.n), p.in_dtype.itemsize),
+        ("out", (p.m, p.n), p.out_dtype.itemsize),
     ):
-        if (minor * itemsize) % _TMA_ALIGN_BYTES:
+        cols = _SWIZZLE_BYTES // itemsize
+        if shape[0] % _TILE_ROWS or shape[1] % cols:
             return (
-                f"TMA needs 16-byte aligned rows: {name}'s minor dimension {minor} x"
-                f" {itemsize} bytes is not a multiple of 16"
+                f"the Mosaic kernel's TMA tiles need {name} (stored as {shape}) to have a"
+                f" multiple of {_TILE_ROWS} rows and of {cols} columns"
             )
     return None
 

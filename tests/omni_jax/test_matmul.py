@@ -89,15 +89,20 @@ def test_xla_empty_contraction_gives_bias():
 
 # ----------------------------------------------------- Pallas kernels (interpreted without a GPU)
 
-# (M, N, K): sizes are multiples of 8 where they are a stored row (TMA's 16-byte
-# rule), otherwise odd; none is a multiple of a tile, so every tail is masked.
-@pytest.mark.parametrize("implementation", KERNELS)
-@pytest.mark.parametrize("m,n,k,transpose_a,transpose_b", [
-    (67, 24, 40, False, False),
-    (72, 24, 40, True, False),
-    (67, 24, 40, False, True),
-    (72, 24, 40, True, True),
-    (200, 136, 136, False, False),  # several tiles: persistent loop and ring wrap-around
+# (M, N, K) per kernel: none a multiple of a CTA tile, so tails are masked. Triton
+# takes any size; the Mosaic kernel's TMA views need stored arrays with a multiple
+# of 8 rows and of 128 bytes per row (tails then come from the 128-256 wide tiles).
+@pytest.mark.parametrize("implementation,m,n,k,transpose_a,transpose_b", [
+    ("triton", 67, 24, 40, False, False),
+    ("triton", 72, 24, 40, True, False),
+    ("triton", 67, 24, 40, False, True),
+    ("triton", 72, 24, 40, True, True),
+    ("triton", 200, 136, 136, False, False),
+    ("mosaic", 72, 64, 64, False, False),
+    ("mosaic", 128, 64, 128, True, False),
+    ("mosaic", 72, 64, 64, False, True),
+    ("mosaic", 192, 128, 64, True, True),
+    ("mosaic", 200, 192, 192, False, False),  # several tiles: persistent loop, ring wrap-around
 ])
 def test_kernel_layouts_and_tails(implementation, m, n, k, transpose_a, transpose_b):
     _check(implementation, m, n, k, BF16, transpose_a=transpose_a, transpose_b=transpose_b,
@@ -107,13 +112,13 @@ def test_kernel_layouts_and_tails(implementation, m, n, k, transpose_a, transpos
 @pytest.mark.parametrize("implementation", KERNELS)
 @pytest.mark.parametrize("activation", [None, "gelu", "gelu_tanh", "silu", "relu"])
 def test_kernel_epilogues(implementation, activation):
-    _check(implementation, 40, 16, 24, BF16, bias=True, activation=activation)
+    _check(implementation, 40, 64, 64, BF16, bias=True, activation=activation)
 
 
 @pytest.mark.parametrize("implementation", KERNELS)
 @pytest.mark.parametrize("dtype,out_dtype", [(F16, F16), (F16, F32), (BF16, F16)])
 def test_kernel_dtypes(implementation, dtype, out_dtype):
-    _check(implementation, 40, 16, 24, dtype, out_dtype=out_dtype)
+    _check(implementation, 40, 64, 64, dtype, out_dtype=out_dtype)
 
 
 @pytest.mark.parametrize("implementation", ["xla", *KERNELS])
@@ -122,7 +127,7 @@ def test_kernel_dtypes(implementation, dtype, out_dtype):
 ])
 def test_fp8_with_scales(implementation, dtype, transpose_a, transpose_b):
     _skip_if_missing(implementation)
-    m, n, k = 40, 32, 48
+    m, n, k = 40, 128, 128
     a, b, bias, seed = random_operands(m, n, k, dtype, transpose_a=transpose_a,
                                        transpose_b=transpose_b)
     a_scale, b_scale = 0.5, 3.0
@@ -145,7 +150,7 @@ def test_vmap_is_one_batched_call(implementation, monkeypatch):
     kernel = module.matmul
     monkeypatch.setattr(module, "matmul", lambda a, b, *args, **kwargs: (
         calls.append((a.shape, b.shape)) or kernel(a, b, *args, **kwargs)))
-    batch, m, n, k = 3, 24, 16, 32
+    batch, m, n, k = 3, 24, 64, 64
     a, b, _, seed = random_operands(m, n, k, BF16, batch=(batch,))
     b = b[0]
     biases = jax.random.normal(jax.random.key(seed + 1), (batch, n), jnp.float32)
@@ -170,7 +175,7 @@ def test_vmap_is_one_batched_call(implementation, monkeypatch):
 ])
 def test_gradients(implementation, transpose_a, transpose_b, activation):
     _skip_if_missing(implementation)
-    m, n, k = 24, 16, 32
+    m, n, k = 64, 64, 128
     a, b, bias, seed = random_operands(m, n, k, BF16, transpose_a=transpose_a,
                                        transpose_b=transpose_b)
     cotangent = jax.random.normal(jax.random.key(seed + 1), (m, n), jnp.float32)
@@ -261,9 +266,9 @@ def test_fp8_scale_must_be_scalar():
 
 def test_kernel_that_cannot_serve_says_why():
     _skip_if_missing("mosaic")
-    a = jnp.ones((8, 16), BF16)
-    b = jnp.ones((16, 5), BF16)  # rows of 10 bytes: TMA needs 16-byte multiples
-    with pytest.raises(ValueError, match="implementation='mosaic' cannot serve.*16-byte"):
+    a = jnp.ones((8, 64), BF16)
+    b = jnp.ones((64, 40), BF16)  # rows of 80 bytes: the TMA tiles are 128 bytes wide
+    with pytest.raises(ValueError, match="implementation='mosaic' cannot serve.*b .stored as"):
         omni_jax.matmul(a, b, implementation="mosaic")
 
 
@@ -285,6 +290,12 @@ def test_default_implementation_on_cpu_is_xla():
 
 # ------------------------------------------------------------------------ compiled, on a GPU
 
+# Tails against every tile size; Mosaic's sizes are multiples of 64 (its TMA tiling).
+GPU_SHAPES = {
+    "triton": ((1000, 1048, 1544), (4104, 2056, 3000)),
+    "mosaic": ((1088, 1088, 1600), (4160, 2112, 3008)),
+}
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("implementation", KERNELS)
@@ -292,10 +303,9 @@ def test_default_implementation_on_cpu_is_xla():
                                                      (False, True), (True, True)])
 @pytest.mark.parametrize("dtype,out_dtype", [(BF16, BF16), (F16, F32)])
 def test_gpu_large_odd_shapes(implementation, transpose_a, transpose_b, dtype, out_dtype):
-    _check(implementation, 1000, 1048, 1544, dtype, transpose_a=transpose_a,
-           transpose_b=transpose_b, out_dtype=out_dtype)
-    _check(implementation, 4104, 2056, 3000, dtype, transpose_a=transpose_a,
-           transpose_b=transpose_b, out_dtype=out_dtype)
+    for m, n, k in GPU_SHAPES[implementation]:
+        _check(implementation, m, n, k, dtype, transpose_a=transpose_a,
+               transpose_b=transpose_b, out_dtype=out_dtype)
 
 
 @pytest.mark.gpu
@@ -303,7 +313,8 @@ def test_gpu_large_odd_shapes(implementation, transpose_a, transpose_b, dtype, o
 @pytest.mark.parametrize("implementation", KERNELS)
 @pytest.mark.parametrize("activation", [None, "gelu", "gelu_tanh", "silu", "relu"])
 def test_gpu_epilogues(implementation, activation):
-    _check(implementation, 777, 1032, 520, BF16, bias=True, activation=activation)
+    m, n, k = GPU_SHAPES[implementation][0]
+    _check(implementation, m - 8, n, k, BF16, bias=True, activation=activation)
 
 
 @pytest.mark.gpu
@@ -324,7 +335,7 @@ def test_gpu_fp8(implementation, dtype):
 @pytest.mark.parametrize("implementation", KERNELS)
 def test_gpu_vmap_and_grad(implementation):
     _skip_if_missing(implementation)
-    batch, m, n, k = 4, 520, 264, 1000
+    batch, m, n, k = 4, 520, 320, 1024
     a, b, bias, seed = random_operands(m, n, k, BF16, batch=(batch,))
 
     def loss(a, b):

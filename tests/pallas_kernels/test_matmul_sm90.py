@@ -67,14 +67,14 @@ def test_bad_configs_are_refused(change, message):
         dataclasses.replace(sm90.MatmulConfig(), **change).check(problem)
 
 
-@pytest.mark.parametrize("transpose_a,transpose_b,wgmma_in_flight", [
-    (False, False, 1), (True, True, 0), (True, False, 1)])
-def test_shallow_ring_wraps_across_tiles(transpose_a, transpose_b, wgmma_in_flight):
+@pytest.mark.parametrize("m,transpose_a,transpose_b,wgmma_in_flight", [
+    (136, False, False, 1), (192, True, True, 0), (192, True, False, 1)])
+def test_shallow_ring_wraps_across_tiles(m, transpose_a, transpose_b, wgmma_in_flight):
     """2 stages, 5 K steps per tile, 6 tiles on 2 persistent CTAs: every slot's
     barriers flip phase many times, also mid-tile, and the epilogue of one tile
     overlaps the next tile's loads."""
-    m, n, k = 136, 192, 320
-    config = sm90.MatmulConfig(tile_m=64, tile_n=64, tile_k=64, stages=2, num_consumers=1,
+    n, k = 192, 320
+    config = sm90.MatmulConfig(tile_m=64, tile_n=128, tile_k=64, stages=2, num_consumers=1,
                                group_m=2, wgmma_in_flight=wgmma_in_flight, num_programs=2)
     a, b, bias, seed = random_operands(m, n, k, BF16, transpose_a=transpose_a,
                                        transpose_b=transpose_b, batch=(1,))
@@ -87,12 +87,53 @@ def test_shallow_ring_wraps_across_tiles(transpose_a, transpose_b, wgmma_in_flig
     assert_close(out, expected, F32, seed)
 
 
+def _lower_for_cuda(m, n, k, dtype, *, transpose_a=False, transpose_b=False, activation=None,
+                    out_dtype=None, config=None):
+    """Lowers the kernel for CUDA (Mosaic-GPU down to LLVM/NVVM); needs no GPU."""
+    a = jax.ShapeDtypeStruct((1, k, m) if transpose_a else (1, m, k), dtype)
+    b = jax.ShapeDtypeStruct((1, n, k) if transpose_b else (1, k, n), dtype)
+    vector = jax.ShapeDtypeStruct((1, n), jnp.float32)
+
+    def gemm(a, b, scale, bias):
+        return sm90.matmul(a, b, scale, bias, transpose_a=transpose_a, transpose_b=transpose_b,
+                           activation=activation, out_dtype=out_dtype, config=config)
+
+    text = jax.jit(gemm).trace(a, b, vector, vector).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+@pytest.fixture
+def _compiling(monkeypatch):
+    monkeypatch.delenv(runtime.INTERPRET_ENV_VAR, raising=False)
+
+
+LOWERING_CASES = [
+    *(dict(transpose_a=ta, transpose_b=tb) for ta in (False, True) for tb in (False, True)),
+    *(dict(activation=act) for act in ("gelu", "gelu_tanh", "silu", "relu")),
+    dict(dtype=jnp.float16, out_dtype=jnp.float32),
+    dict(dtype=jnp.float8_e4m3fn, transpose_b=True),
+    dict(dtype=jnp.float8_e5m2, transpose_a=True, out_dtype=jnp.float16),
+]
+
+
+@pytest.mark.parametrize("case", LOWERING_CASES, ids=str)
+def test_lowers_for_cuda(case, _compiling):
+    """What the interpreter cannot check: layout inference and the lowering of every op."""
+    case = dict(case)
+    _lower_for_cuda(1088, 1024, 1536, case.pop("dtype", BF16), **case)
+
+
+@pytest.mark.parametrize("config", sm90.config_candidates(BF16, BF16), ids=str)
+def test_every_candidate_lowers_for_cuda(config, _compiling):
+    _lower_for_cuda(1088, 1024, 1536, BF16, activation="gelu", config=config)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("config", sm90.config_candidates(BF16, BF16), ids=str)
 def test_gpu_every_candidate_is_correct(config):
     """Each autotuning candidate computes the right thing (tails in M, N and K)."""
-    m, n, k = 1000, 776, 1096
+    m, n, k = 1000, 832, 1088
     a, b, bias, seed = random_operands(m, n, k, BF16, batch=(1,))
     out = sm90.matmul(a, b, None, bias[None], activation="gelu", config=config)
     assert_close(out, reference(a, b, bias=bias, activation="gelu"), BF16, seed)
