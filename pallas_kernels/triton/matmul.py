@@ -125,8 +125,8 @@ def _kernel(a_ref, b_ref, *refs, p: GemmProblem, config: MatmulConfig):
         else:
             b_tile = b_ref.at[b_index, pl.ds(k0, bk), pl.ds(n0, bn)]
             b_mask = _mask(k_ok, cols_ok, (bk, bn))
-        a = compat.triton_load(a_tile, mask=a_mask, other=0)
-        b = compat.triton_load(b_tile, mask=b_mask, other=0)
+        a = compat.triton_load(a_tile, mask=a_mask, other=0.0)
+        b = compat.triton_load(b_tile, mask=b_mask, other=0.0)
         contract = ((0 if p.transpose_a else 1,), (1 if p.transpose_b else 0,))
         return acc + lax.dot_general(
             a, b, (contract, ((), ())), preferred_element_type=jnp.float32
@@ -135,7 +135,7 @@ def _kernel(a_ref, b_ref, *refs, p: GemmProblem, config: MatmulConfig):
     acc = lax.fori_loop(0, pl.cdiv(p.k, bk), step, jnp.zeros((bm, bn), jnp.float32))
     vectors = [
         None if ref is None
-        else compat.triton_load(ref.at[vec_index, pl.ds(n0, bn)], mask=cols_ok, other=0)
+        else compat.triton_load(ref.at[vec_index, pl.ds(n0, bn)], mask=cols_ok, other=0.0)
         for ref in (scale_ref, bias_ref)
     ]
     out = epilogue(acc, *vectors, p.activation, p.out_dtype)

@@ -15,6 +15,7 @@ from pallas_kernels import compat, runtime
 from pallas_kernels.matmul_common import problem_of
 from pallas_kernels.mosaic import matmul_sm90 as sm90
 from tests.omni_jax.matmul_helpers import assert_close, random_operands, reference
+from tests.pallas_kernels.gemm_lowering import LOWERING_CASES, lower_gemm_for_cuda
 
 BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
 ON_GPU = jax.default_backend() == "gpu"
@@ -87,45 +88,23 @@ def test_shallow_ring_wraps_across_tiles(m, transpose_a, transpose_b, wgmma_in_f
     assert_close(out, expected, F32, seed)
 
 
-def _lower_for_cuda(m, n, k, dtype, *, transpose_a=False, transpose_b=False, activation=None,
-                    out_dtype=None, config=None):
-    """Lowers the kernel for CUDA (Mosaic-GPU down to LLVM/NVVM); needs no GPU."""
-    a = jax.ShapeDtypeStruct((1, k, m) if transpose_a else (1, m, k), dtype)
-    b = jax.ShapeDtypeStruct((1, n, k) if transpose_b else (1, k, n), dtype)
-    vector = jax.ShapeDtypeStruct((1, n), jnp.float32)
-
-    def gemm(a, b, scale, bias):
-        return sm90.matmul(a, b, scale, bias, transpose_a=transpose_a, transpose_b=transpose_b,
-                           activation=activation, out_dtype=out_dtype, config=config)
-
-    text = jax.jit(gemm).trace(a, b, vector, vector).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
-
-
 @pytest.fixture
 def _compiling(monkeypatch):
     monkeypatch.delenv(runtime.INTERPRET_ENV_VAR, raising=False)
-
-
-LOWERING_CASES = [
-    *(dict(transpose_a=ta, transpose_b=tb) for ta in (False, True) for tb in (False, True)),
-    *(dict(activation=act) for act in ("gelu", "gelu_tanh", "silu", "relu")),
-    dict(dtype=jnp.float16, out_dtype=jnp.float32),
-    dict(dtype=jnp.float8_e4m3fn, transpose_b=True),
-    dict(dtype=jnp.float8_e5m2, transpose_a=True, out_dtype=jnp.float16),
-]
 
 
 @pytest.mark.parametrize("case", LOWERING_CASES, ids=str)
 def test_lowers_for_cuda(case, _compiling):
     """What the interpreter cannot check: layout inference and the lowering of every op."""
     case = dict(case)
-    _lower_for_cuda(1088, 1024, 1536, case.pop("dtype", BF16), **case)
+    text = lower_gemm_for_cuda(sm90, 1088, 1024, 1536, case.pop("dtype", BF16), **case)
+    assert "mosaic_gpu" in text
 
 
 @pytest.mark.parametrize("config", sm90.config_candidates(BF16, BF16), ids=str)
 def test_every_candidate_lowers_for_cuda(config, _compiling):
-    _lower_for_cuda(1088, 1024, 1536, BF16, activation="gelu", config=config)
+    text = lower_gemm_for_cuda(sm90, 1088, 1024, 1536, BF16, activation="gelu", config=config)
+    assert "mosaic_gpu" in text
 
 
 @pytest.mark.gpu
