@@ -50,8 +50,9 @@ _CONSUMER_REGISTERS = 232
 _MAX_ACC_ELEMENTS = 128 * 192
 # TMA needs 16-byte aligned global strides.
 # Shared-memory tiles are swizzled in 128-byte rows, (8 rows, 128 bytes) per
-# tile; Mosaic's TMA views each global array through that tiling, so its two
-# minor dimensions must be multiples of (8, 128 bytes).
+# tile. A TMA into the tiled view addresses the global array through that
+# tiling, so its two minor dimensions must be multiples of (8, 128 bytes);
+# `_staging` lifts the 8-row multiple where it can.
 _SWIZZLE_BYTES = 128
 _TILE_ROWS = 8
 _FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
@@ -109,7 +110,11 @@ class MatmulConfig:
             )
         in_bytes = problem.in_dtype.itemsize
         transpose_a, transpose_b = _stored_layouts(problem)
-        minor_dims = {"tile_k": self.tile_k}  # the swizzled minor dims of the smem tiles
+        if self.tile_k * in_bytes != _SWIZZLE_BYTES:
+            raise ValueError(
+                f"tile_k must span one {_SWIZZLE_BYTES}-byte swizzle row; got {self.tile_k}"
+            )
+        minor_dims = {}  # other swizzled minor dims of the smem tiles
         if transpose_a:
             minor_dims["tile_m"] = self.tile_m
         if not transpose_b:
@@ -155,7 +160,10 @@ def default_config(
 
     # Ties go to the earlier tile: 128x128 warpgroup tiles leave room for a deeper ring.
     (tile_m, tile_n), _ = max(_DEFAULT_TILES, key=score)
-    base = MatmulConfig(tile_m=tile_m, tile_n=tile_n, tile_k=tile_k)
+    base = MatmulConfig(
+        tile_m=tile_m, tile_n=tile_n, tile_k=tile_k,
+        epilogue_tile_n=_SWIZZLE_BYTES // jnp.dtype(out_dtype).itemsize,
+    )
     for stages in range(6, 1, -1):
         config = dataclasses.replace(base, stages=stages)
         if config.smem_bytes(in_dtype, out_dtype) <= SMEM_BYTES:
@@ -175,11 +183,28 @@ def _stored_layouts(problem: GemmProblem) -> tuple[bool, bool]:
     return problem.transpose_a, problem.transpose_b
 
 
+def _tiled_only(problem: GemmProblem) -> dict[str, bool]:
+    """Which arrays TMA must move through the (8, 128-byte) tiled view (see `_staging`).
+
+    Blocks one swizzle row (128 bytes) wide can go through a view tiled by single
+    rows instead: a with K minor, b with K minor, the output's epilogue tiles.
+    a read as (K, M) and b as (K, N) have blocks several swizzle rows wide.
+    """
+    transpose_a, transpose_b = _stored_layouts(problem)
+    return {"a": transpose_a, "b": not transpose_b, "out": False}
+
+
 def unsupported_reason(problem: GemmProblem) -> str | None:
-    """Why this kernel cannot run ``problem`` (None when it can); devices are not checked."""
+    """Why this kernel cannot run ``problem`` (None when it can); devices are not checked.
+
+    Every stored array needs rows a multiple of 128 bytes (TMA views rows in
+    swizzle rows); a read as (K, M) and b read as (K, N) also need a multiple of
+    8 rows. Any other size, M in particular, is free.
+    """
     if problem.in_dtype not in _IN_DTYPES:
         return f"input dtype {problem.in_dtype} is not one of bf16, f16, fp8 (e4m3fn, e5m2)"
     transpose_a, transpose_b = _stored_layouts(problem)
+    tiled_only = _tiled_only(problem)
     p = problem
     for name, shape, itemsize in (
         ("a", (p.k, p.m) if transpose_a else (p.m, p.k), p.in_dtype.itemsize),
@@ -187,10 +212,12 @@ def unsupported_reason(problem: GemmProblem) -> str | None:
         ("out", (p.m, p.n), p.out_dtype.itemsize),
     ):
         cols = _SWIZZLE_BYTES // itemsize
-        if shape[0] % _TILE_ROWS or shape[1] % cols:
+        rows = _TILE_ROWS if tiled_only[name] else 1
+        if shape[0] % rows or shape[1] % cols:
+            need = f"{rows} rows and of {cols} columns" if rows > 1 else f"{cols} columns"
             return (
                 f"the Mosaic kernel's TMA tiles need {name} (stored as {shape}) to have a"
-                f" multiple of {_TILE_ROWS} rows and of {cols} columns"
+                f" multiple of {need}"
             )
     return None
 
@@ -206,7 +233,43 @@ def _swizzled(shape: tuple[int, ...], dtype) -> plgpu.SMEM:
     return plgpu.SMEM(shape, dtype, transforms=transforms)
 
 
-def _kernel(*refs, p: GemmProblem, config: MatmulConfig, num_programs: int):
+def _staging(shape: tuple[int, ...], dtype, untiled_tma: bool):
+    """A staging buffer: the tiled view alone, or (tiled view, plain swizzled view).
+
+    wgmma and register stores use the tiled view. When the buffer's minor extent
+    is one 128-byte swizzle row, the two views are the same bytes, and a TMA
+    through the plain one addresses the global array untiled: no divisibility
+    requirement on the array, TMA bounds handle every tail.
+    """
+    tiled = _swizzled(shape, dtype)
+    if not untiled_tma:
+        return tiled
+    row_elements = _SWIZZLE_BYTES // jnp.dtype(dtype).itemsize
+    plain = plgpu.SMEM(
+        shape, dtype,
+        transforms=(
+            plgpu.TilingTransform((1, row_elements)), plgpu.SwizzleTransform(_SWIZZLE_BYTES)
+        ),
+    )
+    return plgpu.RefUnion(tiled, plain)
+
+
+def _untiled_tma(p: GemmProblem, interpreted: bool) -> dict[str, bool]:
+    """Per array: TMA through the row-tiled view (arrays whose rows 8 do not divide).
+
+    The interpreter neither needs it (it does not tile global arrays) nor runs
+    aliased views, so interpreted kernels always use the tiled view.
+    """
+    if interpreted:
+        return {"a": False, "b": False, "out": False}
+    rows = {"a": p.k if p.transpose_a else p.m, "b": p.n if p.transpose_b else p.k, "out": p.m}
+    tiled_only = _tiled_only(p)
+    return {name: not tiled_only[name] and rows[name] % _TILE_ROWS != 0 for name in rows}
+
+
+def _kernel(
+    *refs, p: GemmProblem, config: MatmulConfig, num_programs: int, untiled_tma: dict[str, bool]
+):
     """Kernel body; ``refs`` are a, b, [scale], [bias], out."""
     a_gmem, b_gmem, *rest = refs
     scale_gmem = rest.pop(0) if p.has_scale else None
@@ -246,8 +309,12 @@ def _kernel(*refs, p: GemmProblem, config: MatmulConfig, num_programs: int):
         cols = pl.ds(n0, c.tile_n)
         return b_gmem.at[bi, cols, rows] if p.transpose_b else b_gmem.at[bi, rows, cols]
 
-    def scoped(a_smem, b_smem, out_smem, vec_smem, full, empty, vec_bar):
+    def scoped(a_buf, b_buf, out_buf, vec_smem, full, empty, vec_bar):
         wg = lax.axis_index("wg")
+        # (tiled view for wgmma and register stores, view that TMA addresses)
+        a_smem, a_tma = a_buf if untiled_tma["a"] else (a_buf, a_buf)
+        b_smem, b_tma = b_buf if untiled_tma["b"] else (b_buf, b_buf)
+        out_smem, out_tma = out_buf if untiled_tma["out"] else (out_buf, out_buf)
 
         def producer():
             plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
@@ -270,9 +337,9 @@ def _kernel(*refs, p: GemmProblem, config: MatmulConfig, num_programs: int):
 
                     for w in range(c.num_consumers):
                         plgpu.copy_gmem_to_smem(
-                            a_tile(ai, m0, ki, w), a_smem.at[slot, w], full.at[slot]
+                            a_tile(ai, m0, ki, w), a_tma.at[slot, w], full.at[slot]
                         )
-                    plgpu.copy_gmem_to_smem(b_tile(bi, n0, ki), b_smem.at[slot], full.at[slot])
+                    plgpu.copy_gmem_to_smem(b_tile(bi, n0, ki), b_tma.at[slot], full.at[slot])
 
             # Observe the releases of the last `stages` steps too, so that every
             # phase of every empty barrier is waited on before the CTA exits.
@@ -349,7 +416,7 @@ def _kernel(*refs, p: GemmProblem, config: MatmulConfig, num_programs: int):
                     out_smem[wg, slot] = tile
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(
-                        out_smem.at[wg, slot],
+                        out_tma.at[wg, slot],
                         out_gmem.at[
                             oi, pl.ds(row0 + em * epi_m, epi_m), pl.ds(n0 + en * epi_n, epi_n)
                         ],
@@ -359,9 +426,9 @@ def _kernel(*refs, p: GemmProblem, config: MatmulConfig, num_programs: int):
 
     pl.run_scoped(
         scoped,
-        a_smem=_swizzled((c.stages, c.num_consumers, *a_block), p.in_dtype),
-        b_smem=_swizzled((c.stages, *b_block), p.in_dtype),
-        out_smem=_swizzled((c.num_consumers, 2, epi_m, epi_n), p.out_dtype),
+        a_buf=_staging((c.stages, c.num_consumers, *a_block), p.in_dtype, untiled_tma["a"]),
+        b_buf=_staging((c.stages, *b_block), p.in_dtype, untiled_tma["b"]),
+        out_buf=_staging((c.num_consumers, 2, epi_m, epi_n), p.out_dtype, untiled_tma["out"]),
         vec_smem=plgpu.SMEM((c.num_consumers, max(1, len(vec_gmems)), c.tile_n), jnp.float32),
         # full: one TMA arrival per A block and one for B.
         full=plgpu.Barrier(num_arrivals=c.num_consumers + 1, num_barriers=c.stages),
@@ -432,8 +499,16 @@ def matmul(
     interpret = runtime.mosaic_interpret_params()
     if interpret is not None:
         interpret = compat.tma_faithful_interpret_params(interpret)
+    untiled_tma = _untiled_tma(p, interpreted=interpret is not None)
+    if untiled_tma["out"] and config.epilogue_tile_n * out_dtype.itemsize != _SWIZZLE_BYTES:
+        raise ValueError(
+            f"an output of shape {(p.m, p.n)} needs epilogue tiles one swizzle row"
+            f" ({_SWIZZLE_BYTES} bytes) wide; got epilogue_tile_n={config.epilogue_tile_n}"
+        )
     kernel = compat.mosaic_kernel(
-        functools.partial(_kernel, p=p, config=config, num_programs=num_programs),
+        functools.partial(
+            _kernel, p=p, config=config, num_programs=num_programs, untiled_tma=untiled_tma
+        ),
         jax.ShapeDtypeStruct((p.batch, p.m, p.n), out_dtype),
         grid=(num_programs,),
         grid_names=("sm",),
@@ -506,7 +581,10 @@ def config_candidates(in_dtype, out_dtype) -> list[MatmulConfig]:
     tile_k = 128 // jnp.dtype(in_dtype).itemsize
     configs = []
     for tile_m, tile_n in ((128, 128), (64, 256), (128, 192), (64, 128), (64, 64)):
-        base = MatmulConfig(tile_m=tile_m, tile_n=tile_n, tile_k=tile_k)
+        base = MatmulConfig(
+            tile_m=tile_m, tile_n=tile_n, tile_k=tile_k,
+            epilogue_tile_n=_SWIZZLE_BYTES // jnp.dtype(out_dtype).itemsize,
+        )
         fitting = [
             dataclasses.replace(base, stages=stages)
             for stages in range(8, 1, -1)

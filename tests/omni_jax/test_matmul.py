@@ -17,6 +17,7 @@ import pytest
 import omni_jax
 from omni_jax.matmul import implementations
 from pallas_kernels import compat, runtime
+from pallas_kernels.matmul_common import problem_of
 from tests.omni_jax.matmul_helpers import assert_close, random_operands, reference
 
 BF16, F16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)
@@ -90,17 +91,17 @@ def test_xla_empty_contraction_gives_bias():
 # ----------------------------------------------------- Pallas kernels (interpreted without a GPU)
 
 # (M, N, K) per kernel: none a multiple of a CTA tile, so tails are masked. Triton
-# takes any size; the Mosaic kernel's TMA views need stored arrays with a multiple
-# of 8 rows and of 128 bytes per row (tails then come from the 128-256 wide tiles).
+# takes any size; the Mosaic kernel's TMA views need rows of a multiple of 128
+# bytes (and a multiple of 8 rows for a read as (K, M) or b as (K, N)).
 @pytest.mark.parametrize("implementation,m,n,k,transpose_a,transpose_b", [
     ("triton", 67, 24, 40, False, False),
     ("triton", 72, 24, 40, True, False),
     ("triton", 67, 24, 40, False, True),
     ("triton", 72, 24, 40, True, True),
     ("triton", 200, 136, 136, False, False),
-    ("mosaic", 72, 64, 64, False, False),
+    ("mosaic", 67, 64, 64, False, False),
     ("mosaic", 128, 64, 128, True, False),
-    ("mosaic", 72, 64, 64, False, True),
+    ("mosaic", 67, 64, 64, False, True),
     ("mosaic", 192, 128, 64, True, True),
     ("mosaic", 200, 192, 192, False, False),  # several tiles: persistent loop, ring wrap-around
 ])
@@ -293,7 +294,7 @@ def test_default_implementation_on_cpu_is_xla():
 # Tails against every tile size; Mosaic's sizes are multiples of 64 (its TMA tiling).
 GPU_SHAPES = {
     "triton": ((1000, 1048, 1544), (4104, 2056, 3000)),
-    "mosaic": ((1088, 1088, 1600), (4160, 2112, 3008)),
+    "mosaic": ((1088, 1088, 1600), (1003, 1088, 1600), (4160, 2112, 3008)),
 }
 
 @pytest.mark.gpu
@@ -303,9 +304,19 @@ GPU_SHAPES = {
                                                      (False, True), (True, True)])
 @pytest.mark.parametrize("dtype,out_dtype", [(BF16, BF16), (F16, F32)])
 def test_gpu_large_odd_shapes(implementation, transpose_a, transpose_b, dtype, out_dtype):
+    served = 0
     for m, n, k in GPU_SHAPES[implementation]:
+        a, b, _, _ = random_operands(m, n, k, dtype, transpose_a=transpose_a,
+                                     transpose_b=transpose_b)
+        problem = problem_of(a, b, None, None, transpose_a=transpose_a,
+                             transpose_b=transpose_b, activation=None,
+                             out_dtype=out_dtype or dtype)
+        if implementations.why_not(implementation, problem):
+            continue  # e.g. Mosaic with a read as (K, M) and M not a multiple of 64
+        served += 1
         _check(implementation, m, n, k, dtype, transpose_a=transpose_a,
                transpose_b=transpose_b, out_dtype=out_dtype)
+    assert served
 
 
 @pytest.mark.gpu

@@ -32,4 +32,8 @@ LOWERING_CASES = [
     dict(dtype=jnp.float16, out_dtype=jnp.float32),
     dict(dtype=jnp.float8_e4m3fn, transpose_b=True),
     dict(dtype=jnp.float8_e5m2, transpose_a=True, out_dtype=jnp.float16),
+    # M not a multiple of 8: Mosaic's row-tiled TMA views for a and the output
+    dict(m=1003, activation="gelu"),
+    dict(m=1003, transpose_b=True, out_dtype=jnp.float32),
+    dict(m=1003, dtype=jnp.float8_e4m3fn, transpose_b=True, out_dtype=jnp.bfloat16),
 ]

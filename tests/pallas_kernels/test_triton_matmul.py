@@ -19,7 +19,8 @@ def _compiling(monkeypatch):
 @pytest.mark.parametrize("case", LOWERING_CASES, ids=str)
 def test_lowers_for_cuda(case):
     case = dict(case)
-    text = lower_gemm_for_cuda(triton_matmul, 1000, 776, 1096, case.pop("dtype", jnp.bfloat16),
+    m = case.pop("m", 1000)
+    text = lower_gemm_for_cuda(triton_matmul, m, 776, 1096, case.pop("dtype", jnp.bfloat16),
                                **case)
     assert "triton" in text
 
