@@ -61,10 +61,14 @@ _IN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), *_FP8_DTYPES)
 
 @dataclasses.dataclass(frozen=True)
 class MatmulConfig:
-    """Tiling of the Hopper GEMM.
+    """Tiling and schedule of the Hopper GEMM.
 
-    A CTA computes a ``(num_consumers * tile_m, tile_n)`` output tile; each
-    consumer warpgroup accumulates ``tile_m x tile_n`` in float32 registers.
+    Each consumer warpgroup accumulates ``tile_m x tile_n`` in float32 registers.
+    Cooperative (default): the consumers split one ``(num_consumers * tile_m,
+    tile_n)`` CTA tile and share one ring of operand stages. ``pingpong``: each
+    consumer takes every other ``tile_m x tile_n`` tile of the CTA with a ring of
+    its own; the producer fills the rings in tile order, so one consumer's main
+    loop runs while the other's epilogue does.
     ``stages`` K steps are buffered in shared memory; ``wgmma_in_flight`` (0 or 1)
     products may still run while a consumer waits for the next step.
     ``group_m`` CTA rows of tiles form one band of the grouped order.
@@ -80,16 +84,28 @@ class MatmulConfig:
     epilogue_tile_n: int = 64
     group_m: int = 8
     wgmma_in_flight: int = 1
+    pingpong: bool = False
     num_programs: int | None = None
 
     @property
+    def rings(self) -> int:
+        """Operand rings: one per consumer (pingpong) or one shared."""
+        return self.num_consumers if self.pingpong else 1
+
+    @property
+    def parts(self) -> int:
+        """Consumers whose A blocks one ring stage holds."""
+        return 1 if self.pingpong else self.num_consumers
+
+    @property
     def cta_tile_m(self) -> int:
-        return self.num_consumers * self.tile_m
+        """Rows of the tiles the grid walks."""
+        return self.parts * self.tile_m
 
     def smem_bytes(self, in_dtype, out_dtype) -> int:
         """Shared memory the kernel allocates with this config."""
         in_bytes = jnp.dtype(in_dtype).itemsize
-        ring = self.stages * (self.cta_tile_m + self.tile_n) * self.tile_k * in_bytes
+        ring = self.rings * self.stages * (self.cta_tile_m + self.tile_n) * self.tile_k * in_bytes
         out = (
             self.num_consumers * 2 * self.epilogue_tile_m * self.epilogue_tile_n
             * jnp.dtype(out_dtype).itemsize
@@ -323,56 +339,72 @@ def _kernel(
             def _tile(info):
                 (lin,) = info.index
                 (ai, bi, _, _), m0, n0 = tile_coords(lin)
-                first_step = info.local_index * k_iters
+                ring = lax.rem(info.local_index, c.rings)
+                first_step = info.local_index // c.rings * k_iters  # in this ring
 
                 @pl.loop(0, k_iters)
                 def _k(ki):
                     step = first_step + ki
                     slot = lax.rem(step, c.stages)
+                    bar = ring * c.stages + slot
 
                     # The slot's previous contents (step - stages) must be consumed.
                     @pl.when(step >= c.stages)
                     def _():
-                        plgpu.barrier_wait(empty.at[slot])
+                        plgpu.barrier_wait(empty.at[bar])
 
-                    for w in range(c.num_consumers):
+                    for part in range(c.parts):
                         plgpu.copy_gmem_to_smem(
-                            a_tile(ai, m0, ki, w), a_tma.at[slot, w], full.at[slot]
+                            a_tile(ai, m0, ki, part), a_tma.at[ring, slot, part], full.at[bar]
                         )
-                    plgpu.copy_gmem_to_smem(b_tile(bi, n0, ki), b_tma.at[slot], full.at[slot])
+                    plgpu.copy_gmem_to_smem(
+                        b_tile(bi, n0, ki), b_tma.at[ring, slot], full.at[bar]
+                    )
 
-            # Observe the releases of the last `stages` steps too, so that every
-            # phase of every empty barrier is waited on before the CTA exits.
-            pid = lax.axis_index("sm")
-            num_steps = pl.cdiv(num_tiles - pid, num_programs) * k_iters
+            # Observe the releases of each ring's last `stages` steps too, so that
+            # every phase of every empty barrier is waited on before the CTA exits.
+            local_tiles = pl.cdiv(num_tiles - lax.axis_index("sm"), num_programs)
+            for ring in range(c.rings):
+                num_steps = (local_tiles - ring + c.rings - 1) // c.rings * k_iters
 
-            @pl.loop(jnp.maximum(num_steps - c.stages, 0), num_steps)
-            def _drain(step):
-                plgpu.barrier_wait(empty.at[lax.rem(step, c.stages)])
+                @pl.loop(jnp.maximum(num_steps - c.stages, 0), num_steps)
+                def _drain(step, ring=ring):
+                    plgpu.barrier_wait(empty.at[ring * c.stages + lax.rem(step, c.stages)])
 
         def consumer():
             plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+
+            # Cooperative: every consumer reads its part of every stage of the one
+            # ring. Pingpong: consumer wg owns ring wg and every rings-th tile.
+            ring, part = (wg, 0) if c.pingpong else (0, wg)
 
             @plgpu.nd_loop((num_tiles,), collective_axes="sm")
             def _tile(info):
                 (lin,) = info.index
                 (_, _, vi, oi), m0, n0 = tile_coords(lin)
-                first_step = info.local_index * k_iters
-                # Epilogue vectors for this tile; the copy overlaps the main loop.
-                for j, vec in enumerate(vec_gmems):
-                    plgpu.copy_gmem_to_smem(
-                        vec.at[vi, pl.ds(n0, c.tile_n)], vec_smem.at[wg, j], vec_bar.at[wg]
-                    )
+                own_tile = info.local_index // c.rings  # among this consumer's tiles
+                first_step = own_tile * k_iters
+
+                def bar(step):
+                    return ring * c.stages + lax.rem(step, c.stages)
+
+                def compute_tile():
+                    # Epilogue vectors for this tile; the copy overlaps the main loop.
+                    for j, vec in enumerate(vec_gmems):
+                        plgpu.copy_gmem_to_smem(
+                            vec.at[vi, pl.ds(n0, c.tile_n)], vec_smem.at[wg, j], vec_bar.at[wg]
+                        )
+                    pl.run_scoped(main_loop, plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
 
                 def main_loop(acc_ref):
                     @pl.loop(0, k_iters)
                     def _k(ki):
                         slot = lax.rem(first_step + ki, c.stages)
-                        plgpu.barrier_wait(full.at[slot])
-                        a_op = a_smem.at[slot, wg]
+                        plgpu.barrier_wait(full.at[bar(first_step + ki)])
+                        a_op = a_smem.at[ring, slot, part]
                         if p.transpose_a:
                             a_op = plgpu.transpose_ref(a_op, (1, 0))
-                        b_op = b_smem.at[slot]
+                        b_op = b_smem.at[ring, slot]
                         if p.transpose_b:
                             b_op = plgpu.transpose_ref(b_op, (1, 0))
                         plgpu.wgmma(acc_ref, a_op, b_op)
@@ -383,15 +415,18 @@ def _kernel(
 
                         @pl.when(done >= 0)
                         def _():
-                            plgpu.barrier_arrive(empty.at[lax.rem(first_step + done, c.stages)])
+                            plgpu.barrier_arrive(empty.at[bar(first_step + done)])
 
                     plgpu.wgmma_wait(0)
                     for late in range(max(0, k_iters - c.wgmma_in_flight), k_iters):
-                        plgpu.barrier_arrive(empty.at[lax.rem(first_step + late, c.stages)])
+                        plgpu.barrier_arrive(empty.at[bar(first_step + late)])
 
-                    store_tile(acc_ref[...], m0 + wg * c.tile_m, n0, oi, info.local_index)
+                    store_tile(acc_ref[...], m0 + part * c.tile_m, n0, oi, own_tile)
 
-                pl.run_scoped(main_loop, plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
+                if c.pingpong:
+                    pl.when(lax.rem(info.local_index, c.rings) == wg)(compute_tile)
+                else:
+                    compute_tile()
 
             # The last TMA stores must finish reading shared memory before the CTA exits.
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -426,14 +461,14 @@ def _kernel(
 
     pl.run_scoped(
         scoped,
-        a_buf=_staging((c.stages, c.num_consumers, *a_block), p.in_dtype, untiled_tma["a"]),
-        b_buf=_staging((c.stages, *b_block), p.in_dtype, untiled_tma["b"]),
+        a_buf=_staging((c.rings, c.stages, c.parts, *a_block), p.in_dtype, untiled_tma["a"]),
+        b_buf=_staging((c.rings, c.stages, *b_block), p.in_dtype, untiled_tma["b"]),
         out_buf=_staging((c.num_consumers, 2, epi_m, epi_n), p.out_dtype, untiled_tma["out"]),
         vec_smem=plgpu.SMEM((c.num_consumers, max(1, len(vec_gmems)), c.tile_n), jnp.float32),
-        # full: one TMA arrival per A block and one for B.
-        full=plgpu.Barrier(num_arrivals=c.num_consumers + 1, num_barriers=c.stages),
-        # empty: one arrival per consumer warpgroup.
-        empty=plgpu.Barrier(num_arrivals=c.num_consumers, num_barriers=c.stages),
+        # Per (ring, stage). full: one TMA arrival per A block and one for B.
+        full=plgpu.Barrier(num_arrivals=c.parts + 1, num_barriers=c.rings * c.stages),
+        # empty: one arrival per consumer warpgroup that reads the stage.
+        empty=plgpu.Barrier(num_arrivals=c.parts, num_barriers=c.rings * c.stages),
         vec_bar=plgpu.Barrier(num_arrivals=max(1, len(vec_gmems)), num_barriers=c.num_consumers),
         collective_axes="wg",
     )
@@ -577,7 +612,8 @@ def autotune(
 
 
 def config_candidates(in_dtype, out_dtype) -> list[MatmulConfig]:
-    """The autotuning search space: warpgroup tiles x the two deepest rings x grouping."""
+    """The autotuning search space: warpgroup tiles x the two deepest rings x grouping,
+    cooperative and pingpong."""
     tile_k = 128 // jnp.dtype(in_dtype).itemsize
     configs = []
     for tile_m, tile_n in ((128, 128), (64, 256), (128, 192), (64, 128), (64, 64)):
@@ -594,6 +630,16 @@ def config_candidates(in_dtype, out_dtype) -> list[MatmulConfig]:
         for config in fitting[:2]:
             configs += [dataclasses.replace(config, group_m=g) for g in (8, 16)]
     configs.append(dataclasses.replace(configs[0], wgmma_in_flight=0))
+    for tile_m, tile_n in ((128, 128), (64, 256)):
+        pingpong = MatmulConfig(
+            tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, pingpong=True,
+            epilogue_tile_n=_SWIZZLE_BYTES // jnp.dtype(out_dtype).itemsize,
+        )
+        for stages in range(6, 1, -1):
+            config = dataclasses.replace(pingpong, stages=stages)
+            if config.smem_bytes(in_dtype, out_dtype) <= SMEM_BYTES:
+                configs += [dataclasses.replace(config, group_m=g) for g in (8, 16)]
+                break
     return configs
 
 

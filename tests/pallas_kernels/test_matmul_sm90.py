@@ -69,15 +69,20 @@ def test_bad_configs_are_refused(change, message):
         dataclasses.replace(sm90.MatmulConfig(), **change).check(problem)
 
 
-@pytest.mark.parametrize("m,transpose_a,transpose_b,wgmma_in_flight", [
-    (136, False, False, 1), (192, True, True, 0), (192, True, False, 1)])
-def test_shallow_ring_wraps_across_tiles(m, transpose_a, transpose_b, wgmma_in_flight):
-    """2 stages, 5 K steps per tile, 6 tiles on 2 persistent CTAs: every slot's
+@pytest.mark.parametrize("m,transpose_a,transpose_b,wgmma_in_flight,consumers,pingpong", [
+    (136, False, False, 1, 1, False), (192, True, True, 0, 1, False),
+    (192, True, False, 1, 2, False), (136, False, True, 1, 2, True),
+    (192, True, False, 0, 2, True)])
+def test_shallow_ring_wraps_across_tiles(m, transpose_a, transpose_b, wgmma_in_flight,
+                                         consumers, pingpong):
+    """2 stages, 5 K steps per tile, several tiles per persistent CTA: every slot's
     barriers flip phase many times, also mid-tile, and the epilogue of one tile
-    overlaps the next tile's loads."""
+    overlaps the next tile's loads (pingpong: each consumer's ring on its own)."""
     n, k = 192, 320
-    config = sm90.MatmulConfig(tile_m=64, tile_n=128, tile_k=64, stages=2, num_consumers=1,
-                               group_m=2, wgmma_in_flight=wgmma_in_flight, num_programs=2)
+    config = sm90.MatmulConfig(tile_m=64, tile_n=128, tile_k=64, stages=2,
+                               num_consumers=consumers, group_m=2,
+                               wgmma_in_flight=wgmma_in_flight, pingpong=pingpong,
+                               num_programs=2)
     a, b, bias, seed = random_operands(m, n, k, BF16, transpose_a=transpose_a,
                                        transpose_b=transpose_b, batch=(1,))
     out = sm90.matmul(a, b, None, bias[None], transpose_a=transpose_a,
