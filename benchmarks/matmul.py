@@ -2,6 +2,7 @@
 
     python -m benchmarks.matmul                      # H100: bf16 sweep, fused epilogue, fp8
     python -m benchmarks.matmul --suites sweep --autotune   # tune each shape first
+    python -m benchmarks.matmul --impls mosaic --mosaic-config pingpong=1 stages=3
     python -m benchmarks.matmul --tiny               # CPU smoke test (XLA rows only)
 
 Suites (every row of a case is timed on the same inputs):
@@ -56,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="replace every suite's shapes by these")
     parser.add_argument("--autotune", action="store_true",
                         help="autotune the Mosaic kernel on each shape before timing it")
+    parser.add_argument("--mosaic-config", nargs="+", metavar="FIELD=VALUE", default=[],
+                        help="override fields of the Mosaic kernel's default config, e.g."
+                             " pingpong=1 stages=3 tile_m=64 tile_n=256")
     parser.add_argument("--tiny", action="store_true",
                         help="tiny shapes for a CPU smoke test")
     parser.add_argument("--warmup", type=int, default=3)
@@ -164,10 +168,8 @@ def _note(impl: str, suite: str) -> str:
             "fp8": "omni_jax.matmul, fp8 e4m3 with scales"}[suite]
 
 
-def _autotune(suite: str, args_set: tuple) -> str:
-    """Tunes the Mosaic kernel on these inputs; returns the winner for the row's note."""
-    from pallas_kernels.mosaic import matmul_sm90
-
+def _mosaic_kwargs(suite: str, args_set: tuple) -> tuple:
+    """(a, b, scale, bias, kwargs) as `omni_jax.matmul` hands them to the Mosaic kernel."""
     a, b, bias, sa, sb = args_set
     kwargs = dict(transpose_b=True) if suite == "fp8" else {}
     if suite == "epilogue":
@@ -177,6 +179,35 @@ def _autotune(suite: str, args_set: tuple) -> str:
         scale = jnp.broadcast_to(sa * sb, (b.shape[0],)).astype(jnp.float32)
         kwargs["out_dtype"] = jnp.bfloat16
     bias = None if bias is None else bias.astype(jnp.float32)
+    return a, b, scale, bias, kwargs
+
+
+def _override_config(suite: str, args_set: tuple, fields: list[str]) -> str:
+    """Installs the default config with ``fields`` changed as this shape's tuned config."""
+    from pallas_kernels.matmul_common import problem_of
+    from pallas_kernels.mosaic import matmul_sm90
+
+    a, b, scale, bias, kwargs = _mosaic_kwargs(suite, args_set)
+    out_dtype = jnp.dtype(kwargs.get("out_dtype") or a.dtype)
+    p = problem_of(a, b, scale, bias, transpose_a=False,
+                   transpose_b=kwargs.get("transpose_b", False),
+                   activation=kwargs.get("activation"), out_dtype=out_dtype)
+    config = matmul_sm90.default_config(p.m, p.n, p.k, p.in_dtype, p.out_dtype)
+    changes = {}
+    for field in fields:
+        name, value = field.split("=")
+        current = getattr(config, name)
+        changes[name] = bool(int(value)) if isinstance(current, bool) else int(value)
+    config = dataclasses.replace(config, **changes)
+    matmul_sm90._TUNED[matmul_sm90.tuning_key(p)] = config
+    return f"config {config}"
+
+
+def _autotune(suite: str, args_set: tuple) -> str:
+    """Tunes the Mosaic kernel on these inputs; returns the winner for the row's note."""
+    from pallas_kernels.mosaic import matmul_sm90
+
+    a, b, scale, bias, kwargs = _mosaic_kwargs(suite, args_set)
     best, _ = matmul_sm90.autotune(a, b, scale, bias, **kwargs)
     return f"tuned {best}"
 
@@ -216,6 +247,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                                           ratio=None, note=reason))
                     continue
                 note = _note(impl, suite)
+                if impl == "mosaic" and args.mosaic_config:
+                    note += f"; {_override_config(suite, arg_sets[0], args.mosaic_config)}"
                 if args.autotune and impl == "mosaic":
                     note += f"; {_autotune(suite, arg_sets[0])}"
                 try:

@@ -171,6 +171,25 @@ def test_vmap_is_one_batched_call(implementation, monkeypatch):
 
 
 @pytest.mark.parametrize("implementation", ["xla", *KERNELS])
+def test_nested_vmap_broadcasts_operands(implementation):
+    """vmap over a's outer axis and b's inner axis: a (2, 1) x b (1, 3) batch grid."""
+    _skip_if_missing(implementation)
+    m, n, k = 24, 64, 64
+    a, _, bias, seed = random_operands(m, n, k, BF16, batch=(2,))
+    _, b, _, _ = random_operands(m, n, k, BF16, batch=(3,))
+
+    def one(a, b):
+        return omni_jax.matmul(a, b, bias=bias, out_dtype=F32, implementation=implementation)
+
+    out = jax.vmap(lambda a: jax.vmap(lambda b: one(a, b))(b))(a)
+    _no_races(implementation)
+    assert out.shape == (2, 3, m, n)
+    expected = np.stack([np.stack([reference(a[i], b[j], bias=bias) for j in range(3)])
+                         for i in range(2)])
+    assert_close(out, expected, F32, seed)
+
+
+@pytest.mark.parametrize("implementation", ["xla", *KERNELS])
 @pytest.mark.parametrize("transpose_a,transpose_b,activation", [
     (False, False, "gelu"), (True, True, None),
 ])
