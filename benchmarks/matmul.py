@@ -199,6 +199,9 @@ def _override_config(suite: str, args_set: tuple, fields: list[str]) -> str:
         current = getattr(config, name)
         changes[name] = bool(int(value)) if isinstance(current, bool) else int(value)
     config = dataclasses.replace(config, **changes)
+    while ("stages" not in changes and config.stages > 2
+           and config.smem_bytes(p.in_dtype, p.out_dtype) > matmul_sm90.SMEM_BYTES):
+        config = dataclasses.replace(config, stages=config.stages - 1)  # deepest that fits
     matmul_sm90._TUNED[matmul_sm90.tuning_key(p)] = config
     return f"config {config}"
 
