@@ -5,18 +5,22 @@ Structure of one CTA (``num_consumers + 1`` warpgroups):
 * the producer warpgroup (last one) walks this CTA's output tiles and, for each,
   streams the K loop's A and B tiles into a ``stages``-deep shared-memory ring
   with TMA. Slot ``s`` has a *full* barrier (TMA bytes landed) and an *empty*
-  barrier (every consumer finished reading it). The ring position is one counter
-  running across tiles, so the producer prefetches the next tile's K loop while
-  the consumers are still in this tile's epilogue.
-* each consumer warpgroup owns ``tile_m`` rows of the CTA tile, waits on *full*,
-  issues wgmma into a register accumulator, and releases the slot on *empty*.
-  Its epilogue (scale, bias, activation, cast) goes through shared memory and a
-  TMA store that it does not wait for: the store drains during the next tile's
-  main loop.
+  barrier (every consumer that reads it is done). The ring position is one
+  counter running across tiles, so the producer prefetches the next tile's K
+  loop while the consumers are still in this tile's epilogue.
+* consumer warpgroups wait on *full*, issue wgmma into register accumulators
+  (keeping one wgmma in flight) and release slots on *empty*. Cooperative
+  schedule: they split each CTA tile by rows and share one ring. Pingpong: they
+  take alternate tiles, each with its own ring, so one's epilogue overlaps the
+  other's main loop. The epilogue (scale, bias, activation, cast) goes through
+  shared memory and TMA stores that are not waited for: they drain during the
+  next tile's main loop.
 
 Tiles are visited in a grouped order (``group_m`` M-tiles per band) for L2 reuse.
-M/N/K tails need no padding: TMA zero-fills out-of-bounds loads (zeros add
-nothing to the K sum) and clips out-of-bounds stores.
+Tails need no padding: TMA zero-fills out-of-bounds loads (zeros add nothing to
+the K sum) and clips out-of-bounds stores. Mosaic's TMA views global arrays in
+128-byte swizzle rows, which limits the sizes this kernel takes (see
+`unsupported_reason`); `omni_jax.matmul` sends the others to the Triton kernel.
 """
 
 from __future__ import annotations
@@ -48,7 +52,6 @@ _CONSUMER_REGISTERS = 232
 # A consumer warpgroup (128 threads) holds its accumulator in registers: at
 # most 192 float32 per thread, leaving room for addresses and the epilogue.
 _MAX_ACC_ELEMENTS = 128 * 192
-# TMA needs 16-byte aligned global strides.
 # Shared-memory tiles are swizzled in 128-byte rows, (8 rows, 128 bytes) per
 # tile. A TMA into the tiled view addresses the global array through that
 # tiling, so its two minor dimensions must be multiples of (8, 128 bytes);
