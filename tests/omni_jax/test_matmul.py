@@ -284,6 +284,13 @@ def test_fp8_scale_must_be_scalar():
         omni_jax.matmul(a, b, b_scale=jnp.ones((16,)))
 
 
+def test_fp8_gradients_are_refused():
+    a = jnp.ones((8, 16), E4M3)
+    b = jnp.ones((16, 16), E4M3)
+    with pytest.raises(TypeError, match="gradients through fp8"):
+        jax.grad(lambda a: omni_jax.matmul(a, b, out_dtype=F32).sum())(a)
+
+
 def test_kernel_that_cannot_serve_says_why():
     _skip_if_missing("mosaic")
     a = jnp.ones((8, 64), BF16)
