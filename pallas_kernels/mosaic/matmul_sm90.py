@@ -71,7 +71,9 @@ class MatmulConfig:
     tile_n)`` CTA tile and share one ring of operand stages. ``pingpong``: each
     consumer takes every other ``tile_m x tile_n`` tile of the CTA with a ring of
     its own; the producer fills the rings in tile order, so one consumer's main
-    loop runs while the other's epilogue does.
+    loop runs while the other's epilogue does. ``cluster_n=2`` pairs CTAs on
+    neighbouring tiles of one tile row: they multicast the A block they share,
+    halving its traffic from L2.
     ``stages`` K steps are buffered in shared memory; ``wgmma_in_flight`` (0 or 1)
     products may still run while a consumer waits for the next step.
     ``group_m`` CTA rows of tiles form one band of the grouped order.
@@ -88,6 +90,7 @@ class MatmulConfig:
     group_m: int = 8
     wgmma_in_flight: int = 1
     pingpong: bool = False
+    cluster_n: int = 1
     num_programs: int | None = None
 
     @property
@@ -145,6 +148,8 @@ class MatmulConfig:
                 )
         if self.wgmma_in_flight not in (0, 1):
             raise ValueError(f"wgmma_in_flight must be 0 or 1; got {self}")
+        if self.cluster_n not in (1, 2):
+            raise ValueError(f"cluster_n must be 1 or 2; got {self}")
         if self.tile_m % self.epilogue_tile_m or self.tile_n % self.epilogue_tile_n:
             raise ValueError(f"epilogue tile must divide (tile_m, tile_n); got {self}")
         if self.smem_bytes(problem.in_dtype, problem.out_dtype) > SMEM_BYTES:
@@ -299,17 +304,22 @@ def _kernel(
     c = config
     cta_m = c.cta_tile_m
     m_tiles = pl.cdiv(p.m, cta_m)
-    n_tiles = pl.cdiv(p.n, c.tile_n)
+    # The grid walks groups of cluster_n neighbouring tiles of one tile row (a
+    # cluster's CTAs take one each); with an odd count the last CTA's tile lies
+    # past N, where TMA loads zeros and stores nothing.
+    n_groups = pl.cdiv(pl.cdiv(p.n, c.tile_n), c.cluster_n)
     k_iters = pl.cdiv(p.k, c.tile_k)
-    num_tiles = p.batch * m_tiles * n_tiles
+    num_tiles = p.batch * m_tiles * n_groups
+    multicast = "cluster" if c.cluster_n > 1 else None
     epi_m, epi_n = c.epilogue_tile_m, c.epilogue_tile_n
     a_block = (c.tile_k, c.tile_m) if p.transpose_a else (c.tile_m, c.tile_k)
     b_block = (c.tile_n, c.tile_k) if p.transpose_b else (c.tile_k, c.tile_n)
 
     def tile_coords(lin):
         """(batch index of a, b, vectors, out; m offset; n offset) of linear tile ``lin``."""
-        bi = lin // (m_tiles * n_tiles)
-        mi, ni = grouped_tile(lin % (m_tiles * n_tiles), m_tiles, n_tiles, c.group_m)
+        bi = lin // (m_tiles * n_groups)
+        mi, gi = grouped_tile(lin % (m_tiles * n_groups), m_tiles, n_groups, c.group_m)
+        ni = gi * c.cluster_n + (lax.axis_index("cluster") if multicast else 0)
         idx = (
             operand_batch_index(bi, p.batch_shape, p.a_batch),
             operand_batch_index(bi, p.batch_shape, p.b_batch),
@@ -357,8 +367,11 @@ def _kernel(
                         plgpu.barrier_wait(empty.at[bar])
 
                     for part in range(c.parts):
+                        # With a cluster, both CTAs issue this copy of their shared
+                        # A block; each loads half and multicasts it to both.
                         plgpu.copy_gmem_to_smem(
-                            a_tile(ai, m0, ki, part), a_tma.at[ring, slot, part], full.at[bar]
+                            a_tile(ai, m0, ki, part), a_tma.at[ring, slot, part], full.at[bar],
+                            collective_axes=multicast,
                         )
                     plgpu.copy_gmem_to_smem(
                         b_tile(bi, n0, ki), b_tma.at[ring, slot], full.at[bar]
@@ -470,8 +483,16 @@ def _kernel(
         vec_smem=plgpu.SMEM((c.num_consumers, max(1, len(vec_gmems)), c.tile_n), jnp.float32),
         # Per (ring, stage). full: one TMA arrival per A block and one for B.
         full=plgpu.Barrier(num_arrivals=c.parts + 1, num_barriers=c.rings * c.stages),
-        # empty: one arrival per consumer warpgroup that reads the stage.
-        empty=plgpu.Barrier(num_arrivals=c.parts, num_barriers=c.rings * c.stages),
+        # empty: one arrival per consumer warpgroup that reads the stage, in
+        # every CTA of the cluster (a multicast writes the stage in all of them).
+        empty=(
+            plgpu.ClusterBarrier(
+                collective_axes=(multicast,), num_arrivals=c.parts,
+                num_barriers=c.rings * c.stages,
+            )
+            if multicast
+            else plgpu.Barrier(num_arrivals=c.parts, num_barriers=c.rings * c.stages)
+        ),
         vec_bar=plgpu.Barrier(num_arrivals=max(1, len(vec_gmems)), num_barriers=c.num_consumers),
         collective_axes="wg",
     )
@@ -484,13 +505,14 @@ def _num_sms() -> int:
 
 
 def _num_programs(config: MatmulConfig, num_tiles: int) -> int:
+    """Persistent CTA clusters: one CTA per SM, at most one cluster per tile group."""
     if config.num_programs is not None:
         programs = config.num_programs
     elif runtime.interpret_requested():
-        programs = 2  # enough to exercise the persistent loop, cheap to interpret
+        programs = 2 * config.cluster_n  # exercises the persistent loop, cheap to interpret
     else:
         programs = _num_sms()
-    return max(1, min(programs, num_tiles))
+    return max(1, min(programs // config.cluster_n, num_tiles))
 
 
 def matmul(
@@ -532,8 +554,10 @@ def matmul(
         p.m, p.n, p.k, p.in_dtype, p.out_dtype, batch=p.batch, num_sms=_num_sms()
     )
     config.check(p)
-    num_tiles = p.batch * pl.cdiv(p.m, config.cta_tile_m) * pl.cdiv(p.n, config.tile_n)
-    num_programs = _num_programs(config, num_tiles)
+    n_groups = pl.cdiv(pl.cdiv(p.n, config.tile_n), config.cluster_n)
+    num_tiles = p.batch * pl.cdiv(p.m, config.cta_tile_m) * n_groups
+    num_programs = _num_programs(config, num_tiles)  # clusters, when cluster_n > 1
+    cluster = dict(cluster=(config.cluster_n,), cluster_names=("cluster",))
     interpret = runtime.mosaic_interpret_params()
     if interpret is not None:
         interpret = compat.tma_faithful_interpret_params(interpret)
@@ -550,6 +574,7 @@ def matmul(
         jax.ShapeDtypeStruct((p.batch, p.m, p.n), out_dtype),
         grid=(num_programs,),
         grid_names=("sm",),
+        **(cluster if config.cluster_n > 1 else {}),
         num_threads=config.num_consumers + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
@@ -584,25 +609,32 @@ def autotune(
 ) -> tuple[MatmulConfig, dict[MatmulConfig, float]]:
     """Times ``candidates`` (default: `config_candidates`) on the device; caches the winner.
 
-    ``kwargs`` are `matmul`'s keywords. Returns the fastest config and the median
-    milliseconds of every candidate that built; configs that fail to build (for
-    example out of shared memory on this device) are skipped. Later `matmul` calls
-    with the same sizes, layouts and dtypes use the winner.
+    ``kwargs`` are `matmul`'s keywords. Each candidate's result is first checked
+    against XLA's; candidates that fail to build (for example out of shared
+    memory on this device) or compute something else are skipped. Returns the
+    fastest config and the median milliseconds of every candidate kept. Later
+    `matmul` calls with the same sizes, layouts and dtypes use the winner.
     """
     from benchmarks.timing import bench
+    from omni_jax.matmul import xla
 
     out_dtype = jnp.dtype(kwargs.get("out_dtype") or a.dtype)
     if candidates is None:
         candidates = config_candidates(a.dtype, out_dtype)
+    expected = xla.matmul(a, b, scale, bias, **{**kwargs, "out_dtype": jnp.float32})
+    tolerance = 4 * max(float(jnp.finfo(out_dtype).eps), 1e-3) * float(jnp.linalg.norm(expected))
     timings: dict[MatmulConfig, float] = {}
     for config in candidates:
         fn = jax.jit(functools.partial(matmul, config=config, **kwargs))
         try:
-            timings[config] = bench(fn, [(a, b, scale, bias)], samples=samples)
+            out = fn(a, b, scale, bias).astype(jnp.float32)
         except Exception:  # noqa: BLE001 - a config that does not build is no candidate
             continue
+        if not float(jnp.linalg.norm(out - expected)) <= tolerance:
+            continue  # wrong (or NaN) results: never a winner
+        timings[config] = bench(fn, [(a, b, scale, bias)], samples=samples)
     if not timings:
-        raise ValueError("autotune: no candidate config built for this problem")
+        raise ValueError("autotune: no candidate config built and matched XLA for this problem")
     best = min(timings, key=timings.get)
     p = problem_of(
         a, b, scale, bias,
@@ -643,6 +675,18 @@ def config_candidates(in_dtype, out_dtype) -> list[MatmulConfig]:
             if config.smem_bytes(in_dtype, out_dtype) <= SMEM_BYTES:
                 configs += [dataclasses.replace(config, group_m=g) for g in (8, 16)]
                 break
+    # A multicast across CTA pairs, for 128x128 tiles with the deepest ring of
+    # each schedule.
+    deepest: dict[bool, MatmulConfig] = {}
+    for config in configs:
+        if (config.tile_m, config.tile_n, config.group_m, config.wgmma_in_flight) != (
+            128, 128, 8, 1
+        ):
+            continue
+        best = deepest.get(config.pingpong)
+        if best is None or config.stages > best.stages:
+            deepest[config.pingpong] = config
+    configs += [dataclasses.replace(config, cluster_n=2) for config in deepest.values()]
     return configs
 
 

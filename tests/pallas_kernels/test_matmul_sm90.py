@@ -69,20 +69,27 @@ def test_bad_configs_are_refused(change, message):
         dataclasses.replace(sm90.MatmulConfig(), **change).check(problem)
 
 
-@pytest.mark.parametrize("m,transpose_a,transpose_b,wgmma_in_flight,consumers,pingpong", [
-    (136, False, False, 1, 1, False), (192, True, True, 0, 1, False),
-    (192, True, False, 1, 2, False), (136, False, True, 1, 2, True),
-    (192, True, False, 0, 2, True)])
-def test_shallow_ring_wraps_across_tiles(m, transpose_a, transpose_b, wgmma_in_flight,
-                                         consumers, pingpong):
+@pytest.mark.parametrize(
+    "m,n,transpose_a,transpose_b,wgmma_in_flight,consumers,pingpong,cluster_n", [
+        (136, 192, False, False, 1, 1, False, 1), (192, 192, True, True, 0, 1, False, 1),
+        (192, 192, True, False, 1, 2, False, 1), (136, 192, False, True, 1, 2, True, 1),
+        (192, 192, True, False, 0, 2, True, 1),
+        # 3 N tiles in clusters of 2: the last cluster's second CTA computes past N
+        (136, 320, False, False, 1, 2, False, 2), (192, 320, True, True, 1, 2, True, 2),
+    ])
+def test_shallow_ring_wraps_across_tiles(m, n, transpose_a, transpose_b, wgmma_in_flight,
+                                         consumers, pingpong, cluster_n):
     """2 stages, 5 K steps per tile, several tiles per persistent CTA: every slot's
     barriers flip phase many times, also mid-tile, and the epilogue of one tile
-    overlaps the next tile's loads (pingpong: each consumer's ring on its own)."""
-    n, k = 192, 320
+    overlaps the next tile's loads (pingpong: each consumer's ring on its own;
+    clusters: A multicast to both CTAs, slots freed by both CTAs' consumers)."""
+    if cluster_n > 1 and not ON_GPU:
+        pytest.skip("the Mosaic-GPU interpreter has no cluster barriers")
+    k = 320
     config = sm90.MatmulConfig(tile_m=64, tile_n=128, tile_k=64, stages=2,
                                num_consumers=consumers, group_m=2,
                                wgmma_in_flight=wgmma_in_flight, pingpong=pingpong,
-                               num_programs=2)
+                               cluster_n=cluster_n, num_programs=2 * cluster_n)
     a, b, bias, seed = random_operands(m, n, k, BF16, transpose_a=transpose_a,
                                        transpose_b=transpose_b, batch=(1,))
     out = sm90.matmul(a, b, None, bias[None], transpose_a=transpose_a,
