@@ -161,6 +161,13 @@ def matmul(
     Returns ``(*batch_shape, M, N)``. Validation of user input lives in ``omni_jax.matmul``.
     """
     out_dtype = jnp.dtype(out_dtype or a.dtype)
+    if jnp.dtype(a.dtype) in _FP8_DTYPES:
+        # Hopper's fp8 MMA reads K-major operands only; rather than rely on the
+        # compiler's handling of other layouts, transpose them once in XLA.
+        if transpose_a:
+            a, transpose_a = jnp.swapaxes(a, -1, -2), False
+        if not transpose_b:
+            b, transpose_b = jnp.swapaxes(b, -1, -2), True
     p = problem_of(
         a, b, scale, bias,
         transpose_a=transpose_a, transpose_b=transpose_b,
