@@ -66,7 +66,7 @@ def _check(implementation, m, n, k, dtype, *, transpose_a=False, transpose_b=Fal
 
 # ------------------------------------------------------------------------- XLA: every combination
 
-@pytest.mark.parametrize("m,n,k", [(1, 1, 1), (5, 3, 7), (33, 65, 17)])
+@pytest.mark.parametrize("m,n,k", [(1, 1, 1), (33, 65, 17)])
 @pytest.mark.parametrize("transpose_a,transpose_b", [(False, False), (True, False),
                                                      (False, True), (True, True)])
 @pytest.mark.parametrize("dtype", [F32, BF16, F16])

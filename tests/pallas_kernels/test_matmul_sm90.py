@@ -115,8 +115,19 @@ def test_lowers_for_cuda(case, _compiling):
     assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("config", sm90.config_candidates(BF16, BF16), ids=str)
-def test_every_candidate_lowers_for_cuda(config, _compiling):
+def _distinct_kernels(configs):
+    """One config per kernel variant (tile shape, schedule, cluster, wgmma depth)."""
+    seen = {}
+    for config in configs:
+        key = (config.tile_m, config.tile_n, config.pingpong, config.cluster_n,
+               config.wgmma_in_flight)
+        seen.setdefault(key, config)
+    return list(seen.values())
+
+
+@pytest.mark.parametrize("config", _distinct_kernels(sm90.config_candidates(BF16, BF16)),
+                         ids=str)
+def test_candidate_variants_lower_for_cuda(config, _compiling):
     text = lower_gemm_for_cuda(sm90, 1088, 1024, 1536, BF16, activation="gelu", config=config)
     assert "mosaic_gpu" in text
 
