@@ -192,7 +192,8 @@ def _override_config(suite: str, args_set: tuple, fields: list[str]) -> str:
     p = problem_of(a, b, scale, bias, transpose_a=False,
                    transpose_b=kwargs.get("transpose_b", False),
                    activation=kwargs.get("activation"), out_dtype=out_dtype)
-    config = matmul_sm90.default_config(p.m, p.n, p.k, p.in_dtype, p.out_dtype)
+    vectors = int(p.has_scale) + int(p.has_bias)
+    config = matmul_sm90.default_config(p.m, p.n, p.k, p.in_dtype, p.out_dtype, vectors=vectors)
     changes = {}
     for field in fields:
         name, value = field.split("=")
@@ -200,7 +201,7 @@ def _override_config(suite: str, args_set: tuple, fields: list[str]) -> str:
         changes[name] = bool(int(value)) if isinstance(current, bool) else int(value)
     config = dataclasses.replace(config, **changes)
     while ("stages" not in changes and config.stages > 2
-           and config.smem_bytes(p.in_dtype, p.out_dtype) > matmul_sm90.SMEM_BYTES):
+           and config.smem_bytes(p.in_dtype, p.out_dtype, vectors) > matmul_sm90.SMEM_BYTES):
         config = dataclasses.replace(config, stages=config.stages - 1)  # deepest that fits
     matmul_sm90._TUNED[matmul_sm90.tuning_key(p)] = config
     return f"config {config}"

@@ -108,16 +108,16 @@ class MatmulConfig:
         """Rows of the tiles the grid walks."""
         return self.parts * self.tile_m
 
-    def smem_bytes(self, in_dtype, out_dtype) -> int:
-        """Shared memory the kernel allocates with this config."""
+    def smem_bytes(self, in_dtype, out_dtype, vectors: int = 0) -> int:
+        """Shared memory the kernel allocates with this config and ``vectors`` epilogue
+        vectors (scale, bias)."""
         in_bytes = jnp.dtype(in_dtype).itemsize
         ring = self.rings * self.stages * (self.cta_tile_m + self.tile_n) * self.tile_k * in_bytes
         out = (
             self.num_consumers * 2 * self.epilogue_tile_m * self.epilogue_tile_n
             * jnp.dtype(out_dtype).itemsize
         )
-        vectors = self.num_consumers * 2 * self.tile_n * 4
-        return ring + out + vectors
+        return ring + out + self.num_consumers * vectors * self.tile_n * 4
 
     def check(self, problem: GemmProblem) -> None:
         """Raises ValueError when this config cannot run ``problem``."""
@@ -152,27 +152,35 @@ class MatmulConfig:
             raise ValueError(f"cluster_n must be 1 or 2; got {self}")
         if self.tile_m % self.epilogue_tile_m or self.tile_n % self.epilogue_tile_n:
             raise ValueError(f"epilogue tile must divide (tile_m, tile_n); got {self}")
-        if self.smem_bytes(problem.in_dtype, problem.out_dtype) > SMEM_BYTES:
+        needed = self.smem_bytes(problem.in_dtype, problem.out_dtype, _vectors(problem))
+        if needed > SMEM_BYTES:
             raise ValueError(
-                f"config needs {self.smem_bytes(problem.in_dtype, problem.out_dtype)} bytes of"
-                f" shared memory, more than {SMEM_BYTES}: {self}"
+                f"config needs {needed} bytes of shared memory, more than {SMEM_BYTES}: {self}"
             )
 
 
 # Warpgroup tiles the defaults choose from, with the relative mainloop efficiency
-# of their CTA tile (operand bytes per MAC: bigger tiles reuse more).
-_DEFAULT_TILES = (((128, 128), 1.0), ((64, 256), 1.0), ((64, 128), 0.9), ((64, 64), 0.75))
+# of their CTA tile (operand bytes per MAC: bigger tiles reuse more). 64x256
+# warpgroup tiles (a 128x256 CTA tile, as CUTLASS's Hopper GEMMs) issue the
+# widest wgmma, which reads the fewest shared-memory bytes per product.
+_DEFAULT_TILES = (((64, 256), 1.0), ((128, 128), 1.0), ((64, 128), 0.9), ((64, 64), 0.75))
 H100_SMS = 132
 
 
+def _vectors(problem: GemmProblem) -> int:
+    return int(problem.has_scale) + int(problem.has_bias)
+
+
 def default_config(
-    m: int, n: int, k: int, in_dtype, out_dtype, *, batch: int = 1, num_sms: int = H100_SMS
+    m: int, n: int, k: int, in_dtype, out_dtype, *, vectors: int = 0, batch: int = 1,
+    num_sms: int = H100_SMS,
 ) -> MatmulConfig:
     """Defaults per shape class, with the deepest ring that fits in shared memory.
 
-    Big outputs take 256x128 CTA tiles (two 128x128 warpgroup tiles). Otherwise
+    Big outputs take 128x256 CTA tiles (two 64x256 warpgroup tiles). Otherwise
     the CTA tile is the one that best fills the last wave of ``num_sms``
     persistent CTAs, weighed against a smaller tile's lower operand reuse.
+    ``vectors`` counts the epilogue's scale and bias vectors.
     """
     del k
     tile_k = 128 // jnp.dtype(in_dtype).itemsize  # one 128-byte swizzle span
@@ -182,15 +190,14 @@ def default_config(
         tiles = batch * pl.cdiv(m, 2 * tile_m) * pl.cdiv(n, tile_n)
         return efficiency * tiles / (pl.cdiv(tiles, num_sms) * num_sms)
 
-    # Ties go to the earlier tile: 128x128 warpgroup tiles leave room for a deeper ring.
-    (tile_m, tile_n), _ = max(_DEFAULT_TILES, key=score)
+    (tile_m, tile_n), _ = max(_DEFAULT_TILES, key=score)  # ties: the earlier tile
     base = MatmulConfig(
         tile_m=tile_m, tile_n=tile_n, tile_k=tile_k,
         epilogue_tile_n=_SWIZZLE_BYTES // jnp.dtype(out_dtype).itemsize,
     )
     for stages in range(6, 1, -1):
         config = dataclasses.replace(base, stages=stages)
-        if config.smem_bytes(in_dtype, out_dtype) <= SMEM_BYTES:
+        if config.smem_bytes(in_dtype, out_dtype, vectors) <= SMEM_BYTES:
             return config
     return dataclasses.replace(base, stages=2)
 
@@ -480,7 +487,10 @@ def _kernel(
         a_buf=_staging((c.rings, c.stages, c.parts, *a_block), p.in_dtype, untiled_tma["a"]),
         b_buf=_staging((c.rings, c.stages, *b_block), p.in_dtype, untiled_tma["b"]),
         out_buf=_staging((c.num_consumers, 2, epi_m, epi_n), p.out_dtype, untiled_tma["out"]),
-        vec_smem=plgpu.SMEM((c.num_consumers, max(1, len(vec_gmems)), c.tile_n), jnp.float32),
+        vec_smem=plgpu.SMEM(
+            (c.num_consumers, len(vec_gmems), c.tile_n) if vec_gmems else (1, 1, 16),
+            jnp.float32,
+        ),
         # Per (ring, stage). full: one TMA arrival per A block and one for B.
         full=plgpu.Barrier(num_arrivals=c.parts + 1, num_barriers=c.rings * c.stages),
         # empty: one arrival per consumer warpgroup that reads the stage, in
@@ -551,7 +561,8 @@ def matmul(
     if reason is not None:
         raise ValueError(reason)
     config = config or _TUNED.get(tuning_key(p)) or default_config(
-        p.m, p.n, p.k, p.in_dtype, p.out_dtype, batch=p.batch, num_sms=_num_sms()
+        p.m, p.n, p.k, p.in_dtype, p.out_dtype, vectors=_vectors(p), batch=p.batch,
+        num_sms=_num_sms(),
     )
     config.check(p)
     n_groups = pl.cdiv(pl.cdiv(p.n, config.tile_n), config.cluster_n)
@@ -620,7 +631,8 @@ def autotune(
 
     out_dtype = jnp.dtype(kwargs.get("out_dtype") or a.dtype)
     if candidates is None:
-        candidates = config_candidates(a.dtype, out_dtype)
+        vectors = int(scale is not None) + int(bias is not None)
+        candidates = config_candidates(a.dtype, out_dtype, vectors)
     expected = xla.matmul(a, b, scale, bias, **{**kwargs, "out_dtype": jnp.float32})
     tolerance = 4 * max(float(jnp.finfo(out_dtype).eps), 1e-3) * float(jnp.linalg.norm(expected))
     timings: dict[MatmulConfig, float] = {}
@@ -646,7 +658,7 @@ def autotune(
     return best, timings
 
 
-def config_candidates(in_dtype, out_dtype) -> list[MatmulConfig]:
+def config_candidates(in_dtype, out_dtype, vectors: int = 0) -> list[MatmulConfig]:
     """The autotuning search space: warpgroup tiles x the two deepest rings x grouping,
     cooperative and pingpong."""
     tile_k = 128 // jnp.dtype(in_dtype).itemsize
@@ -659,7 +671,7 @@ def config_candidates(in_dtype, out_dtype) -> list[MatmulConfig]:
         fitting = [
             dataclasses.replace(base, stages=stages)
             for stages in range(8, 1, -1)
-            if dataclasses.replace(base, stages=stages).smem_bytes(in_dtype, out_dtype)
+            if dataclasses.replace(base, stages=stages).smem_bytes(in_dtype, out_dtype, vectors)
             <= SMEM_BYTES
         ]
         for config in fitting[:2]:
@@ -672,7 +684,7 @@ def config_candidates(in_dtype, out_dtype) -> list[MatmulConfig]:
         )
         for stages in range(6, 1, -1):
             config = dataclasses.replace(pingpong, stages=stages)
-            if config.smem_bytes(in_dtype, out_dtype) <= SMEM_BYTES:
+            if config.smem_bytes(in_dtype, out_dtype, vectors) <= SMEM_BYTES:
                 configs += [dataclasses.replace(config, group_m=g) for g in (8, 16)]
                 break
     # A multicast across CTA pairs, for 128x128 tiles with the deepest ring of
