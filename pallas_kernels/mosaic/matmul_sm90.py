@@ -188,9 +188,11 @@ def default_config(
     def score(choice):
         (tile_m, tile_n), efficiency = choice
         tiles = batch * pl.cdiv(m, 2 * tile_m) * pl.cdiv(n, tile_n)
-        return efficiency * tiles / (pl.cdiv(tiles, num_sms) * num_sms)
+        filled = efficiency * tiles / (pl.cdiv(tiles, num_sms) * num_sms)
+        # Ties (a single partial wave): the tile that computes the least padding.
+        return filled, -tiles * 2 * tile_m * tile_n
 
-    (tile_m, tile_n), _ = max(_DEFAULT_TILES, key=score)  # ties: the earlier tile
+    (tile_m, tile_n), _ = max(_DEFAULT_TILES, key=score)  # then: the earlier tile
     base = MatmulConfig(
         tile_m=tile_m, tile_n=tile_n, tile_k=tile_k,
         epilogue_tile_n=_SWIZZLE_BYTES // jnp.dtype(out_dtype).itemsize,
