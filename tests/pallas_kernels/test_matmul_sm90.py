@@ -125,7 +125,8 @@ def _distinct_kernels(configs):
     return list(seen.values())
 
 
-@pytest.mark.parametrize("config", _distinct_kernels(sm90.config_candidates(BF16, BF16)),
+# (lowered with both epilogue vectors, scale and bias)
+@pytest.mark.parametrize("config", _distinct_kernels(sm90.config_candidates(BF16, BF16, 2)),
                          ids=str)
 def test_candidate_variants_lower_for_cuda(config, _compiling):
     text = lower_gemm_for_cuda(sm90, 1088, 1024, 1536, BF16, activation="gelu", config=config)
@@ -134,7 +135,7 @@ def test_candidate_variants_lower_for_cuda(config, _compiling):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("config", sm90.config_candidates(BF16, BF16), ids=str)
+@pytest.mark.parametrize("config", sm90.config_candidates(BF16, BF16, vectors=1), ids=str)
 def test_gpu_every_candidate_is_correct(config):
     """Each autotuning candidate computes the right thing (tails in M, N and K)."""
     m, n, k = 1000, 832, 1088
