@@ -1,0 +1,313 @@
+"""GEMM: omni_jax.matmul's kernels beside cuBLAS (``jnp.dot``) and JAX's Hopper Pallas GEMM.
+
+    python -m benchmarks.matmul                      # H100: bf16 sweep, fused epilogue, fp8
+    python -m benchmarks.matmul --suites sweep --autotune   # tune each shape first
+    python -m benchmarks.matmul --impls mosaic --mosaic-config pingpong=1 stages=3
+    python -m benchmarks.matmul --tiny               # CPU smoke test (XLA rows only)
+
+Suites (every row of a case is timed on the same inputs):
+  sweep     bf16 (M, N, K) from 1024 to 16384 per side, plain ``C = A @ B``; a
+            geometric-mean row per implementation closes the sweep.
+  epilogue  ``gelu(A @ B + bias)``: the baseline is ``jnp.dot`` followed by XLA's
+            fused bias + gelu; ours fuse it into the GEMM's epilogue.
+  fp8       e4m3 operands (A as (M, K), B as (N, K)) with per-tensor scales, bf16
+            out; the baseline is XLA's scaled fp8 dot (cuBLASLt).
+
+``ratio`` = the baseline's ms / this row's ms (above 1: faster than the baseline).
+TFLOP/s counts 2 * M * N * K.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+
+import omni_jax
+from benchmarks.timing import bench, tflops
+from omni_jax.matmul import implementations
+
+BASELINE = "cublas"
+OURS = ("mosaic", "triton", "xla")
+PEERS = ("cublas", "jax_hopper_mgpu")
+SUITES = ("sweep", "epilogue", "fp8")
+
+SWEEP = (
+    (1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192),
+    (16384, 16384, 16384), (4096, 8192, 4096), (8192, 4096, 8192), (2048, 8192, 2048),
+    (8192, 2048, 8192), (16384, 4096, 14336), (16384, 14336, 4096), (16384, 8192, 1024),
+    (1024, 16384, 4096), (4096, 16384, 2048),
+)
+EPILOGUE = ((4096, 8192, 4096), (8192, 8192, 8192), (16384, 14336, 4096))
+FP8 = ((8192, 8192, 8192), (4096, 8192, 4096))
+TINY = {"sweep": ((64, 64, 64), (96, 128, 64)), "epilogue": ((64, 128, 64),),
+        "fp8": ((64, 64, 64),)}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--suites", nargs="+", choices=SUITES, default=list(SUITES))
+    parser.add_argument("--impls", nargs="+", choices=OURS + PEERS,
+                        default=["mosaic", "triton", *PEERS])
+    parser.add_argument("--shapes", nargs="+", metavar="M,N,K",
+                        help="replace every suite's shapes by these")
+    parser.add_argument("--autotune", action="store_true",
+                        help="autotune the Mosaic kernel on each shape before timing it")
+    parser.add_argument("--mosaic-config", nargs="+", metavar="FIELD=VALUE", default=[],
+                        help="override fields of the Mosaic kernel's default config, e.g."
+                             " pingpong=1 stages=3 tile_m=64 tile_n=256")
+    parser.add_argument("--tiny", action="store_true",
+                        help="tiny shapes for a CPU smoke test")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--samples", type=int, default=10)
+    parser.add_argument("--inner", type=int, default=5)
+    parser.add_argument("--markdown", action="store_true", help="print a markdown table")
+
+
+# ---------------------------------------------------------------------------------- inputs
+
+
+def _inputs(suite: str, m: int, n: int, k: int, seed: int) -> tuple:
+    """(a, b, bias, a_scale, b_scale); fp8 keeps B as (N, K), its K-major layout."""
+    ka, kb, kc = jax.random.split(jax.random.key(seed), 3)
+    if suite == "fp8":
+        a = jax.random.normal(ka, (m, k), jnp.float32).astype(jnp.float8_e4m3fn)
+        b = jax.random.normal(kb, (n, k), jnp.float32).astype(jnp.float8_e4m3fn)
+        return a, b, None, jnp.float32(0.5), jnp.float32(2.0)
+    a = jax.random.normal(ka, (m, k), jnp.bfloat16)
+    b = jax.random.normal(kb, (k, n), jnp.bfloat16)
+    bias = jax.random.normal(kc, (n,), jnp.bfloat16) if suite == "epilogue" else None
+    return a, b, bias, None, None
+
+
+# ------------------------------------------------------------------------- implementations
+
+
+def _ours(suite: str, impl: str):
+    if suite == "fp8":
+        return lambda a, b, bias, sa, sb: omni_jax.matmul(
+            a, b, transpose_b=True, a_scale=sa, b_scale=sb, out_dtype=jnp.bfloat16,
+            implementation=impl)
+    activation = "gelu_tanh" if suite == "epilogue" else None
+    return lambda a, b, bias, sa, sb: omni_jax.matmul(
+        a, b, bias=bias, activation=activation, implementation=impl)
+
+
+def _cublas(suite: str):
+    if suite == "fp8":
+        def scaled_fp8_dot(a, b, bias, sa, sb):
+            out = jnp.dot(a, b.T, preferred_element_type=jnp.float32) * (sa * sb)
+            return out.astype(jnp.bfloat16)
+        return scaled_fp8_dot
+    if suite == "epilogue":
+        return lambda a, b, bias, sa, sb: jax.nn.gelu(jnp.dot(a, b) + bias)
+    return lambda a, b, bias, sa, sb: jnp.dot(a, b)
+
+
+@functools.cache
+def _jax_hopper_module():
+    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu
+
+    return hopper_matmul_mgpu
+
+
+def _jax_hopper(m: int, n: int, k: int):
+    """JAX's own Hopper Pallas GEMM (128x128 warpgroup tiles, as its docs tune it)."""
+    module = _jax_hopper_module()
+    fields = {f.name for f in dataclasses.fields(module.TuningConfig)}
+    config = dict(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4,
+                  grid_minor_dim=module.MatmulDimension.N, grid_tile_width=8)
+    config = module.TuningConfig(**{key: v for key, v in config.items() if key in fields})
+    if hasattr(module, "matmul"):
+        return lambda a, b, bias, sa, sb: module.matmul(a, b, None, config)
+    return lambda a, b, bias, sa, sb: module.matmul_kernel(a, b, config)
+
+
+def _skip_reason(impl: str, suite: str, m: int, n: int, k: int) -> str | None:
+    if impl == BASELINE:
+        return None
+    if impl == "jax_hopper_mgpu":
+        if suite != "sweep":
+            return "skipped: no fused epilogue / fp8 in JAX's Hopper GEMM"
+        if jax.default_backend() != "gpu" or implementations.unavailable_reason("mosaic"):
+            return "skipped: needs an sm90 GPU"
+        try:
+            _jax_hopper_module()
+        except ImportError as error:
+            return f"skipped: not importable ({error})"
+        if m % 256 or n % 128 or k % 64:
+            return "skipped: needs M % 256, N % 128, K % 64 == 0"
+        return None
+    reason = implementations.unavailable_reason(impl)
+    if reason is None and impl != "xla" and jax.default_backend() != "gpu":
+        reason = "runs interpreted here: too slow to time"
+    return None if reason is None else f"skipped: {reason}"
+
+
+def _function(impl: str, suite: str, m: int, n: int, k: int):
+    if impl == BASELINE:
+        return _cublas(suite)
+    if impl == "jax_hopper_mgpu":
+        return _jax_hopper(m, n, k)
+    return _ours(suite, impl)
+
+
+def _note(impl: str, suite: str) -> str:
+    if impl == BASELINE:
+        where = "cuBLAS" if jax.default_backend() == "gpu" else f"XLA on {jax.default_backend()}"
+        return {"sweep": f"jnp.dot ({where})",
+                "epilogue": f"jnp.dot ({where}) + XLA fused bias+gelu",
+                "fp8": f"XLA scaled fp8 dot ({where})"}[suite]
+    if impl == "jax_hopper_mgpu":
+        return "jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu, 128x128 tiles"
+    return {"sweep": "omni_jax.matmul", "epilogue": "omni_jax.matmul, fused bias+gelu",
+            "fp8": "omni_jax.matmul, fp8 e4m3 with scales"}[suite]
+
+
+def _mosaic_kwargs(suite: str, args_set: tuple) -> tuple:
+    """(a, b, scale, bias, kwargs) as `omni_jax.matmul` hands them to the Mosaic kernel."""
+    a, b, bias, sa, sb = args_set
+    kwargs = dict(transpose_b=True) if suite == "fp8" else {}
+    if suite == "epilogue":
+        kwargs["activation"] = "gelu_tanh"
+    scale = None
+    if suite == "fp8":
+        scale = jnp.broadcast_to(sa * sb, (b.shape[0],)).astype(jnp.float32)
+        kwargs["out_dtype"] = jnp.bfloat16
+    bias = None if bias is None else bias.astype(jnp.float32)
+    return a, b, scale, bias, kwargs
+
+
+def _override_config(suite: str, args_set: tuple, fields: list[str]) -> str:
+    """Installs the default config with ``fields`` changed as this shape's tuned config."""
+    from pallas_kernels.matmul_common import problem_of
+    from pallas_kernels.mosaic import matmul_sm90
+
+    a, b, scale, bias, kwargs = _mosaic_kwargs(suite, args_set)
+    out_dtype = jnp.dtype(kwargs.get("out_dtype") or a.dtype)
+    p = problem_of(a, b, scale, bias, transpose_a=False,
+                   transpose_b=kwargs.get("transpose_b", False),
+                   activation=kwargs.get("activation"), out_dtype=out_dtype)
+    vectors = int(p.has_scale) + int(p.has_bias)
+    config = matmul_sm90.default_config(p.m, p.n, p.k, p.in_dtype, p.out_dtype, vectors=vectors)
+    changes = {}
+    for field in fields:
+        name, value = field.split("=")
+        current = getattr(config, name)
+        changes[name] = bool(int(value)) if isinstance(current, bool) else int(value)
+    config = dataclasses.replace(config, **changes)
+    while ("stages" not in changes and config.stages > 2
+           and config.smem_bytes(p.in_dtype, p.out_dtype, vectors) > matmul_sm90.SMEM_BYTES):
+        config = dataclasses.replace(config, stages=config.stages - 1)  # deepest that fits
+    matmul_sm90._TUNED[matmul_sm90.tuning_key(p)] = config
+    return f"config {config}"
+
+
+def _autotune(suite: str, args_set: tuple) -> str:
+    """Tunes the Mosaic kernel on these inputs; returns the winner for the row's note."""
+    from pallas_kernels.mosaic import matmul_sm90
+
+    a, b, scale, bias, kwargs = _mosaic_kwargs(suite, args_set)
+    best, _ = matmul_sm90.autotune(a, b, scale, bias, **kwargs)
+    return f"tuned {best}"
+
+
+# ------------------------------------------------------------------------------------ run
+
+
+def _shapes(args: argparse.Namespace, suite: str) -> tuple:
+    if args.tiny:
+        return TINY[suite]
+    if args.shapes:
+        return tuple(tuple(int(x) for x in shape.split(",")) for shape in args.shapes)
+    return {"sweep": SWEEP, "epilogue": EPILOGUE, "fp8": FP8}[suite]
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    print(f"jax {jax.__version__}, jaxlib {jaxlib.__version__}, device {jax.devices()[0]}")
+    timing = dict(warmup=args.warmup, samples=args.samples, inner=args.inner)
+    if args.tiny:
+        timing = dict(warmup=1, samples=2, inner=1)
+    impls = list(args.impls)
+    if args.tiny and "xla" not in impls:
+        impls.append("xla")
+    impls = [BASELINE, *(impl for impl in impls if impl != BASELINE)]
+
+    rows = []
+    for suite in args.suites:
+        suite_rows = []
+        for m, n, k in _shapes(args, suite):
+            case = f"{suite} {m}x{n}x{k}"
+            arg_sets = [_inputs(suite, m, n, k, seed) for seed in range(2)]
+            case_rows = []
+            for impl in impls:
+                reason = _skip_reason(impl, suite, m, n, k)
+                if reason is not None:
+                    case_rows.append(dict(case=case, impl=impl, ms=math.nan, tflops=math.nan,
+                                          ratio=None, note=reason))
+                    continue
+                note = _note(impl, suite)
+                if impl == "mosaic" and args.mosaic_config:
+                    note += f"; {_override_config(suite, arg_sets[0], args.mosaic_config)}"
+                if args.autotune and impl == "mosaic":
+                    note += f"; {_autotune(suite, arg_sets[0])}"
+                try:
+                    ms = bench(jax.jit(_function(impl, suite, m, n, k)), arg_sets, **timing)
+                except Exception as error:  # noqa: BLE001 - a failing peer is a row, not a crash
+                    case_rows.append(dict(case=case, impl=impl, ms=math.nan, tflops=math.nan,
+                                          ratio=None, note=f"failed: {error!s:.200}"))
+                    continue
+                case_rows.append(dict(case=case, impl=impl, ms=ms,
+                                      tflops=tflops(2 * m * n * k, ms), ratio=None, note=note))
+            baseline = next(r["ms"] for r in case_rows if r["impl"] == BASELINE)
+            for row in case_rows:
+                if not math.isnan(row["ms"]):
+                    row["ratio"] = baseline / row["ms"]
+            del arg_sets
+            suite_rows += case_rows
+        rows += suite_rows + _geomean_rows(suite, suite_rows, impls)
+    return rows
+
+
+def _geomean_rows(suite: str, rows: list[dict], impls: list[str]) -> list[dict]:
+    """Geometric means of TFLOP/s and ratio per implementation over a suite's cases."""
+    out = []
+    for impl in impls:
+        timed = [r for r in rows if r["impl"] == impl and r["ratio"] is not None]
+        if not timed:
+            continue
+        ratios = [r["ratio"] for r in timed]
+        out.append(dict(
+            case=f"{suite} geomean ({len(timed)} shapes)", impl=impl, ms=math.nan,
+            tflops=math.exp(sum(math.log(r["tflops"]) for r in timed) / len(timed)),
+            ratio=math.exp(sum(math.log(x) for x in ratios) / len(ratios)),
+            note=f"min ratio {min(ratios):.3f}",
+        ))
+    return out
+
+
+def _print(rows: list[dict], markdown: bool) -> None:
+    if markdown:
+        print("| case | impl | ms | TFLOP/s | ratio | note |\n|---|---|---|---|---|---|")
+    else:
+        print(f"{'case':<30}{'impl':<17}{'ms':>9}{'TFLOP/s':>9}{'ratio':>7}  note")
+    for row in rows:
+        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.3f}"
+        ms = "-" if math.isnan(row["ms"]) else f"{row['ms']:.3f}"
+        flops = "-" if math.isnan(row["tflops"]) else f"{row['tflops']:.1f}"
+        if markdown:
+            print(f"| {row['case']} | {row['impl']} | {ms} | {flops} | {ratio} | {row['note']} |")
+        else:
+            print(f"{row['case']:<30}{row['impl']:<17}{ms:>9}{flops:>9}{ratio:>7}  {row['note']}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.matmul", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    parsed = parser.parse_args()
+    _print(run(parsed), parsed.markdown)

@@ -1,0 +1,199 @@
+"""The public ``matmul``: validation, backend choice, gradients and batching.
+
+Layering: ``matmul`` validates and picks an implementation, then calls a
+``custom_vjp`` function whose forward and backward GEMMs all go through
+``_gemm``, a ``custom_vmap`` function. Under ``jax.vmap`` the batching rule
+adds the mapped axis as a leading batch dimension of every operand (size 1
+for unmapped ones, a free reshape) and calls the implementation once: the
+kernels run the batch as a grid axis of a single launch and broadcast size-1
+operands by index arithmetic, never by copies.
+
+The backward pass reuses the forward kernel with transposed-operand layouts
+(``dA = dC B^T``, ``dB = A^T dC``); no transpose is materialised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from omni_jax.matmul import implementations
+from omni_jax.matmul import validation as check
+from pallas_kernels.matmul_common import ACTIVATIONS, problem_of
+
+Array = Any
+IMPLEMENTATIONS = check.IMPLEMENTATIONS
+
+
+def matmul(
+    a: Array,
+    b: Array,
+    *,
+    bias: Array | None = None,
+    activation: str | None = None,
+    out_dtype: Any = None,
+    transpose_a: bool = False,
+    transpose_b: bool = False,
+    a_scale: Array | None = None,
+    b_scale: Array | None = None,
+    implementation: str | None = None,
+) -> jax.Array:
+    """``activation(op(a) @ op(b) * a_scale * b_scale + bias)`` cast to ``out_dtype``.
+
+    Args:
+      a: ``(M, K)``, or ``(K, M)`` with ``transpose_a=True``.
+      b: ``(K, N)``, or ``(N, K)`` with ``transpose_b=True``.
+      bias: optional ``(N,)`` vector added to every row (in float32).
+      activation: None, "gelu" (exact, erf), "gelu_tanh", "silu" or "relu".
+      out_dtype: bfloat16, float16 or float32; default the input dtype
+        (bfloat16 for fp8 inputs).
+      transpose_a, transpose_b: read the operand transposed, without copying it.
+      a_scale, b_scale: per-tensor scales of fp8 (e4m3fn / e5m2) operands.
+      implementation: None (best for the device), "mosaic" (Hopper kernel),
+        "triton" (portable Pallas kernel) or "xla" (``jnp.dot``).
+
+    Products accumulate in float32. Differentiable (not for fp8 operands),
+    jittable, and batched by ``jax.vmap`` in one kernel launch. The default
+    implementation takes the best kernel that serves the call: the Mosaic kernel
+    needs rows of a multiple of 128 bytes in every stored array (and a multiple
+    of 8 rows for ``a`` read as (K, M) or ``b`` as (K, N)); other sizes go to the
+    Triton kernel, which takes any.
+    """
+    _, n, _ = check.check_operands(a, b, transpose_a, transpose_b)
+    fp8 = jnp.dtype(a.dtype) in check.FP8_DTYPES
+    check.check_bias(bias, n)
+    check.check_scales(a_scale, b_scale, fp8)
+    check.check_activation(activation)
+    out_dtype = check.check_out_dtype(out_dtype, a.dtype)
+    check.check_implementation(implementation)
+
+    scale = None
+    if fp8 and (a_scale is not None or b_scale is not None):
+        one = jnp.ones((), jnp.float32)
+        product = jnp.asarray(one if a_scale is None else a_scale, jnp.float32).reshape(())
+        b_factor = jnp.asarray(one if b_scale is None else b_scale, jnp.float32)
+        product = product * b_factor.reshape(())
+        scale = jnp.broadcast_to(product, (n,))
+    if bias is not None:
+        bias = jnp.asarray(bias, jnp.float32)
+
+    spec = _Spec(bool(transpose_a), bool(transpose_b), activation, out_dtype, "xla")
+    problem = spec.problem(a, b, scale, bias)
+    spec = dataclasses.replace(spec, implementation=implementations.choose(implementation, problem))
+    return _differentiable(spec)(a, b, scale, bias)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    """The static part of one GEMM call."""
+
+    transpose_a: bool
+    transpose_b: bool
+    activation: str | None
+    out_dtype: jnp.dtype
+    implementation: str
+
+    def problem(self, a, b, scale, bias):
+        return problem_of(
+            a, b, scale, bias,
+            transpose_a=self.transpose_a, transpose_b=self.transpose_b,
+            activation=self.activation, out_dtype=self.out_dtype,
+        )
+
+
+def _gemm(spec: _Spec, a, b, scale=None, bias=None) -> jax.Array:
+    """One GEMM through ``spec.implementation``, batched by vmap as a kernel grid axis."""
+    operands = [x for x in (a, b, scale, bias) if x is not None]
+    return _batchable(spec, scale is not None, bias is not None)(*operands)
+
+
+@functools.cache
+def _batchable(spec: _Spec, has_scale: bool, has_bias: bool):
+    implementation = implementations.module(spec.implementation)
+
+    @jax.custom_batching.custom_vmap
+    def gemm(a, b, *vectors):
+        vectors = list(vectors)
+        scale = vectors.pop(0) if has_scale else None
+        bias = vectors.pop(0) if has_bias else None
+        return implementation.matmul(
+            a, b, scale, bias,
+            transpose_a=spec.transpose_a, transpose_b=spec.transpose_b,
+            activation=spec.activation, out_dtype=spec.out_dtype,
+        )
+
+    @gemm.def_vmap
+    def _batched(axis_size, in_batched, *operands):
+        # Mapped operands carry the new axis first; the others get a size-1 axis
+        # there, which the implementations broadcast without copying.
+        del axis_size
+        operands = [
+            x if mapped else x[None] for x, mapped in zip(operands, in_batched, strict=True)
+        ]
+        return gemm(*operands), True
+
+    return gemm
+
+
+@functools.cache
+def _differentiable(spec: _Spec):
+    """``custom_vjp`` of the fused GEMM for one static spec."""
+
+    @jax.custom_vjp
+    def fused(a, b, scale, bias):
+        return _gemm(spec, a, b, scale, bias)
+
+    def forward(a, b, scale, bias):
+        if spec.activation is None:
+            return fused(a, b, scale, bias), (a, b, None, bias is not None)
+        # Keep the pre-activation for the activation's derivative.
+        linear = _gemm(dataclasses.replace(spec, activation=None), a, b, scale, bias)
+        out = ACTIVATIONS[spec.activation](linear.astype(jnp.float32)).astype(spec.out_dtype)
+        return out, (a, b, linear, bias is not None)
+
+    def backward(residuals, d_out):
+        a, b, linear, has_bias = residuals
+        if jnp.dtype(a.dtype) in check.FP8_DTYPES:
+            raise TypeError("matmul: gradients through fp8 operands are not supported")
+        d_linear = d_out.astype(jnp.float32)
+        if spec.activation is not None:
+            _, activation_vjp = jax.vjp(ACTIVATIONS[spec.activation], linear.astype(jnp.float32))
+            (d_linear,) = activation_vjp(d_linear)
+        d_a, d_b = _operand_gradients(spec, a, b, d_linear.astype(a.dtype))
+        d_bias = d_linear.sum(axis=0) if has_bias else None
+        return d_a, d_b, None, d_bias
+
+    fused.defvjp(forward, backward)
+    return fused
+
+
+def _operand_gradients(spec: _Spec, a, b, d_c):
+    """(dA, dB) in the stored layouts of a and b: GEMMs on a, b and dC, read transposed.
+
+    With ``op(A)`` (M, K), ``op(B)`` (K, N): ``d op(A) = dC op(B)^T`` and
+    ``d op(B) = op(A)^T dC``; each case picks the operand order and transpose
+    flags that yield the gradient directly in the layout the operand is stored in.
+    """
+    ta, tb = spec.transpose_a, spec.transpose_b
+    if ta:  # A stored (K, M): dA = op(B) dC^T
+        d_a = _backward_gemm(spec, b, d_c, transpose_a=tb, transpose_b=True, out_dtype=a.dtype)
+    else:  # dA = dC op(B)^T
+        d_a = _backward_gemm(spec, d_c, b, transpose_a=False, transpose_b=not tb, out_dtype=a.dtype)
+    if tb:  # B stored (N, K): dB = dC^T op(A)
+        d_b = _backward_gemm(spec, d_c, a, transpose_a=True, transpose_b=ta, out_dtype=b.dtype)
+    else:  # dB = op(A)^T dC
+        d_b = _backward_gemm(spec, a, d_c, transpose_a=not ta, transpose_b=False, out_dtype=b.dtype)
+    return d_a, d_b
+
+
+def _backward_gemm(spec: _Spec, x, y, *, transpose_a, transpose_b, out_dtype):
+    grad_spec = _Spec(transpose_a, transpose_b, None, jnp.dtype(out_dtype), spec.implementation)
+    problem = grad_spec.problem(x, y, None, None)
+    grad_spec = dataclasses.replace(
+        grad_spec, implementation=implementations.fallback(spec.implementation, problem)
+    )
+    return _gemm(grad_spec, x, y)

@@ -1,0 +1,88 @@
+"""The GEMM implementations and how one is chosen.
+
+Each implementation is a module with ``unsupported_reason(problem)`` and
+``matmul(a, b, scale, bias, *, transpose_a, transpose_b, activation, out_dtype)``
+over the batched operand layouts of `pallas_kernels.matmul_common`.
+``implementation=None`` takes, in the device's order of preference, the first
+one that runs here and serves the call: on Hopper (sm90) "mosaic", then
+"triton", then "xla"; on other sm80+ GPUs "triton", then "xla"; elsewhere
+"xla", which serves everything. Naming one that cannot serve raises ValueError.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from types import ModuleType
+
+import jax
+
+from pallas_kernels import runtime
+from pallas_kernels.matmul_common import GemmProblem
+
+_MODULES = {
+    "xla": "omni_jax.matmul.xla",
+    "triton": "pallas_kernels.triton.matmul",
+    "mosaic": "pallas_kernels.mosaic.matmul_sm90",
+}
+
+
+@functools.cache
+def module(name: str) -> ModuleType | None:
+    """The module of implementation ``name``, or None when this version lacks it."""
+    try:
+        return importlib.import_module(_MODULES[name])
+    except ModuleNotFoundError as error:
+        if error.name != _MODULES[name]:
+            raise
+        return None
+
+
+def unavailable_reason(name: str) -> str | None:
+    """Why implementation ``name`` cannot run on this machine, or None when it can."""
+    if module(name) is None:
+        return f"the {name!r} matmul implementation is not part of this version"
+    if name == "triton" and not runtime.can_run_triton():
+        return "the Triton kernel needs a CUDA GPU of compute capability 8.0 or newer"
+    if name == "mosaic" and not runtime.can_run_mosaic_hopper():
+        return (
+            "the Mosaic kernel needs a Hopper (sm90) GPU; this device has compute capability"
+            f" {runtime.gpu_compute_capability()}"
+        )
+    return None
+
+
+def why_not(name: str, problem: GemmProblem) -> str | None:
+    """Why ``name`` cannot serve ``problem`` here, or None when it can."""
+    if name != "xla" and 0 in (problem.m, problem.n, problem.k):
+        return "empty dimensions (M, N or K is 0) are served by the 'xla' implementation"
+    return unavailable_reason(name) or module(name).unsupported_reason(problem)
+
+
+def preference_order() -> tuple[str, ...]:
+    """Implementation names in order of preference for the default device."""
+    if jax.default_backend() != "gpu":
+        return ("xla",)
+    if runtime.can_run_mosaic_hopper():
+        return ("mosaic", "triton", "xla")
+    if runtime.can_run_triton():
+        return ("triton", "xla")
+    return ("xla",)
+
+
+def choose(implementation: str | None, problem: GemmProblem) -> str:
+    """The implementation that computes ``problem``."""
+    if implementation is None:
+        return next(name for name in preference_order() if why_not(name, problem) is None)
+    reason = why_not(implementation, problem)
+    if reason is not None:
+        raise ValueError(
+            f"matmul: implementation={implementation!r} cannot serve this call: {reason}"
+        )
+    return implementation
+
+
+def fallback(preferred: str, problem: GemmProblem) -> str:
+    """``preferred`` if it serves ``problem`` (a backward GEMM), else the next that does."""
+    order = (preferred, *preference_order(), "xla")
+    return next(name for name in order if why_not(name, problem) is None)

@@ -1,0 +1,39 @@
+"""The XLA GEMM: ``jnp.matmul`` with float32 accumulation and the epilogue as fused XLA ops.
+
+Serves every problem on every device; the reference the kernels are measured against.
+Operand layouts are those of `pallas_kernels.matmul_common` (batched, broadcastable).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.matmul_common import GemmProblem, epilogue
+
+
+def unsupported_reason(problem: GemmProblem) -> str | None:
+    """XLA serves every GEMM."""
+    del problem
+    return None
+
+
+def matmul(
+    a: jax.Array,
+    b: jax.Array,
+    scale: jax.Array | None = None,
+    bias: jax.Array | None = None,
+    *,
+    transpose_a: bool = False,
+    transpose_b: bool = False,
+    activation: str | None = None,
+    out_dtype=None,
+) -> jax.Array:
+    """Batched ``act(op(a) @ op(b) * scale + bias)``; transposes fold into the dot's layout."""
+    out_dtype = jnp.dtype(out_dtype or a.dtype)
+    if transpose_a:
+        a = jnp.swapaxes(a, -1, -2)
+    if transpose_b:
+        b = jnp.swapaxes(b, -1, -2)
+    acc = jnp.matmul(a, b, preferred_element_type=jnp.float32)
+    return epilogue(acc, scale, bias, activation, out_dtype)

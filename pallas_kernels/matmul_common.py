@@ -1,0 +1,201 @@
+"""Semantics shared by every GEMM backend: epilogue activations, tile order, batching.
+
+The operands of a GEMM kernel here are batched: ``a`` is ``(*batch_a, M, K)``
+(``(*batch_a, K, M)`` when ``transpose_a``), ``b`` is ``(*batch_b, K, N)``
+(``(*batch_b, N, K)`` when ``transpose_b``), and the optional per-column
+epilogue vectors ``scale`` and ``bias`` are ``(*batch_v, N)`` float32. Each
+batch shape has the rank of the output batch shape, with every dimension
+either equal to the output's or 1 (broadcast, read at index 0): broadcasting
+is resolved by index arithmetic inside the kernel, never by copies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_SQRT_HALF = math.sqrt(0.5)
+
+
+# erf(x) ~ x P(x^2) / Q(x^2) on [-4, 4] (erf is +-1 to float32 precision beyond):
+# the float32 rational approximation XLA itself uses, to within 4e-7 absolute.
+# Written out because the Pallas Triton lowering has no erf.
+_ERF_P = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06,
+          -5.69250639462346e-05, -7.34990630326855e-04, -2.95459980854025e-03,
+          -1.60960333262415e-02)
+_ERF_Q = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03,
+          -7.37332916720468e-03, -1.42647390514189e-02)
+
+
+def erf(x: jax.Array) -> jax.Array:
+    """float32 erf from multiply, add, divide and clamp (ops every backend lowers)."""
+    x = jnp.clip(x, -4.0, 4.0)
+    x2 = x * x
+    p = x2 * _ERF_P[0] + _ERF_P[1]
+    for c in _ERF_P[2:]:
+        p = p * x2 + c
+    q = x2 * _ERF_Q[0] + _ERF_Q[1]
+    for c in _ERF_Q[2:]:
+        q = q * x2 + c
+    return x * p / q
+
+
+def gelu(x: jax.Array) -> jax.Array:
+    """Exact GELU, ``x * Phi(x)`` (``jax.nn.gelu(approximate=False)``)."""
+    return 0.5 * x * (1.0 + erf(x * _SQRT_HALF))
+
+
+def gelu_tanh(x: jax.Array) -> jax.Array:
+    """GELU, tanh approximation (``jax.nn.gelu``'s default), from ops every backend lowers."""
+    return 0.5 * x * (1.0 + jnp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * (x * x * x))))
+
+
+def silu(x: jax.Array) -> jax.Array:
+    """SiLU (swish), ``x * sigmoid(x)``."""
+    return x / (1.0 + jnp.exp(-x))
+
+
+def relu(x: jax.Array) -> jax.Array:
+    """``max(x, 0)``."""
+    return jnp.maximum(x, 0.0)
+
+
+# The epilogue activations, by the name ``omni_jax.matmul(activation=...)`` takes.
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "gelu": gelu, "gelu_tanh": gelu_tanh, "silu": silu, "relu": relu,
+}
+
+
+def _along_rows(vector: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """``(..., N)`` broadcast to ``(..., M, N)`` in one step (the 1-D case lowers in
+    Mosaic-GPU to the accumulator's column layout, with no (1, N) intermediate)."""
+    batch_dims = tuple(range(vector.ndim - 1))
+    return lax.broadcast_in_dim(vector, shape, (*batch_dims, len(shape) - 1))
+
+
+def epilogue(
+    acc: jax.Array,
+    scale: jax.Array | None,
+    bias: jax.Array | None,
+    activation: str | None,
+    out_dtype,
+) -> jax.Array:
+    """``cast(act(acc * scale + bias))`` of float32 ``(..., M, N)``; ``(..., N)`` vectors."""
+    if scale is not None:
+        acc = acc * _along_rows(scale, acc.shape)
+    if bias is not None:
+        acc = acc + _along_rows(bias, acc.shape)
+    if activation is not None:
+        acc = ACTIVATIONS[activation](acc)
+    return acc.astype(out_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmProblem:
+    """Static description of one (batched) GEMM call, shared by the kernel wrappers."""
+
+    m: int
+    n: int
+    k: int
+    batch_shape: tuple[int, ...]
+    a_batch: tuple[int, ...]
+    b_batch: tuple[int, ...]
+    vec_batch: tuple[int, ...]
+    transpose_a: bool
+    transpose_b: bool
+    has_scale: bool
+    has_bias: bool
+    activation: str | None
+    in_dtype: jnp.dtype
+    out_dtype: jnp.dtype
+
+    @property
+    def batch(self) -> int:
+        return math.prod(self.batch_shape)
+
+
+def problem_of(
+    a: jax.Array,
+    b: jax.Array,
+    scale: jax.Array | None,
+    bias: jax.Array | None,
+    *,
+    transpose_a: bool,
+    transpose_b: bool,
+    activation: str | None,
+    out_dtype,
+) -> GemmProblem:
+    """Reads the GemmProblem off batched operands laid out as in this module's docstring."""
+    rank = a.ndim - 2
+    m, k = (a.shape[-1], a.shape[-2]) if transpose_a else a.shape[-2:]
+    n = b.shape[-2] if transpose_b else b.shape[-1]
+    vec = scale if scale is not None else bias
+    vec_batch = vec.shape[:-1] if vec is not None else (1,) * rank
+    batch_shape = tuple(
+        max(dims) for dims in zip(a.shape[:-2], b.shape[:-2], vec_batch, strict=True)
+    )
+    return GemmProblem(
+        m=m,
+        n=n,
+        k=k,
+        batch_shape=batch_shape,
+        a_batch=tuple(a.shape[:-2]),
+        b_batch=tuple(b.shape[:-2]),
+        vec_batch=tuple(vec_batch),
+        transpose_a=transpose_a,
+        transpose_b=transpose_b,
+        has_scale=scale is not None,
+        has_bias=bias is not None,
+        activation=activation,
+        in_dtype=jnp.dtype(a.dtype),
+        out_dtype=jnp.dtype(out_dtype),
+    )
+
+
+def flatten_batch(x: jax.Array | None, trailing: int) -> jax.Array | None:
+    """Merges the leading batch dims of ``x`` into one (a free reshape)."""
+    if x is None:
+        return None
+    lead = x.shape[: x.ndim - trailing]
+    return x.reshape(math.prod(lead), *x.shape[x.ndim - trailing :])
+
+
+def operand_batch_index(
+    flat: jax.Array, batch_shape: tuple[int, ...], operand_batch: tuple[int, ...]
+) -> jax.Array:
+    """Index into an operand's flattened batch for the output's flat batch index ``flat``.
+
+    Dimensions where the operand has size 1 are broadcast (contribute 0).
+    """
+    index = 0
+    stride = 1
+    rem = flat
+    for size, own in zip(reversed(batch_shape), reversed(operand_batch), strict=True):
+        if size > 1:
+            coord = rem % size
+            rem = rem // size
+            if own > 1:
+                index = index + coord * stride
+        stride *= own
+    return index
+
+
+def grouped_tile(pid: jax.Array, m_tiles: int, n_tiles: int, group_m: int):
+    """Maps a linear tile id to (m, n) tile coordinates, ``group_m`` M-tiles at a time.
+
+    Consecutive ids sweep a band of ``group_m`` tile rows column by column, so the
+    tiles in flight at once share A rows and B columns in L2.
+    """
+    group_m = max(1, min(group_m, m_tiles))
+    per_group = group_m * n_tiles
+    group = pid // per_group
+    first_m = group * group_m
+    rows = jnp.minimum(m_tiles - first_m, group_m)
+    within = pid % per_group
+    return first_m + within % rows, within // rows

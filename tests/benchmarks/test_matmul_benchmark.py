@@ -1,0 +1,22 @@
+"""The matmul benchmark runs end to end on CPU with tiny shapes and returns well-formed rows."""
+
+import argparse
+import math
+
+from benchmarks import matmul
+
+
+def test_tiny_run_produces_rows():
+    parser = argparse.ArgumentParser()
+    matmul.add_arguments(parser)
+    rows = matmul.run(parser.parse_args(["--tiny"]))
+    assert {row["case"].split()[0] for row in rows} == set(matmul.SUITES)
+    for row in rows:
+        assert set(row) == {"case", "impl", "ms", "tflops", "ratio", "note"}
+        if row["ratio"] is None:
+            assert row["note"].startswith(("skipped", "failed")), row
+    timed = [row for row in rows if row["impl"] in (matmul.BASELINE, "xla")
+             and "geomean" not in row["case"]]
+    assert timed and all(row["ms"] > 0 and math.isfinite(row["ratio"]) for row in timed)
+    assert not [row for row in rows if row["note"].startswith("failed")]
+    assert any("geomean" in row["case"] for row in rows)

@@ -1,0 +1,392 @@
+"""``omni_jax.matmul`` against a float64 reference on every implementation.
+
+Without a GPU the Pallas implementations run interpreted (the Mosaic-GPU
+interpreter with race detection), so shapes stay tiny and each kernel case is
+chosen to cover something distinct: tails in every dimension, each operand
+layout, each epilogue, each dtype, vmap batching, gradients. The cases marked
+``gpu`` run compiled, at sizes with many tiles, on a real device.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import omni_jax
+from omni_jax.matmul import implementations
+from pallas_kernels import compat, runtime
+from pallas_kernels.matmul_common import problem_of
+from tests.omni_jax.matmul_helpers import assert_close, random_operands, reference
+
+BF16, F16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)
+E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
+KERNELS = ("triton", "mosaic")
+ON_GPU = jax.default_backend() == "gpu"
+
+
+@pytest.fixture(autouse=True)
+def _interpret_without_gpu(monkeypatch):
+    """Pallas kernels run interpreted where there is no GPU; interpreter state is reset."""
+    if not ON_GPU:
+        monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
+    yield
+    if not ON_GPU:
+        runtime.reset_mosaic_interpreter()
+
+
+def _skip_if_missing(implementation):
+    reason = implementations.unavailable_reason(implementation)
+    if reason is not None:
+        pytest.skip(reason)
+
+
+def _no_races(implementation):
+    if implementation == "mosaic" and not ON_GPU:
+        assert not compat.mosaic_interpreter_races_found(), "the interpreter found a data race"
+
+
+def _check(implementation, m, n, k, dtype, *, transpose_a=False, transpose_b=False,
+           bias=False, activation=None, out_dtype=None):
+    _skip_if_missing(implementation)
+    a, b, bias_vector, seed = random_operands(
+        m, n, k, dtype, transpose_a=transpose_a, transpose_b=transpose_b)
+    bias_vector = bias_vector if bias else None
+    out = omni_jax.matmul(a, b, bias=bias_vector, activation=activation, out_dtype=out_dtype,
+                          transpose_a=transpose_a, transpose_b=transpose_b,
+                          implementation=implementation)
+    _no_races(implementation)
+    expected_dtype = jnp.dtype(out_dtype or dtype)
+    assert out.dtype == expected_dtype
+    expected = reference(a, b, bias=bias_vector, activation=activation,
+                         transpose_a=transpose_a, transpose_b=transpose_b)
+    assert_close(out, expected, expected_dtype, seed)
+
+
+# ------------------------------------------------------------------------- XLA: every combination
+
+@pytest.mark.parametrize("m,n,k", [(1, 1, 1), (33, 65, 17)])
+@pytest.mark.parametrize("transpose_a,transpose_b", [(False, False), (True, False),
+                                                     (False, True), (True, True)])
+@pytest.mark.parametrize("dtype", [F32, BF16, F16])
+def test_xla_shapes_layouts_dtypes(m, n, k, transpose_a, transpose_b, dtype):
+    _check("xla", m, n, k, dtype, transpose_a=transpose_a, transpose_b=transpose_b)
+
+
+@pytest.mark.parametrize("activation", [None, "gelu", "gelu_tanh", "silu", "relu"])
+@pytest.mark.parametrize("out_dtype", [BF16, F32])
+def test_xla_epilogues(activation, out_dtype):
+    _check("xla", 9, 11, 13, BF16, bias=True, activation=activation, out_dtype=out_dtype)
+
+
+def test_xla_empty_contraction_gives_bias():
+    a = jnp.ones((3, 0), BF16)
+    b = jnp.ones((0, 4), BF16)
+    bias = jnp.arange(4.0)
+    out = omni_jax.matmul(a, b, bias=bias, out_dtype=F32)
+    np.testing.assert_array_equal(out, np.broadcast_to(np.arange(4.0), (3, 4)))
+
+
+# ----------------------------------------------------- Pallas kernels (interpreted without a GPU)
+
+# (M, N, K) per kernel: none a multiple of a CTA tile, so tails are masked. Triton
+# takes any size; the Mosaic kernel's TMA views need rows of a multiple of 128
+# bytes (and a multiple of 8 rows for a read as (K, M) or b as (K, N)).
+@pytest.mark.parametrize("implementation,m,n,k,transpose_a,transpose_b", [
+    ("triton", 67, 24, 40, False, False),
+    ("triton", 72, 24, 40, True, False),
+    ("triton", 67, 24, 40, False, True),
+    ("triton", 72, 24, 40, True, True),
+    ("triton", 200, 136, 136, False, False),
+    ("mosaic", 67, 64, 64, False, False),
+    ("mosaic", 128, 64, 128, True, False),
+    ("mosaic", 67, 64, 64, False, True),
+    ("mosaic", 192, 128, 64, True, True),
+    ("mosaic", 200, 192, 192, False, False),  # several tiles: persistent loop, ring wrap-around
+])
+def test_kernel_layouts_and_tails(implementation, m, n, k, transpose_a, transpose_b):
+    _check(implementation, m, n, k, BF16, transpose_a=transpose_a, transpose_b=transpose_b,
+           out_dtype=F32)
+
+
+@pytest.mark.parametrize("implementation", KERNELS)
+@pytest.mark.parametrize("activation", [None, "gelu", "gelu_tanh", "silu", "relu"])
+def test_kernel_epilogues(implementation, activation):
+    _check(implementation, 40, 64, 64, BF16, bias=True, activation=activation)
+
+
+@pytest.mark.parametrize("implementation", KERNELS)
+@pytest.mark.parametrize("dtype,out_dtype", [(F16, F16), (F16, F32), (BF16, F16)])
+def test_kernel_dtypes(implementation, dtype, out_dtype):
+    _check(implementation, 40, 64, 64, dtype, out_dtype=out_dtype)
+
+
+@pytest.mark.parametrize("implementation", ["xla", *KERNELS])
+@pytest.mark.parametrize("dtype,transpose_a,transpose_b", [
+    (E4M3, False, True), (E4M3, False, False), (E5M2, True, False),
+])
+def test_fp8_with_scales(implementation, dtype, transpose_a, transpose_b):
+    _skip_if_missing(implementation)
+    m, n, k = 40, 128, 128
+    a, b, bias, seed = random_operands(m, n, k, dtype, transpose_a=transpose_a,
+                                       transpose_b=transpose_b)
+    a_scale, b_scale = 0.5, 3.0
+    out = omni_jax.matmul(a, b, bias=bias, a_scale=a_scale, b_scale=b_scale,
+                          transpose_a=transpose_a, transpose_b=transpose_b,
+                          implementation=implementation)
+    _no_races(implementation)
+    assert out.dtype == BF16
+    expected = reference(a, b, bias=bias, transpose_a=transpose_a, transpose_b=transpose_b,
+                         scale=a_scale * b_scale)
+    assert_close(out, expected, BF16, seed)
+
+
+@pytest.mark.parametrize("implementation", ["xla", *KERNELS])
+def test_vmap_is_one_batched_call(implementation, monkeypatch):
+    """vmap over a (and the bias), b shared: one kernel call with a batch grid axis."""
+    _skip_if_missing(implementation)
+    module = implementations.module(implementation)
+    calls = []
+    kernel = module.matmul
+    monkeypatch.setattr(module, "matmul", lambda a, b, *args, **kwargs: (
+        calls.append((a.shape, b.shape)) or kernel(a, b, *args, **kwargs)))
+    batch, m, n, k = 3, 24, 64, 64
+    a, b, _, seed = random_operands(m, n, k, BF16, batch=(batch,))
+    b = b[0]
+    biases = jax.random.normal(jax.random.key(seed + 1), (batch, n), jnp.float32)
+
+    def one(a, bias):
+        return omni_jax.matmul(a, b, bias=bias, activation="relu", out_dtype=F32,
+                               implementation=implementation)
+
+    out = jax.vmap(one)(a, biases)
+    _no_races(implementation)
+    expected = np.stack([reference(a[i], b, bias=biases[i], activation="relu")
+                         for i in range(batch)])
+    assert_close(out, expected, F32, seed)
+    # One batched call (a with its batch axis, b with a size-1 broadcast axis); the
+    # unbatched trace custom_vmap makes for the output type runs no kernel.
+    assert [c for c in calls if len(c[0]) == 3] == [((batch, m, k), (1, k, n))]
+
+
+@pytest.mark.parametrize("implementation", ["xla", *KERNELS])
+def test_nested_vmap_broadcasts_operands(implementation):
+    """vmap over a's outer axis and b's inner axis: a (2, 1) x b (1, 3) batch grid."""
+    _skip_if_missing(implementation)
+    m, n, k = 24, 64, 64
+    a, _, bias, seed = random_operands(m, n, k, BF16, batch=(2,))
+    _, b, _, _ = random_operands(m, n, k, BF16, batch=(3,))
+
+    def one(a, b):
+        return omni_jax.matmul(a, b, bias=bias, out_dtype=F32, implementation=implementation)
+
+    out = jax.vmap(lambda a: jax.vmap(lambda b: one(a, b))(b))(a)
+    _no_races(implementation)
+    assert out.shape == (2, 3, m, n)
+    expected = np.stack([np.stack([reference(a[i], b[j], bias=bias) for j in range(3)])
+                         for i in range(2)])
+    assert_close(out, expected, F32, seed)
+
+
+@pytest.mark.parametrize("implementation", ["xla", *KERNELS])
+@pytest.mark.parametrize("transpose_a,transpose_b,activation", [
+    (False, False, "gelu"), (True, True, None),
+])
+def test_gradients(implementation, transpose_a, transpose_b, activation):
+    _skip_if_missing(implementation)
+    m, n, k = 64, 64, 128
+    a, b, bias, seed = random_operands(m, n, k, BF16, transpose_a=transpose_a,
+                                       transpose_b=transpose_b)
+    cotangent = jax.random.normal(jax.random.key(seed + 1), (m, n), jnp.float32)
+
+    def loss(a, b, bias):
+        out = omni_jax.matmul(a, b, bias=bias, activation=activation, out_dtype=F32,
+                              transpose_a=transpose_a, transpose_b=transpose_b,
+                              implementation=implementation)
+        return jnp.sum(out * cotangent)
+
+    grads = jax.grad(loss, argnums=(0, 1, 2))(a, b, bias)
+    _no_races(implementation)
+    with jax.enable_x64(True):
+        def reference_loss(a, b, bias):
+            out = reference_traceable(a, b, bias, activation, transpose_a, transpose_b)
+            return jnp.sum(out * jnp.asarray(cotangent, jnp.float64))
+
+        expected = jax.grad(reference_loss, argnums=(0, 1, 2))(
+            *(jnp.asarray(np.asarray(x, np.float64)) for x in (a, b, bias)))
+        expected = [np.asarray(e) for e in expected]
+    for name, got, want in zip(("a", "b", "bias"), grads, expected, strict=True):
+        assert got.shape == want.shape, name
+        # Gradients pass through bfloat16 (dC is rounded before the backward GEMMs).
+        assert_close(got, want, BF16, seed, tolerance=2e-2)
+
+
+def reference_traceable(a, b, bias, activation, transpose_a, transpose_b):
+    a = a.T if transpose_a else a
+    b = b.T if transpose_b else b
+    out = a @ b + bias
+    if activation == "gelu":
+        out = jax.nn.gelu(out, approximate=False)
+    return out
+
+
+def test_vmap_of_grad_and_grad_of_vmap_agree():
+    a, b, _, seed = random_operands(8, 8, 16, F32, batch=(2,))
+    b = b[0]
+
+    def loss(a, b):
+        return jnp.sum(omni_jax.matmul(a, b, activation="silu") ** 2)
+
+    per_example = jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=(0, None))(a, b)
+    batched = jax.grad(lambda a, b: jnp.sum(jax.vmap(loss, (0, None))(a, b)), (0, 1))(a, b)
+    np.testing.assert_allclose(per_example[0], batched[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(per_example[1].sum(0), batched[1], rtol=1e-5, atol=1e-5)
+
+
+def test_jit():
+    a, b, bias, seed = random_operands(16, 8, 24, BF16)
+    out = jax.jit(lambda a, b, bias: omni_jax.matmul(a, b, bias=bias, activation="gelu",
+                                                     out_dtype=F32))(a, b, bias)
+    assert_close(out, reference(a, b, bias=bias, activation="gelu"), F32, seed)
+
+
+# --------------------------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(a=jnp.ones((2, 3, 4), BF16)), ValueError, "a must be 2-D"),
+    (dict(b=jnp.ones((4,), BF16)), ValueError, "b must be 2-D"),
+    (dict(b=jnp.ones((5, 6), BF16)), ValueError, "contraction sizes differ"),
+    (dict(b=jnp.ones((4, 6), F16)), TypeError, "a and b must have one dtype"),
+    (dict(a=jnp.ones((3, 4), jnp.int32), b=jnp.ones((4, 6), jnp.int32)), TypeError,
+     "a must have dtype"),
+    (dict(bias=jnp.ones((5,))), ValueError, r"bias must have shape \(N,\) = \(6,\)"),
+    (dict(bias=jnp.ones((6,), jnp.int32)), TypeError, "bias must be a floating"),
+    (dict(activation="tanh"), ValueError, "activation must be None or one of"),
+    (dict(out_dtype=jnp.int8), TypeError, "out_dtype must be one of"),
+    (dict(a_scale=2.0), ValueError, "a_scale is for fp8"),
+    (dict(implementation="cuda"), ValueError, "implementation must be None or one of"),
+    (dict(transpose_a=1), TypeError, "transpose_a must be a bool"),
+    (dict(a="x"), TypeError, "a must be an array"),
+])
+def test_errors_name_the_argument(kwargs, error, message):
+    args = dict(a=jnp.ones((3, 4), BF16), b=jnp.ones((4, 6), BF16))
+    args.update(kwargs)
+    a, b = args.pop("a"), args.pop("b")
+    with pytest.raises(error, match=message):
+        omni_jax.matmul(a, b, **args)
+
+
+def test_fp8_scale_must_be_scalar():
+    a = jnp.ones((8, 16), E4M3)
+    b = jnp.ones((16, 16), E4M3)
+    with pytest.raises(ValueError, match="b_scale must be a scalar"):
+        omni_jax.matmul(a, b, b_scale=jnp.ones((16,)))
+
+
+def test_fp8_gradients_are_refused():
+    a = jnp.ones((8, 16), E4M3)
+    b = jnp.ones((16, 16), E4M3)
+    with pytest.raises(TypeError, match="gradients through fp8"):
+        jax.grad(lambda a: omni_jax.matmul(a, b, out_dtype=F32).sum())(a)
+
+
+def test_kernel_that_cannot_serve_says_why():
+    _skip_if_missing("mosaic")
+    a = jnp.ones((8, 64), BF16)
+    b = jnp.ones((64, 40), BF16)  # rows of 80 bytes: the TMA tiles are 128 bytes wide
+    with pytest.raises(ValueError, match="implementation='mosaic' cannot serve.*b .stored as"):
+        omni_jax.matmul(a, b, implementation="mosaic")
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the message on a machine without a GPU")
+def test_unavailable_kernel_says_why(monkeypatch):
+    monkeypatch.delenv(runtime.INTERPRET_ENV_VAR)
+    with pytest.raises(ValueError, match="implementation='mosaic' cannot serve.*Hopper"):
+        omni_jax.matmul(jnp.ones((8, 16), BF16), jnp.ones((16, 8), BF16),
+                        implementation="mosaic")
+
+
+def test_default_implementation_on_cpu_is_xla():
+    if ON_GPU:
+        pytest.skip("CPU default")
+    a, b, _, _ = random_operands(8, 8, 8, BF16)
+    jaxpr = str(jax.make_jaxpr(omni_jax.matmul)(a, b))
+    assert "pallas_call" not in jaxpr and "dot_general" in jaxpr
+
+
+# ------------------------------------------------------------------------ compiled, on a GPU
+
+# Tails against every tile size; Mosaic's sizes are multiples of 64 (its TMA tiling).
+GPU_SHAPES = {
+    "triton": ((1000, 1048, 1544), (4104, 2056, 3000)),
+    "mosaic": ((1088, 1088, 1600), (1003, 1088, 1600), (4160, 2112, 3008)),
+}
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("implementation", KERNELS)
+@pytest.mark.parametrize("transpose_a,transpose_b", [(False, False), (True, False),
+                                                     (False, True), (True, True)])
+@pytest.mark.parametrize("dtype,out_dtype", [(BF16, BF16), (F16, F32)])
+def test_gpu_large_odd_shapes(implementation, transpose_a, transpose_b, dtype, out_dtype):
+    served = 0
+    for m, n, k in GPU_SHAPES[implementation]:
+        a, b, _, _ = random_operands(m, n, k, dtype, transpose_a=transpose_a,
+                                     transpose_b=transpose_b)
+        problem = problem_of(a, b, None, None, transpose_a=transpose_a,
+                             transpose_b=transpose_b, activation=None,
+                             out_dtype=out_dtype or dtype)
+        if implementations.why_not(implementation, problem):
+            continue  # e.g. Mosaic with a read as (K, M) and M not a multiple of 64
+        served += 1
+        _check(implementation, m, n, k, dtype, transpose_a=transpose_a,
+               transpose_b=transpose_b, out_dtype=out_dtype)
+    assert served
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("implementation", KERNELS)
+@pytest.mark.parametrize("activation", [None, "gelu", "gelu_tanh", "silu", "relu"])
+def test_gpu_epilogues(implementation, activation):
+    m, n, k = GPU_SHAPES[implementation][0]
+    _check(implementation, m - 8, n, k, BF16, bias=True, activation=activation)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("implementation", KERNELS)
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_gpu_fp8(implementation, dtype):
+    _skip_if_missing(implementation)
+    a, b, bias, seed = random_operands(1000, 1024, 2048, dtype, transpose_b=True)
+    out = omni_jax.matmul(a, b, bias=bias, a_scale=0.25, b_scale=2.0, transpose_b=True,
+                          implementation=implementation)
+    expected = reference(a, b, bias=bias, transpose_b=True, scale=0.5)
+    assert_close(out, expected, BF16, seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("implementation", KERNELS)
+def test_gpu_vmap_and_grad(implementation):
+    _skip_if_missing(implementation)
+    batch, m, n, k = 4, 520, 320, 1024
+    a, b, bias, seed = random_operands(m, n, k, BF16, batch=(batch,))
+
+    def loss(a, b):
+        out = omni_jax.matmul(a, b, bias=bias, activation="gelu", out_dtype=F32,
+                              implementation=implementation)
+        return jnp.sum(out * out)
+
+    grads = jax.jit(jax.vmap(jax.grad(loss, (0, 1))))(a, b)
+    with jax.enable_x64(True):
+        def reference_loss(a, b):
+            out = jax.nn.gelu(a @ b + jnp.asarray(bias, jnp.float64), approximate=False)
+            return jnp.sum(out * out)
+
+        want = jax.vmap(jax.grad(reference_loss, (0, 1)))(
+            jnp.asarray(np.asarray(a, np.float64)), jnp.asarray(np.asarray(b, np.float64)))
+    for got, expected in zip(grads, want, strict=True):
+        assert_close(got, np.asarray(expected), BF16, seed, tolerance=2e-2)
