@@ -15,12 +15,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.extend import core as jex_core
 
+from omni_jax.backends import xla
 from omni_jax.backends.base import AttentionBackend
 from omni_jax.problem import AttentionProblem
-from omni_jax.scores import transform_scores
+from omni_jax.scores import transform_scores, zero_cotangent
 from pallas_kernels import compat, runtime
 from pallas_kernels.block_sparse import kernel_mask
 from pallas_kernels.triton import configs, tiles
+from pallas_kernels.triton.attention_bwd import attention_backward
 from pallas_kernels.triton.attention_fwd import attention_forward
 
 _DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -107,8 +109,34 @@ class TritonBackend(AttentionBackend):
                                  softcap=problem.softcap, score_mod=problem.score_mod,
                                  config=config, interpret=runtime.interpret_requested())
 
-    def backward_unsupported_reason(self, problem: AttentionProblem) -> str | None:
-        return "the Triton backward kernels are not implemented yet"
-
     def backward(self, problem, q, k, v, block_mask, sinks, captured, out, lse, dout, dlse):
-        raise NotImplementedError(self.backward_unsupported_reason(problem))
+        mask, layout = kernel_mask(block_mask)
+        config = configs.backward_config(max(problem.head_dim, problem.head_dim_v),
+                                         problem.dtype)
+        dq, dk, dv, delta = attention_backward(
+            q, k, v, mask, layout, captured, out, lse, dout, dlse, scale=problem.scale,
+            softcap=problem.softcap, score_mod=problem.score_mod, config=config,
+            interpret=runtime.interpret_requested())
+        dsinks = None
+        if sinks is not None:
+            # d lse / d sink = the sink's probability exp(sink - lse); dL/dsink sums
+            # -p_sink * delta over batch and queries.
+            sink_prob = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
+            dsinks = -(sink_prob * delta).sum(axis=(0, 2)).astype(sinks.dtype)
+        return dq, dk, dv, dsinks, self._captured_cotangents(
+            problem, q, k, v, block_mask, sinks, captured, out, lse, dout, dlse)
+
+    @staticmethod
+    def _captured_cotangents(problem, q, k, v, block_mask, sinks, captured, out, lse, dout,
+                             dlse) -> tuple:
+        """Cotangents of the score_mod's captured arrays.
+
+        Only float captured arrays have nonzero ones; the kernels do not reduce
+        them, so the XLA backward (whose other outputs XLA then discards as
+        dead code) computes them. Compiled kernels decline captured arrays
+        anyway, so this runs only interpreted.
+        """
+        if not any(jnp.issubdtype(c.dtype, jnp.inexact) for c in captured):
+            return tuple(zero_cotangent(c) for c in captured)
+        return xla.attention_backward(problem, q, k, v, block_mask, sinks, captured, out, lse,
+                                      dout, dlse)[4]

@@ -1,7 +1,9 @@
 """The shared attention suite on the Triton backend.
 
 `TestTritonAttention` runs the kernels in Pallas interpret mode
-(`OMNI_JAX_PALLAS_INTERPRET=1`, set per test), so it runs on any machine.
+(`OMNI_JAX_PALLAS_INTERPRET=1`, set per test), so it runs on any machine:
+every case in float32, a representative subset in bfloat16 (interpreting
+is slow; the GPU class runs every case in every dtype).
 `TestTritonAttentionGpu` runs them compiled on sm80+ GPUs; compiled kernels
 decline score_mods that capture arrays (they need gathers), so those cases
 instead check the decline.
@@ -26,6 +28,24 @@ def interpret(monkeypatch):
 @pytest.mark.usefixtures("interpret")
 class TestTritonAttention(AttentionSuite):
     implementation = "triton"
+    dtypes = ("float32",)
+
+
+_BF16_CASES = ("causal_ragged", "documents_causal_window", "generic_block_mask_and_causal",
+               "mqa_value_dim", "softcap_sinks")
+
+
+@pytest.mark.usefixtures("interpret")
+class TestTritonAttentionBfloat16(AttentionSuite):
+    implementation = "triton"
+    dtypes = ("bfloat16",)
+    cases = tuple(c for c in CASES if c.name in _BF16_CASES)
+
+    def test_jit_and_vmap_over_batch_of_masks(self):
+        pytest.skip("dtype-independent: runs in TestTritonAttention")
+
+    def test_no_nan_gradient_for_blind_rows(self):
+        pytest.skip("dtype-independent: runs in TestTritonAttention")
 
 
 @pytest.mark.gpu
