@@ -9,6 +9,7 @@ device, CPU included), which is how CI tests them.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,8 +23,8 @@ from omni_jax.scores import transform_scores, zero_cotangent
 from pallas_kernels import compat, runtime
 from pallas_kernels.block_sparse import kernel_mask
 from pallas_kernels.triton import configs, tiles
-from pallas_kernels.triton.attention_bwd import attention_backward
-from pallas_kernels.triton.attention_fwd import attention_forward
+from pallas_kernels.triton.attention_bwd import BackwardConfig, attention_backward
+from pallas_kernels.triton.attention_fwd import ForwardConfig, attention_forward
 
 _DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 _MAX_MASK_BLOCK = 128
@@ -70,6 +71,55 @@ def _score_mod_reason(problem: AttentionProblem) -> str | None:
     return None
 
 
+def _tune_key(problem: AttentionProblem):
+    shapes = ((problem.batch, problem.q_len, problem.num_q_heads, problem.head_dim),
+              (problem.batch, problem.kv_len, problem.num_kv_heads, problem.head_dim),
+              (problem.batch, problem.kv_len, problem.num_kv_heads, problem.head_dim_v))
+    return configs.problem_key(shapes, problem.dtype, problem.block_size)
+
+
+def _default_block_size(q_len: int, kv_len: int) -> tuple[int, int]:
+    fit = lambda length: min(_MAX_MASK_BLOCK, max(tiles.MIN_TILE, pl.next_power_of_2(length)))
+    return fit(q_len), fit(kv_len)
+
+
+def autotune(query, key, value, *, forward_candidates: Sequence[ForwardConfig] = (),
+             backward_candidates: Sequence[BackwardConfig] = (),
+             **attention_kwargs) -> tuple[ForwardConfig | None, BackwardConfig | None]:
+    """Times candidate kernel configs on these inputs; later calls of these shapes use the winners.
+
+    ``attention_kwargs`` are `omni_jax.attention`'s keyword arguments (masks,
+    softcap, ...). Backward candidates are timed on forward + backward.
+    Returns the (forward, backward) winners (None where there were no candidates).
+    """
+    from omni_jax.attention import attention
+
+    mask = attention_kwargs.get("mask")
+    block_size = (mask.block_size if mask is not None
+                  else _default_block_size(query.shape[1], key.shape[1]))
+    tune_key = configs.problem_key((query.shape, key.shape, value.shape), query.dtype,
+                                   tuple(block_size))
+
+    def forward(q, k, v):
+        return attention(q, k, v, implementation="triton", **attention_kwargs)
+
+    def forward_backward(q, k, v):
+        out, vjp = jax.vjp(forward, q, k, v)
+        return vjp(out)
+
+    def build(kind, config):
+        configs.set_tuned(kind, tune_key, config)  # Read at trace time: trace afresh.
+        compiled = jax.jit(forward if kind == "forward" else forward_backward).lower(
+            query, key, value).compile()
+        return lambda: compiled(query, key, value)
+
+    winners = []
+    for kind, candidates in (("forward", forward_candidates), ("backward", backward_candidates)):
+        winners.append(configs.autotune(kind, tune_key, candidates,
+                                        functools.partial(build, kind)) if candidates else None)
+    return winners[0], winners[1]
+
+
 class TritonBackend(AttentionBackend):
     """Pallas kernels with Triton lowering: forward, dK/dV and dQ, all block-sparse."""
 
@@ -97,14 +147,12 @@ class TritonBackend(AttentionBackend):
         return _score_mod_reason(problem)
 
     def block_size(self, problem: AttentionProblem) -> tuple[int, int]:
-        fit = lambda length: min(_MAX_MASK_BLOCK, max(tiles.MIN_TILE,
-                                                      pl.next_power_of_2(length)))
-        return fit(problem.q_len), fit(problem.kv_len)
+        return _default_block_size(problem.q_len, problem.kv_len)
 
     def forward(self, problem, q, k, v, block_mask, sinks, captured):
         mask, layout = kernel_mask(block_mask)
         config = configs.forward_config(max(problem.head_dim, problem.head_dim_v),
-                                        problem.dtype)
+                                        problem.dtype, _tune_key(problem))
         return attention_forward(q, k, v, mask, layout, sinks, captured, scale=problem.scale,
                                  softcap=problem.softcap, score_mod=problem.score_mod,
                                  config=config, interpret=runtime.interpret_requested())
@@ -112,7 +160,7 @@ class TritonBackend(AttentionBackend):
     def backward(self, problem, q, k, v, block_mask, sinks, captured, out, lse, dout, dlse):
         mask, layout = kernel_mask(block_mask)
         config = configs.backward_config(max(problem.head_dim, problem.head_dim_v),
-                                         problem.dtype)
+                                         problem.dtype, _tune_key(problem))
         dq, dk, dv, delta = attention_backward(
             q, k, v, mask, layout, captured, out, lse, dout, dlse, scale=problem.scale,
             softcap=problem.softcap, score_mod=problem.score_mod, config=config,

@@ -62,6 +62,11 @@ def _table_key(head_dim: int, dtype: Any) -> tuple[int, str, str]:
     return bucket, dtype_class, generation
 
 
+def problem_key(shapes: Sequence[tuple[int, ...]], dtype: Any, block_size: Any) -> Hashable:
+    """The autotune cache key of a call: q/k/v shapes, dtype and mask block size."""
+    return tuple(map(tuple, shapes)), str(jax.numpy.dtype(dtype)), block_size
+
+
 def forward_config(head_dim: int, dtype: Any, tune_key: Hashable = None) -> ForwardConfig:
     """The autotuned config for ``tune_key`` if any, else the table default."""
     tuned = _TUNED.get(("forward", tune_key))
@@ -74,30 +79,37 @@ def backward_config(head_dim: int, dtype: Any, tune_key: Hashable = None) -> Bac
     return tuned if tuned is not None else _BACKWARD[_table_key(head_dim, dtype)]
 
 
-def autotune(kind: str, tune_key: Hashable, candidates: Sequence[Config],
-             run: Callable[[Config], Any], *, samples: int = 5) -> Config:
-    """Times ``run(config)`` for each candidate, caches and returns the fastest.
-
-    ``kind`` is "forward" or "backward"; ``run`` must return JAX arrays (it is
-    called once to compile, then ``samples`` times). Candidates that fail to
-    compile (too much shared memory, ...) are skipped.
-    """
+def set_tuned(kind: str, tune_key: Hashable, config: Any) -> None:
+    """Makes ``config`` the one `forward_config`/`backward_config` return for ``tune_key``."""
     if kind not in ("forward", "backward"):
         raise ValueError(f"kind must be 'forward' or 'backward', got {kind!r}")
-    best, best_ms = None, float("inf")
+    _TUNED[(kind, tune_key)] = config
+
+
+def autotune(kind: str, tune_key: Hashable, candidates: Sequence[Config],
+             build: Callable[[Config], Callable[[], Any]], *, samples: int = 5) -> Config:
+    """Times each candidate, caches the fastest under ``tune_key`` and returns it.
+
+    ``kind`` is "forward" or "backward". ``build(config)`` returns a function
+    of no arguments running the kernel with that config (returning JAX
+    arrays); it is called once to compile, then ``samples`` times. Candidates
+    that fail to build or compile (too much shared memory, ...) are skipped.
+    """
+    best, best_seconds = None, float("inf")
     for config in candidates:
         try:
-            jax.block_until_ready(run(config))
+            fn = build(config)
+            jax.block_until_ready(fn())
         except Exception:  # noqa: BLE001 - a config the compiler rejects is not a winner
             continue
         times = []
         for _ in range(samples):
             start = time.perf_counter()
-            jax.block_until_ready(run(config))
+            jax.block_until_ready(fn())
             times.append(time.perf_counter() - start)
-        if statistics.median(times) < best_ms:
-            best, best_ms = config, statistics.median(times)
+        if statistics.median(times) < best_seconds:
+            best, best_seconds = config, statistics.median(times)
     if best is None:
         raise RuntimeError(f"no candidate {kind} config ran for {tune_key!r}")
-    _TUNED[(kind, tune_key)] = best
+    set_tuned(kind, tune_key, best)
     return best

@@ -164,12 +164,31 @@ def test_autotune_caches_the_fastest_config_that_runs():
 
     candidates = [ForwardConfig(block_q=16), ForwardConfig(block_q=32), ForwardConfig(block_q=64)]
 
-    def run(config):
+    def build(config):
         if config.block_q == 64:
             raise RuntimeError("out of shared memory")
-        time.sleep(0.002 if config.block_q == 32 else 0.02)
-        return jnp.zeros(())
+        delay = 0.002 if config.block_q == 32 else 0.02
+        return lambda: (time.sleep(delay), jnp.zeros(()))[1]
 
     key = ("test", 1)
-    assert configs.autotune("forward", key, candidates, run, samples=2) == candidates[1]
+    assert configs.autotune("forward", key, candidates, build, samples=2) == candidates[1]
     assert configs.forward_config(64, jnp.bfloat16, key) == candidates[1]
+
+
+def test_autotuned_configs_serve_later_calls(monkeypatch):
+    from omni_jax.backends import triton as triton_backend
+    from pallas_kernels.triton import configs
+
+    rng = np.random.default_rng()
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 64, 2, 32)), jnp.float32) for _ in range(3))
+    candidates = [ForwardConfig(block_q=16, block_kv=16), ForwardConfig(block_q=32, block_kv=32)]
+    forward, backward = triton_backend.autotune(q, k, v, forward_candidates=candidates,
+                                                is_causal=True)
+    assert forward in candidates and backward is None
+    used = []
+    lookup = configs.forward_config
+    monkeypatch.setattr(configs, "forward_config", lambda *a: used.append(lookup(*a)) or used[-1])
+    out = omni_jax.attention(q, k, v, is_causal=True, implementation="triton")
+    expected = omni_jax.attention(q, k, v, is_causal=True, implementation="xla")
+    assert used == [forward]
+    assert relative_error(out, expected) < 1e-5
