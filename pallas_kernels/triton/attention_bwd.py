@@ -38,11 +38,15 @@ Array = Any
 class BackwardConfig:
     """Tile sizes and launch parameters of the dK/dV and dQ kernels.
 
-    ``block_q``/``block_kv`` are upper bounds, as in `ForwardConfig`.
+    Tile sizes are upper bounds, as in `ForwardConfig`. Each kernel keeps a
+    large tile of what it accumulates (kv rows for dK/dV, q rows for dQ) and
+    walks small tiles of the other side.
     """
 
-    block_q: int = 64
-    block_kv: int = 64
+    block_q_dkv: int = 32
+    block_kv_dkv: int = 64
+    block_q_dq: int = 64
+    block_kv_dq: int = 32
     num_warps: int = 4
     num_stages: int = 1
 
@@ -142,9 +146,14 @@ def attention_backward(q: Array, k: Array, v: Array, mask: KernelMask, layout: M
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
     group = num_heads // num_kv_heads
-    spec = tiles.ScoreSpec(layout, tiles.tile_size(config.block_q, layout.block_q),
-                           tiles.tile_size(config.block_kv, layout.block_kv), scale, softcap,
-                           score_mod, tuple(jnp.shape(c) for c in captured))
+
+    def score_spec(block_q: int, block_kv: int) -> tiles.ScoreSpec:
+        return tiles.ScoreSpec(layout, tiles.tile_size(block_q, layout.block_q),
+                               tiles.tile_size(block_kv, layout.block_kv), scale, softcap,
+                               score_mod, tuple(jnp.shape(c) for c in captured))
+
+    dkdv_spec = score_spec(config.block_q_dkv, config.block_kv_dkv)
+    dq_spec = score_spec(config.block_q_dq, config.block_kv_dq)
     q_pad = layout.num_q_blocks * layout.block_q
     kv_pad = layout.num_kv_blocks * layout.block_kv
     dim, dim_v = tiles.padded_head_dim(head_dim), tiles.padded_head_dim(head_dim_v)
@@ -167,10 +176,9 @@ def attention_backward(q: Array, k: Array, v: Array, mask: KernelMask, layout: M
     flat, treedef = tiles.pack_operands(operands)
     params = compat.triton_compiler_params(num_warps=config.num_warps,
                                            num_stages=config.num_stages)
-    kernel_args = dict(treedef=treedef, spec=spec, group=group)
-    tq, tkv = spec.tile_q, spec.tile_kv
+    tkv = dkdv_spec.tile_kv
     dk, dv = pl.pallas_call(
-        functools.partial(_dkdv_kernel, **kernel_args),
+        functools.partial(_dkdv_kernel, treedef=treedef, spec=dkdv_spec, group=group),
         grid=(kv_pad // tkv, num_kv_heads, batch),
         in_specs=tiles.whole_array_specs(flat),
         out_specs=[pl.BlockSpec((None, tkv, None, dim), lambda i, h, b: (b, i, h, 0)),
@@ -179,8 +187,9 @@ def attention_backward(q: Array, k: Array, v: Array, mask: KernelMask, layout: M
                    jax.ShapeDtypeStruct((batch, kv_pad, num_kv_heads, dim_v), v.dtype)],
         compiler_params=params, interpret=interpret, name="omni_attention_dkdv",
     )(*flat)
+    tq = dq_spec.tile_q
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, **kernel_args),
+        functools.partial(_dq_kernel, treedef=treedef, spec=dq_spec, group=group),
         grid=(q_pad // tq, num_heads, batch),
         in_specs=tiles.whole_array_specs(flat),
         out_specs=pl.BlockSpec((None, tq, None, dim), lambda i, h, b: (b, i, h, 0)),

@@ -38,18 +38,18 @@ _FORWARD = {
     (256, "fp32", "sm80"): ForwardConfig(block_q=32, block_kv=32, num_warps=4, num_stages=1),
 }
 _BACKWARD = {
-    (64, "16bit", "sm90"): BackwardConfig(block_q=64, block_kv=128, num_warps=8, num_stages=2),
-    (128, "16bit", "sm90"): BackwardConfig(block_q=64, block_kv=128, num_warps=8, num_stages=2),
-    (256, "16bit", "sm90"): BackwardConfig(block_q=32, block_kv=64, num_warps=8, num_stages=1),
-    (64, "16bit", "sm80"): BackwardConfig(block_q=64, block_kv=64, num_warps=4, num_stages=2),
-    (128, "16bit", "sm80"): BackwardConfig(block_q=64, block_kv=64, num_warps=8, num_stages=2),
-    (256, "16bit", "sm80"): BackwardConfig(block_q=32, block_kv=32, num_warps=8, num_stages=1),
-    (64, "fp32", "sm90"): BackwardConfig(block_q=32, block_kv=64, num_warps=4, num_stages=1),
-    (128, "fp32", "sm90"): BackwardConfig(block_q=32, block_kv=32, num_warps=4, num_stages=1),
-    (256, "fp32", "sm90"): BackwardConfig(block_q=16, block_kv=32, num_warps=4, num_stages=1),
-    (64, "fp32", "sm80"): BackwardConfig(block_q=32, block_kv=32, num_warps=4, num_stages=1),
-    (128, "fp32", "sm80"): BackwardConfig(block_q=32, block_kv=32, num_warps=4, num_stages=1),
-    (256, "fp32", "sm80"): BackwardConfig(block_q=16, block_kv=32, num_warps=4, num_stages=1),
+    (64, "16bit", "sm90"): BackwardConfig(32, 128, 128, 32, num_warps=4, num_stages=3),
+    (128, "16bit", "sm90"): BackwardConfig(32, 128, 128, 32, num_warps=8, num_stages=2),
+    (256, "16bit", "sm90"): BackwardConfig(16, 64, 64, 16, num_warps=8, num_stages=1),
+    (64, "16bit", "sm80"): BackwardConfig(32, 128, 128, 32, num_warps=4, num_stages=2),
+    (128, "16bit", "sm80"): BackwardConfig(32, 64, 64, 32, num_warps=4, num_stages=2),
+    (256, "16bit", "sm80"): BackwardConfig(16, 64, 64, 16, num_warps=8, num_stages=1),
+    (64, "fp32", "sm90"): BackwardConfig(32, 64, 64, 32, num_warps=4, num_stages=1),
+    (128, "fp32", "sm90"): BackwardConfig(16, 64, 64, 16, num_warps=4, num_stages=1),
+    (256, "fp32", "sm90"): BackwardConfig(16, 32, 32, 16, num_warps=4, num_stages=1),
+    (64, "fp32", "sm80"): BackwardConfig(32, 64, 64, 32, num_warps=4, num_stages=1),
+    (128, "fp32", "sm80"): BackwardConfig(16, 32, 32, 16, num_warps=4, num_stages=1),
+    (256, "fp32", "sm80"): BackwardConfig(16, 32, 32, 16, num_warps=4, num_stages=1),
 }
 
 _TUNED: dict[Hashable, Any] = {}

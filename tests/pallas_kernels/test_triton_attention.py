@@ -71,7 +71,7 @@ def test_partial_tiles_split_into_smaller_kernel_tiles():
     dout = jnp.asarray(rng.standard_normal(out.shape), out.dtype)
     dlse = jnp.asarray(rng.standard_normal(lse.shape), jnp.float32)
     grads = attention_backward(q, k, v, mask, layout, (), out, lse, dout, dlse, **kwargs,
-                               config=BackwardConfig(block_q=16, block_kv=32))[:3]
+                               config=BackwardConfig(16, 32, 32, 16))[:3]
     ref_grads = xla_backward(problem, q, k, v, block_mask, None, (), ref_out, ref_lse, dout,
                              dlse)[:3]
     for name, grad, ref in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
