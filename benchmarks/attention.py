@@ -245,9 +245,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated substrings; keep cases whose name contains one "
                              "(e.g. 's4096', 'causal', 'fwd+bwd', 'd64')")
     parser.add_argument("--tiny", action="store_true", help="tiny float32 shapes (CPU smoke run)")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--samples", type=int, default=10)
-    parser.add_argument("--inner", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--samples", type=int, default=5)
+    parser.add_argument("--inner", type=int, default=3)
     parser.add_argument("--plot", default="", help="save a TFLOP/s bar chart to this path")
 
 

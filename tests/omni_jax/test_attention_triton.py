@@ -31,8 +31,7 @@ class TestTritonAttention(AttentionSuite):
     dtypes = ("float32",)
 
 
-_BF16_CASES = ("causal_ragged", "documents_causal_window", "generic_block_mask_and_causal",
-               "mqa_value_dim", "softcap_sinks")
+_BF16_CASES = ("causal_ragged", "generic_block_mask_and_causal", "softcap_sinks")
 
 
 @pytest.mark.usefixtures("interpret")
