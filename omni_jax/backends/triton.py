@@ -155,7 +155,8 @@ class TritonBackend(AttentionBackend):
                                         problem.dtype, _tune_key(problem))
         return attention_forward(q, k, v, mask, layout, sinks, captured, scale=problem.scale,
                                  softcap=problem.softcap, score_mod=problem.score_mod,
-                                 config=config, interpret=runtime.interpret_requested())
+                                 config=config, interpret=runtime.interpret_requested(),
+                                 partial_tiles=problem.has_user_mask)
 
     def backward(self, problem, q, k, v, block_mask, sinks, captured, out, lse, dout, dlse):
         mask, layout = kernel_mask(block_mask)
@@ -164,7 +165,7 @@ class TritonBackend(AttentionBackend):
         dq, dk, dv, delta = attention_backward(
             q, k, v, mask, layout, captured, out, lse, dout, dlse, scale=problem.scale,
             softcap=problem.softcap, score_mod=problem.score_mod, config=config,
-            interpret=runtime.interpret_requested())
+            interpret=runtime.interpret_requested(), partial_tiles=problem.has_user_mask)
         dsinks = None
         if sinks is not None:
             # d lse / d sink = the sink's probability exp(sink - lse); dL/dsink sums

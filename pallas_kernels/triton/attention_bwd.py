@@ -137,11 +137,13 @@ def attention_backward(q: Array, k: Array, v: Array, mask: KernelMask, layout: M
                        captured: Sequence[Array], out: Array, lse: Array, dout: Array,
                        dlse: Array, *, scale: float, softcap: float | None,
                        score_mod: ConvertedScoreMod | None, config: BackwardConfig,
-                       interpret: bool) -> tuple[Array, Array, Array, Array]:
+                       interpret: bool,
+                       partial_tiles: bool = True) -> tuple[Array, Array, Array, Array]:
     """(dq, dk, dv, delta) of block-sparse attention; shapes as in `attention_forward`.
 
     ``delta [B, Hq, Sq]`` float32 is ``rowsum(dO * O) - dlse``, returned for the
-    sink gradient. dK/dV of a kv head sum over its query heads.
+    sink gradient. dK/dV of a kv head sum over its query heads. ``partial_tiles``
+    as in `attention_forward`.
     """
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
@@ -150,7 +152,7 @@ def attention_backward(q: Array, k: Array, v: Array, mask: KernelMask, layout: M
     def score_spec(block_q: int, block_kv: int) -> tiles.ScoreSpec:
         return tiles.ScoreSpec(layout, tiles.tile_size(block_q, layout.block_q),
                                tiles.tile_size(block_kv, layout.block_kv), scale, softcap,
-                               score_mod, tuple(jnp.shape(c) for c in captured))
+                               score_mod, tuple(jnp.shape(c) for c in captured), partial_tiles)
 
     dkdv_spec = score_spec(config.block_q_dkv, config.block_kv_dkv)
     dq_spec = score_spec(config.block_q_dq, config.block_kv_dq)

@@ -104,17 +104,19 @@ def _forward_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, num_q_tiles
 def attention_forward(q: Array, k: Array, v: Array, mask: KernelMask, layout: MaskLayout,
                       sinks: Array | None, captured: Sequence[Array], *, scale: float,
                       softcap: float | None, score_mod: ConvertedScoreMod | None,
-                      config: ForwardConfig, interpret: bool) -> tuple[Array, Array]:
+                      config: ForwardConfig, interpret: bool,
+                      partial_tiles: bool = True) -> tuple[Array, Array]:
     """(out ``[B, Sq, Hq, Dv]``, lse ``[B, Hq, Sq]`` float32) of block-sparse attention.
 
     ``mask``/``layout`` come from `pallas_kernels.block_sparse.kernel_mask`;
-    ``captured`` holds the score_mod's captured arrays.
+    ``captured`` holds the score_mod's captured arrays. ``partial_tiles=False``
+    promises the mask holds no PARTIAL tiles (so no stored-tile code is compiled).
     """
     batch, q_len, num_heads, head_dim = q.shape
     num_kv_heads, head_dim_v = k.shape[2], v.shape[3]
     spec = tiles.ScoreSpec(layout, tiles.tile_size(config.block_q, layout.block_q),
                            tiles.tile_size(config.block_kv, layout.block_kv), scale, softcap,
-                           score_mod, tuple(jnp.shape(c) for c in captured))
+                           score_mod, tuple(jnp.shape(c) for c in captured), partial_tiles)
     q_pad = layout.num_q_blocks * layout.block_q
     kv_pad = layout.num_kv_blocks * layout.block_kv
     dim, dim_v = tiles.padded_head_dim(head_dim), tiles.padded_head_dim(head_dim_v)

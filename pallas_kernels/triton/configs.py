@@ -26,7 +26,7 @@ Config = TypeVar("Config")
 _FORWARD = {
     (64, "16bit", "sm90"): ForwardConfig(block_q=128, block_kv=64, num_warps=4, num_stages=3),
     (128, "16bit", "sm90"): ForwardConfig(block_q=128, block_kv=64, num_warps=8, num_stages=3),
-    (256, "16bit", "sm90"): ForwardConfig(block_q=64, block_kv=64, num_warps=8, num_stages=2),
+    (256, "16bit", "sm90"): ForwardConfig(block_q=64, block_kv=32, num_warps=8, num_stages=2),
     (64, "16bit", "sm80"): ForwardConfig(block_q=128, block_kv=64, num_warps=4, num_stages=3),
     (128, "16bit", "sm80"): ForwardConfig(block_q=128, block_kv=64, num_warps=8, num_stages=2),
     (256, "16bit", "sm80"): ForwardConfig(block_q=64, block_kv=32, num_warps=8, num_stages=2),

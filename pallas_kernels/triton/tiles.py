@@ -69,6 +69,14 @@ class ScoreSpec:
     score_mod: ConvertedScoreMod | None
     # Shapes of the score_mod's captured arrays (kernels receive them at least 1-D).
     captured_shapes: tuple[tuple[int, ...], ...] = ()
+    # False when the mask is known to hold no PARTIAL tiles (masks built from
+    # structured arguments only): the kernels then compile no stored-tile path.
+    partial_tiles: bool = True
+
+    @property
+    def computed_tiles(self) -> bool:
+        """Whether any tile can be COMPUTED (a structured mask_mod or a ragged kv end)."""
+        return self.layout.mask_mod_treedef is not None or self.layout.ragged_kv
 
     @property
     def plain(self) -> bool:
@@ -181,8 +189,22 @@ class TileScores:
         def partial(s):
             return computed(s, self._partial_tile(step))
 
-        kind = jnp.where(step.flags == 0, 0, jnp.where((step.flags & PARTIAL) == 0, 1, 2))
-        return lax.switch(kind, (lambda s: s, computed, partial), s)
+        # Only the tile kinds this mask can hold get a branch: a dense mask
+        # compiles to no mask code at all, a causal one to one conditional.
+        # Two-way lax.cond on bool predicates only: Triton lowers each to one
+        # scf.if (a lax.switch here failed to compile on the GPU: its index clamp
+        # came out of the Triton lowering as an i32/i1 arith.maxsi).
+        spec = self.spec
+        if not (spec.computed_tiles or spec.partial_tiles):
+            return s
+        if not spec.partial_tiles:
+            masked = computed
+        elif not spec.computed_tiles:
+            masked = partial
+        else:
+            is_partial = (step.flags & PARTIAL) != 0
+            masked = lambda s: lax.cond(is_partial, partial, computed, s)
+        return lax.cond(step.flags == 0, lambda s: s, masked, s)
 
     def _leaf_values(self) -> list[Array]:
         """Each mask_mod leaf at this tile: q slice ``[tq, 1]``, kv slice ``[1, tkv]``, scalar."""
@@ -203,7 +225,7 @@ class TileScores:
         spec, layout = self.spec, self.spec.layout
         q_offset = lax.rem(self.q_start, layout.block_q)
         kv_offset = lax.rem(self.kv_start, layout.block_kv)
-        return self.mask_refs.partial_masks[jnp.maximum(step.partial_id, 0),
+        return self.mask_refs.partial_masks[jnp.maximum(step.partial_id, jnp.int32(0)),
                                             pl.ds(q_offset, spec.tile_q),
                                             pl.ds(kv_offset, spec.tile_kv)]
 
