@@ -120,6 +120,7 @@ def test_unavailable_without_gpu_or_interpret(monkeypatch):
 
 
 _LOWERING_FEATURES = {
+    "dense_fp32": dict(dtype=jnp.float32),
     "causal_gqa_bf16": dict(dtype=jnp.bfloat16, is_causal=True),
     "ragged_hd80_fp32_window": dict(dtype=jnp.float32, q_len=100, kv_len=77, head_dim=80,
                                     local_window_size=(30, 2)),
@@ -129,6 +130,10 @@ _LOWERING_FEATURES = {
                                 score_mod=lambda s, b, h, i, j: s - 0.1 * jnp.abs(i - j)),
     "generic_block_mask": dict(dtype=jnp.bfloat16, mask=omni_jax.create_block_mask(
         lambda b, h, i, j: (i + j) % 3 != 0, None, None, 128, 128, 64)),
+    "generic_block_mask_and_causal": dict(dtype=jnp.bfloat16, is_causal=True,
+                                          mask=omni_jax.create_block_mask(
+                                              lambda b, h, i, j: (i + j) % 3 != 0, None, None,
+                                              128, 128, 64)),
 }
 
 
