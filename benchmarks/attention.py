@@ -1,0 +1,356 @@
+"""The attention benchmark: every omni_jax backend beside its peers, in one table.
+
+Implementations (``--impls``): ``omni_xla``, ``omni_triton``, ``omni_mosaic``
+(our backends, where available), ``cudnn`` and ``jax_xla``
+(`jax.nn.dot_product_attention`), ``jax_pallas_mha`` (JAX's Pallas Triton
+``mha``), ``jax_mgpu`` (JAX's Mosaic ``attention_mgpu``: float16 only, so it
+runs on float16 copies of the inputs) and ``tokamax`` (if importable). An
+implementation that cannot run a case gets a row with its reason in the note.
+
+TFLOP/s count only unmasked work (4 * B * H * D * visible (q, k) pairs for the
+forward, 2.5x that for the backward), so masked cases compare by useful work;
+masked cases also report the fraction of active mask blocks and, when the
+dense case of the same length was measured, time / (dense time x fraction):
+1.0 means skipping is perfect.
+
+    python -m benchmarks.attention                      # all cases, all impls
+    python -m benchmarks.attention --cases s4096 --impls omni_triton,cudnn
+    python -m benchmarks.attention --tiny               # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+import numpy as np
+
+import omni_jax
+from benchmarks.timing import bench, tflops
+
+BASELINE = "cudnn"
+IMPLS = ("omni_xla", "omni_triton", "omni_mosaic", "cudnn", "jax_xla", "jax_pallas_mha",
+         "jax_mgpu", "tokamax")
+WINDOW = 1024
+NUM_DOCUMENTS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    batch: int
+    seq: int
+    heads: int
+    head_dim: int
+    mask: str  # "dense", "causal", "documents" or "window" (causal, WINDOW keys back)
+    backward: bool
+    dtype: str = "bfloat16"
+
+    @property
+    def name(self) -> str:
+        direction = "fwd+bwd" if self.backward else "fwd"
+        return f"{self.mask} b{self.batch} s{self.seq} h{self.heads} d{self.head_dim} {direction}"
+
+
+def default_cases(tiny: bool) -> list[Case]:
+    if tiny:
+        return [Case(1, 128, 2, 32, mask, backward, "float32")
+                for mask in ("dense", "causal", "documents", "window")
+                for backward in (False, True)]
+    cases = []
+    for seq in (4096, 16384):
+        for mask in ("dense", "causal"):
+            for backward in (False, True):
+                cases.append(Case(16384 // seq, seq, 16, 128, mask, backward))
+    for mask in ("dense", "documents", "window"):
+        for backward in (False, True):
+            cases.append(Case(1, 32768, 16, 128, mask, backward))
+    for head_dim in (64, 256):
+        for mask in ("dense", "causal"):
+            cases.append(Case(4, 4096, 16, head_dim, mask, False))
+    return cases
+
+
+# --------------------------------------------------------------------------- masks and flops
+
+
+def _segment_ids(case: Case) -> np.ndarray:
+    """[batch, seq] ids of NUM_DOCUMENTS documents of random lengths (fixed seed)."""
+    rng = np.random.default_rng(0)
+    cuts = np.sort(rng.choice(np.arange(1, case.seq), NUM_DOCUMENTS - 1, replace=False))
+    ids = np.searchsorted(cuts, np.arange(case.seq), side="right")
+    return np.broadcast_to(ids, (case.batch, case.seq)).astype(np.int32)
+
+
+def visible_pairs(case: Case) -> float:
+    """Unmasked (query, key) pairs per batch row and head."""
+    s = case.seq
+    if case.mask == "dense":
+        return float(s * s)
+    if case.mask == "causal":
+        return s * (s + 1) / 2
+    if case.mask == "window":
+        return float(sum(min(i, WINDOW) + 1 for i in range(s)))
+    lengths = np.bincount(_segment_ids(case)[0])
+    return float((lengths.astype(np.float64) ** 2).sum())
+
+
+def case_flops(case: Case) -> float:
+    forward = 4.0 * case.batch * case.heads * case.head_dim * visible_pairs(case)
+    return forward * 3.5 if case.backward else forward
+
+
+def _omni_mask_kwargs(case: Case) -> dict[str, Any]:
+    if case.mask == "causal":
+        return {"is_causal": True}
+    if case.mask == "window":
+        return {"local_window_size": (WINDOW, 0)}
+    if case.mask == "documents":
+        return {"q_segment_ids": jnp.asarray(_segment_ids(case))}
+    return {}
+
+
+def active_block_fraction(case: Case, block: int = 128) -> float:
+    """Fraction of (q-block, kv-block) tiles the block-sparse kernels visit."""
+    if case.mask == "dense":
+        return 1.0
+    mask_mods = omni_jax.masks
+    if case.mask == "causal":
+        mask_mod = mask_mods.mask_mods.Causal()
+    elif case.mask == "window":
+        mask_mod = mask_mods.sliding_window_mask(WINDOW, 0)
+    else:
+        mask_mod = mask_mods.document_mask(jnp.asarray(_segment_ids(case)))
+    block_mask = omni_jax.create_block_mask(mask_mod, None if case.mask != "documents"
+                                            else case.batch, None, case.seq, case.seq, block)
+    tiles = block_mask.kv_indices.shape[-2] * block_mask.kv_indices.shape[-1]
+    return float(np.asarray(block_mask.kv_num_blocks).sum()) / (
+        tiles * np.prod(block_mask.kv_num_blocks.shape[:2]))
+
+
+# --------------------------------------------------------------------------- implementations
+
+
+class Unsupported(Exception):
+    """An implementation cannot run a case; the message goes into the row's note."""
+
+
+def _omni(backend: str) -> Callable[[Case], Callable]:
+    def build(case: Case):
+        from omni_jax.backends import get_backend
+
+        reason = get_backend(backend).unavailable_reason()
+        if reason:
+            raise Unsupported(reason)
+        kwargs = _omni_mask_kwargs(case)
+        return lambda q, k, v: omni_jax.attention(q, k, v, implementation=backend, **kwargs)
+
+    return build
+
+
+def _jax_nn(implementation: str) -> Callable[[Case], Callable]:
+    def build(case: Case):
+        if implementation == "cudnn" and jax.default_backend() != "gpu":
+            raise Unsupported("cuDNN needs a GPU")
+        if case.mask == "documents":
+            raise Unsupported("jax.nn.dot_product_attention has no segment ids")
+        kwargs = {"is_causal": case.mask in ("causal", "window")}
+        if case.mask == "window":
+            kwargs["local_window_size"] = (WINDOW, 0)
+        return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation=implementation,
+                                                            **kwargs)
+
+    return build
+
+
+def _pallas_mha(case: Case):
+    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+
+    if case.mask == "window":
+        raise Unsupported("mha has no sliding window")
+    interpret = jax.default_backend() != "gpu"
+    segment_ids = jnp.asarray(_segment_ids(case)) if case.mask == "documents" else None
+    scale = case.head_dim ** -0.5
+    return lambda q, k, v: pallas_attention.mha(q, k, v, segment_ids, sm_scale=scale,
+                                                causal=case.mask == "causal",
+                                                interpret=interpret)
+
+
+def _mgpu(case: Case):
+    if jax.default_backend() != "gpu":
+        raise Unsupported("Mosaic GPU needs a Hopper GPU")
+    if case.mask not in ("dense", "causal"):
+        raise Unsupported("attention_mgpu supports dense and causal only")
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+    config = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2,
+                                         causal=case.mask == "causal")
+    return lambda q, k, v: attention_mgpu.attention(q.astype(jnp.float16),
+                                                    k.astype(jnp.float16),
+                                                    v.astype(jnp.float16), config)
+
+
+def _tokamax(case: Case):
+    try:
+        import tokamax
+    except ImportError as error:
+        raise Unsupported("tokamax is not installed") from error
+    if case.mask == "documents":
+        raise Unsupported("document masks not wired for tokamax")
+    kwargs = {"is_causal": case.mask in ("causal", "window")}
+    if case.mask == "window":
+        kwargs["local_window_size"] = (WINDOW, 0)
+    return lambda q, k, v: tokamax.dot_product_attention(q, k, v, **kwargs)
+
+
+BUILDERS: dict[str, Callable[[Case], Callable]] = {
+    "omni_xla": _omni("xla"), "omni_triton": _omni("triton"), "omni_mosaic": _omni("mosaic"),
+    "cudnn": _jax_nn("cudnn"), "jax_xla": _jax_nn("xla"), "jax_pallas_mha": _pallas_mha,
+    "jax_mgpu": _mgpu, "tokamax": _tokamax,
+}
+
+
+def _timed_fn(attention: Callable, backward: bool) -> Callable:
+    if not backward:
+        return jax.jit(attention)
+
+    def forward_backward(q, k, v, dout):
+        out, vjp = jax.vjp(attention, q, k, v)
+        return vjp(dout.astype(out.dtype))
+
+    return jax.jit(forward_backward)
+
+
+def _inputs(case: Case, copies: int) -> list[tuple]:
+    shape = (case.batch, case.seq, case.heads, case.head_dim)
+    sets = []
+    for i in range(copies):
+        keys = jax.random.split(jax.random.key(i), 4)
+        arrays = [jax.random.normal(key, shape, case.dtype) for key in keys]
+        sets.append(tuple(arrays) if case.backward else tuple(arrays[:3]))
+    return sets
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--impls", default=",".join(IMPLS),
+                        help=f"comma-separated subset of {', '.join(IMPLS)}")
+    parser.add_argument("--cases", default="",
+                        help="comma-separated substrings; keep cases whose name contains one "
+                             "(e.g. 's4096', 'causal', 'fwd+bwd', 'd64')")
+    parser.add_argument("--tiny", action="store_true", help="tiny float32 shapes (CPU smoke run)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--samples", type=int, default=5)
+    parser.add_argument("--inner", type=int, default=3)
+    parser.add_argument("--plot", default="", help="save a TFLOP/s bar chart to this path")
+
+
+def _selected_cases(args) -> list[Case]:
+    cases = default_cases(args.tiny)
+    wanted = [w for w in args.cases.split(",") if w]
+    return [c for c in cases if not wanted or any(w in c.name for w in wanted)]
+
+
+def _skip_note(case: Case, dense_ms: dict, impl: str, ms: float) -> str:
+    if case.mask == "dense":
+        return ""
+    fraction = active_block_fraction(case)
+    note = f"active blocks {fraction:.1%}; TFLOP/s count unmasked work only"
+    dense = dense_ms.get((dataclasses.replace(case, mask="dense"), impl))
+    if dense is not None:
+        note += f"; time/(dense x fraction) = {ms / (dense * fraction):.2f}"
+    return note
+
+
+def run(args) -> list[dict]:
+    impls = [i for i in args.impls.split(",") if i]
+    unknown = sorted(set(impls) - set(IMPLS))
+    if unknown:
+        raise ValueError(f"unknown --impls {unknown}; choose from {IMPLS}")
+    print(f"jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
+          f"device {jax.devices()[0].device_kind} ({jax.default_backend()})")
+    rows, dense_ms = [], {}
+    for case in _selected_cases(args):
+        flops = case_flops(case)
+        case_rows = []
+        for impl in impls:
+            try:
+                attention = BUILDERS[impl](case)
+                fn = _timed_fn(attention, case.backward)
+                ms = bench(fn, _inputs(case, 2), warmup=args.warmup, samples=args.samples,
+                           inner=args.inner)
+            except Unsupported as why:
+                case_rows.append(_row(case, impl, float("nan"), 0.0, f"skipped: {why}"))
+                continue
+            except Exception as error:  # noqa: BLE001 - a peer failing must not stop the table
+                message = str(error).strip().splitlines()[0][:160] if str(error) else ""
+                case_rows.append(_row(case, impl, float("nan"), 0.0,
+                                      f"failed: {type(error).__name__}: {message}"))
+                continue
+            dense_ms[(case, impl)] = ms
+            note = _skip_note(case, dense_ms, impl, ms)
+            if impl == "jax_mgpu":
+                note = "; ".join(filter(None, ["float16 inputs (bf16 unsupported)", note]))
+            case_rows.append(_row(case, impl, ms, tflops(flops, ms), note))
+        baseline = next((r["ms"] for r in case_rows if r["impl"] == BASELINE
+                         and np.isfinite(r["ms"])), None)
+        for row in case_rows:
+            if baseline is not None and np.isfinite(row["ms"]):
+                row["ratio"] = baseline / row["ms"]
+        rows.extend(case_rows)
+    return rows
+
+
+def _row(case: Case, impl: str, ms: float, throughput: float, note: str) -> dict:
+    return {"case": case.name, "impl": impl, "ms": ms, "tflops": throughput, "ratio": None,
+            "note": note}
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'case':<34} {'impl':<15} {'ms':>9} {'TFLOP/s':>8} {'vs ' + BASELINE:>9}  note")
+    for r in rows:
+        ratio = "" if r["ratio"] is None else f"{r['ratio']:.2f}x"
+        print(f"{r['case']:<34} {r['impl']:<15} {r['ms']:>9.3f} {r['tflops']:>8.1f} "
+              f"{ratio:>9}  {r['note']}")
+
+
+def save_plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    width = 0.8 / max(1, len(impls))
+    fig, ax = plt.subplots(figsize=(max(8, len(cases) * 1.2), 5))
+    for i, impl in enumerate(impls):
+        values = {r["case"]: r["tflops"] for r in rows if r["impl"] == impl}
+        ax.bar(np.arange(len(cases)) + i * width, [values.get(c, 0.0) for c in cases], width,
+               label=impl)
+    ax.set_xticks(np.arange(len(cases)) + 0.4 - width / 2, cases, rotation=60, ha="right",
+                  fontsize=7)
+    ax.set_ylabel("TFLOP/s (unmasked work)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    rows = run(args)
+    print_table(rows)
+    if args.plot:
+        save_plot(rows, args.plot)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""The portable Pallas backend: flash-attention kernels lowered through Triton (sm80+).
+
+Kernels live in `pallas_kernels.triton`; this module only decides whether
+they serve a problem, picks their configs and adapts the `BlockMask`.
+``OMNI_JAX_PALLAS_INTERPRET=1`` runs them in Pallas interpret mode (any
+device, CPU included), which is how CI tests them.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.extend import core as jex_core
+
+from omni_jax.backends import xla
+from omni_jax.backends.base import AttentionBackend
+from omni_jax.problem import AttentionProblem
+from omni_jax.scores import transform_scores, zero_cotangent
+from pallas_kernels import compat, runtime
+from pallas_kernels.block_sparse import kernel_mask
+from pallas_kernels.triton import configs, tiles
+from pallas_kernels.triton.attention_bwd import BackwardConfig, attention_backward
+from pallas_kernels.triton.attention_fwd import ForwardConfig, attention_forward
+
+_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+_MAX_MASK_BLOCK = 128
+
+
+def _largest_power_of_two_divisor(n: int) -> int:
+    return n & -n
+
+
+def _primitives(jaxpr) -> set[str]:
+    """Names of every primitive in ``jaxpr`` and its sub-jaxprs."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for sub in jex_core.jaxprs_in_params(eqn.params):
+            names |= _primitives(sub)
+    return names
+
+
+@functools.lru_cache(maxsize=256)
+def _score_mod_reason(problem: AttentionProblem) -> str | None:
+    """Why the compiled kernels cannot apply ``problem``'s softcap/score_mod, or None."""
+    if problem.score_mod is None:
+        return None
+    if problem.score_mod.num_captured:
+        return ("score_mod captures arrays; compiled Triton kernels cannot index them "
+                "(gathers do not lower); use implementation='xla' or 'mosaic'")
+    lowerable = compat.triton_lowerable_primitives()
+    if lowerable is None:
+        return None
+
+    def tile_scores(scores):
+        q_idx = jnp.arange(16, dtype=jnp.int32)[:, None]
+        kv_idx = jnp.arange(16, dtype=jnp.int32)[None, :]
+        return transform_scores(scores, softcap=problem.softcap, score_mod=problem.score_mod,
+                                captured=(), b=jnp.int32(0), h=jnp.int32(0), q_idx=q_idx,
+                                kv_idx=kv_idx)
+
+    jaxpr = jax.make_jaxpr(tile_scores)(jax.ShapeDtypeStruct((16, 16), jnp.float32)).jaxpr
+    missing = sorted(name for name in _primitives(jaxpr)
+                     if name not in {p.name for p in lowerable})
+    if missing:
+        return f"score_mod uses operations the Triton lowering lacks: {', '.join(missing)}"
+    return None
+
+
+def _tune_key(problem: AttentionProblem):
+    shapes = ((problem.batch, problem.q_len, problem.num_q_heads, problem.head_dim),
+              (problem.batch, problem.kv_len, problem.num_kv_heads, problem.head_dim),
+              (problem.batch, problem.kv_len, problem.num_kv_heads, problem.head_dim_v))
+    return configs.problem_key(shapes, problem.dtype, problem.block_size)
+
+
+def _default_block_size(q_len: int, kv_len: int) -> tuple[int, int]:
+    fit = lambda length: min(_MAX_MASK_BLOCK, max(tiles.MIN_TILE, pl.next_power_of_2(length)))
+    return fit(q_len), fit(kv_len)
+
+
+def autotune(query, key, value, *, forward_candidates: Sequence[ForwardConfig] = (),
+             backward_candidates: Sequence[BackwardConfig] = (),
+             **attention_kwargs) -> tuple[ForwardConfig | None, BackwardConfig | None]:
+    """Times candidate kernel configs on these inputs; later calls of these shapes use the winners.
+
+    ``attention_kwargs`` are `omni_jax.attention`'s keyword arguments (masks,
+    softcap, ...). Backward candidates are timed on forward + backward.
+    Returns the (forward, backward) winners (None where there were no candidates).
+    """
+    from omni_jax.attention import attention
+
+    mask = attention_kwargs.get("mask")
+    block_size = (mask.block_size if mask is not None
+                  else _default_block_size(query.shape[1], key.shape[1]))
+    tune_key = configs.problem_key((query.shape, key.shape, value.shape), query.dtype,
+                                   tuple(block_size))
+
+    def forward(q, k, v):
+        return attention(q, k, v, implementation="triton", **attention_kwargs)
+
+    def forward_backward(q, k, v):
+        out, vjp = jax.vjp(forward, q, k, v)
+        return vjp(out)
+
+    def build(kind, config):
+        configs.set_tuned(kind, tune_key, config)  # Read at trace time: trace afresh.
+        compiled = jax.jit(forward if kind == "forward" else forward_backward).lower(
+            query, key, value).compile()
+        return lambda: compiled(query, key, value)
+
+    winners = []
+    for kind, candidates in (("forward", forward_candidates), ("backward", backward_candidates)):
+        winners.append(configs.autotune(kind, tune_key, candidates,
+                                        functools.partial(build, kind)) if candidates else None)
+    return winners[0], winners[1]
+
+
+class TritonBackend(AttentionBackend):
+    """Pallas kernels with Triton lowering: forward, dK/dV and dQ, all block-sparse."""
+
+    name = "triton"
+
+    def unavailable_reason(self) -> str | None:
+        if runtime.can_run_triton():
+            return None
+        return ("the Triton backend needs an NVIDIA GPU with compute capability >= 8.0 "
+                f"(or {runtime.INTERPRET_ENV_VAR}=1 to run it interpreted)")
+
+    def unsupported_reason(self, problem: AttentionProblem) -> str | None:
+        if not any(problem.dtype == jnp.dtype(d) for d in _DTYPES):
+            return f"dtype {problem.dtype} is not bfloat16, float16 or float32"
+        for name, dim in (("head_dim", problem.head_dim), ("head_dim_v", problem.head_dim_v)):
+            if dim > tiles.MAX_HEAD_DIM:
+                return f"{name}={dim} exceeds {tiles.MAX_HEAD_DIM}"
+        if problem.block_size is not None:
+            for name, block in zip(("block_q", "block_kv"), problem.block_size, strict=True):
+                if _largest_power_of_two_divisor(block) < tiles.MIN_TILE:
+                    return (f"the BlockMask's {name}={block} is not a multiple of "
+                            f"{tiles.MIN_TILE} (Triton tiles need >= {tiles.MIN_TILE} rows)")
+        if runtime.interpret_requested():
+            return None  # Interpreted kernels run any score_mod.
+        return _score_mod_reason(problem)
+
+    def block_size(self, problem: AttentionProblem) -> tuple[int, int]:
+        return _default_block_size(problem.q_len, problem.kv_len)
+
+    def forward(self, problem, q, k, v, block_mask, sinks, captured):
+        mask, layout = kernel_mask(block_mask)
+        config = configs.forward_config(max(problem.head_dim, problem.head_dim_v),
+                                        problem.dtype, _tune_key(problem))
+        return attention_forward(q, k, v, mask, layout, sinks, captured, scale=problem.scale,
+                                 softcap=problem.softcap, score_mod=problem.score_mod,
+                                 config=config, interpret=runtime.interpret_requested(),
+                                 partial_tiles=problem.has_user_mask)
+
+    def backward(self, problem, q, k, v, block_mask, sinks, captured, out, lse, dout, dlse):
+        mask, layout = kernel_mask(block_mask)
+        config = configs.backward_config(max(problem.head_dim, problem.head_dim_v),
+                                         problem.dtype, _tune_key(problem))
+        dq, dk, dv, delta = attention_backward(
+            q, k, v, mask, layout, captured, out, lse, dout, dlse, scale=problem.scale,
+            softcap=problem.softcap, score_mod=problem.score_mod, config=config,
+            interpret=runtime.interpret_requested(), partial_tiles=problem.has_user_mask)
+        dsinks = None
+        if sinks is not None:
+            # d lse / d sink = the sink's probability exp(sink - lse); dL/dsink sums
+            # -p_sink * delta over batch and queries.
+            sink_prob = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
+            dsinks = -(sink_prob * delta).sum(axis=(0, 2)).astype(sinks.dtype)
+        return dq, dk, dv, dsinks, self._captured_cotangents(
+            problem, q, k, v, block_mask, sinks, captured, out, lse, dout, dlse)
+
+    @staticmethod
+    def _captured_cotangents(problem, q, k, v, block_mask, sinks, captured, out, lse, dout,
+                             dlse) -> tuple:
+        """Cotangents of the score_mod's captured arrays.
+
+        Only float captured arrays have nonzero ones; the kernels do not reduce
+        them, so the XLA backward (whose other outputs XLA then discards as
+        dead code) computes them. Compiled kernels decline captured arrays
+        anyway, so this runs only interpreted.
+        """
+        if not any(jnp.issubdtype(c.dtype, jnp.inexact) for c in captured):
+            return tuple(zero_cotangent(c) for c in captured)
+        return xla.attention_backward(problem, q, k, v, block_mask, sinks, captured, out, lse,
+                                      dout, dlse)[4]

@@ -1,0 +1,202 @@
+"""Block-sparse flash-attention backward pass, Pallas with Triton lowering (sm80+).
+
+Two kernels, no atomics:
+
+* dK/dV: one program per (kv tile, kv head, batch). For each query head of
+  its GQA group it walks the active q tiles of its kv block (the kv-major
+  view of the BlockMask) and accumulates dK and dV in float32 registers, so
+  the reduction over the group's query heads happens in the kernel.
+* dQ: one program per (q tile, query head, batch), walking the active kv
+  tiles of its q block (the q-major view, as the forward does).
+
+Both recompute ``p = exp(s - lse)`` from the forward's lse and use
+``delta = rowsum(dO * O) - dlse`` (computed beforehand in JAX; the lse
+cotangent folds into it). FULL tiles skip mask math as in the forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from omni_jax.scores import ConvertedScoreMod
+from pallas_kernels import compat
+from pallas_kernels.block_sparse import KernelMask, MaskLayout
+from pallas_kernels.triton import tiles
+
+Array = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardConfig:
+    """Tile sizes and launch parameters of the dK/dV and dQ kernels.
+
+    Tile sizes are upper bounds, as in `ForwardConfig`. Each kernel keeps a
+    large tile of what it accumulates (kv rows for dK/dV, q rows for dQ) and
+    walks small tiles of the other side.
+    """
+
+    block_q_dkv: int = 32
+    block_kv_dkv: int = 64
+    block_q_dq: int = 64
+    block_kv_dq: int = 32
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+def _tile_gradients(scores: tiles.TileScores, step: tiles.Step, q: Array, k: Array, v: Array,
+                    do: Array, lse2: Array, delta: Array) -> tuple[Array, Array]:
+    """(p, dS) of one tile; dS is d loss / d(q.k), the scale folded in."""
+    s, slope = scores.log2_scores(tiles.dot_nt(q, k))
+    s = scores.masked(s, step)
+    p = jnp.exp2(s - lse2[:, None])
+    dp = tiles.dot_nt(do, v)
+    ds = p * (dp - delta[:, None])
+    if slope is not None:
+        ds = ds * slope
+    return p, ds * scores.spec.scale
+
+
+def _dkdv_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, group: int) -> None:
+    inputs, (dk_ref, dv_ref) = tiles.unpack_refs(refs, treedef)
+    layout = spec.layout
+    tq, tkv = spec.tile_q, spec.tile_kv
+    kv_tile, kv_head, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    kv_start = kv_tile * tkv
+    k = inputs["k"][b, pl.ds(kv_start, tkv), kv_head, :]
+    v = inputs["v"][b, pl.ds(kv_start, tkv), kv_head, :]
+    mask = inputs["mask"]
+    walks = (mask.q_num_blocks, mask.q_indices, mask.q_tile_flags, mask.q_partial_ids)
+
+    def head(g, carry):
+        h = kv_head * group + g
+        walk = tiles.Walk(walks, b, h, lax.div(kv_start, layout.block_kv),
+                          layout.block_q // tq)
+
+        def body(it, carry):
+            dk, dv = carry
+            step = walk.step(it)
+            q_start = step.block * layout.block_q + step.sub * tq
+            q = inputs["q"][b, pl.ds(q_start, tq), h, :]
+            do = inputs["do"][b, pl.ds(q_start, tq), h, :]
+            lse2 = inputs["lse2"][b, h, pl.ds(q_start, tq)]
+            delta = inputs["delta"][b, h, pl.ds(q_start, tq)]
+            scores = tiles.TileScores(spec, mask, inputs["captured"], b, h, q_start, kv_start)
+            p, ds = _tile_gradients(scores, step, q, k, v, do, lse2, delta)
+            dv = dv + tiles.dot_tn(p.astype(do.dtype), do)
+            dk = dk + tiles.dot_tn(ds.astype(q.dtype), q)
+            return dk, dv
+
+        return lax.fori_loop(0, walk.num_steps(), body, carry)
+
+    init = (jnp.zeros((tkv, dk_ref.shape[-1]), jnp.float32),
+            jnp.zeros((tkv, dv_ref.shape[-1]), jnp.float32))
+    dk, dv = lax.fori_loop(0, group, head, init)
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dq_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, group: int) -> None:
+    inputs, (dq_ref,) = tiles.unpack_refs(refs, treedef)
+    layout = spec.layout
+    tq, tkv = spec.tile_q, spec.tile_kv
+    q_tile, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    kv_head = lax.div(h, group)
+    q_start = q_tile * tq
+    q = inputs["q"][b, pl.ds(q_start, tq), h, :]
+    do = inputs["do"][b, pl.ds(q_start, tq), h, :]
+    lse2 = inputs["lse2"][b, h, pl.ds(q_start, tq)]
+    delta = inputs["delta"][b, h, pl.ds(q_start, tq)]
+    mask = inputs["mask"]
+    walk = tiles.Walk((mask.kv_num_blocks, mask.kv_indices, mask.kv_tile_flags,
+                       mask.kv_partial_ids), b, h, lax.div(q_start, layout.block_q),
+                      layout.block_kv // tkv)
+
+    def body(it, dq):
+        step = walk.step(it)
+        kv_start = step.block * layout.block_kv + step.sub * tkv
+        k = inputs["k"][b, pl.ds(kv_start, tkv), kv_head, :]
+        v = inputs["v"][b, pl.ds(kv_start, tkv), kv_head, :]
+        scores = tiles.TileScores(spec, mask, inputs["captured"], b, h, q_start, kv_start)
+        _, ds = _tile_gradients(scores, step, q, k, v, do, lse2, delta)
+        return dq + tiles.dot_nn(ds.astype(k.dtype), k)
+
+    dq = lax.fori_loop(0, walk.num_steps(), body,
+                       jnp.zeros((tq, dq_ref.shape[-1]), jnp.float32))
+    dq_ref[...] = dq.astype(dq_ref.dtype)
+
+
+def attention_backward(q: Array, k: Array, v: Array, mask: KernelMask, layout: MaskLayout,
+                       captured: Sequence[Array], out: Array, lse: Array, dout: Array,
+                       dlse: Array, *, scale: float, softcap: float | None,
+                       score_mod: ConvertedScoreMod | None, config: BackwardConfig,
+                       interpret: bool,
+                       partial_tiles: bool = True) -> tuple[Array, Array, Array, Array]:
+    """(dq, dk, dv, delta) of block-sparse attention; shapes as in `attention_forward`.
+
+    ``delta [B, Hq, Sq]`` float32 is ``rowsum(dO * O) - dlse``, returned for the
+    sink gradient. dK/dV of a kv head sum over its query heads. ``partial_tiles``
+    as in `attention_forward`.
+    """
+    batch, q_len, num_heads, head_dim = q.shape
+    kv_len, num_kv_heads, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
+    group = num_heads // num_kv_heads
+
+    def score_spec(block_q: int, block_kv: int) -> tiles.ScoreSpec:
+        return tiles.ScoreSpec(layout, tiles.tile_size(block_q, layout.block_q),
+                               tiles.tile_size(block_kv, layout.block_kv), scale, softcap,
+                               score_mod, tuple(jnp.shape(c) for c in captured), partial_tiles)
+
+    dkdv_spec = score_spec(config.block_q_dkv, config.block_kv_dkv)
+    dq_spec = score_spec(config.block_q_dq, config.block_kv_dq)
+    q_pad = layout.num_q_blocks * layout.block_q
+    kv_pad = layout.num_kv_blocks * layout.block_kv
+    dim, dim_v = tiles.padded_head_dim(head_dim), tiles.padded_head_dim(head_dim_v)
+
+    delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32), out.astype(jnp.float32))
+    delta = delta - dlse.astype(jnp.float32)
+    # p = exp2(s - lse2). A row that sees nothing (lse = -inf) and padding rows
+    # get lse2 = +inf, so their p is exactly 0 instead of NaN.
+    lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(jnp.float32) * tiles.LOG2E)
+    operands = {
+        "q": tiles.pad_to(tiles.pad_to(q, 1, q_pad), 3, dim),
+        "k": tiles.pad_to(tiles.pad_to(k, 1, kv_pad), 3, dim),
+        "v": tiles.pad_to(tiles.pad_to(v, 1, kv_pad), 3, dim_v),
+        "do": tiles.pad_to(tiles.pad_to(dout.astype(q.dtype), 1, q_pad), 3, dim_v),
+        "lse2": tiles.pad_to(lse2, 2, q_pad, jnp.inf),
+        "delta": tiles.pad_to(delta, 2, q_pad),
+        "mask": mask,
+        "captured": [jnp.atleast_1d(c) for c in captured],
+    }
+    flat, treedef = tiles.pack_operands(operands)
+    params = compat.triton_compiler_params(num_warps=config.num_warps,
+                                           num_stages=config.num_stages)
+    tkv = dkdv_spec.tile_kv
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkdv_kernel, treedef=treedef, spec=dkdv_spec, group=group),
+        grid=(kv_pad // tkv, num_kv_heads, batch),
+        in_specs=tiles.whole_array_specs(flat),
+        out_specs=[pl.BlockSpec((None, tkv, None, dim), lambda i, h, b: (b, i, h, 0)),
+                   pl.BlockSpec((None, tkv, None, dim_v), lambda i, h, b: (b, i, h, 0))],
+        out_shape=[jax.ShapeDtypeStruct((batch, kv_pad, num_kv_heads, dim), k.dtype),
+                   jax.ShapeDtypeStruct((batch, kv_pad, num_kv_heads, dim_v), v.dtype)],
+        compiler_params=params, interpret=interpret, name="omni_attention_dkdv",
+    )(*flat)
+    tq = dq_spec.tile_q
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, treedef=treedef, spec=dq_spec, group=group),
+        grid=(q_pad // tq, num_heads, batch),
+        in_specs=tiles.whole_array_specs(flat),
+        out_specs=pl.BlockSpec((None, tq, None, dim), lambda i, h, b: (b, i, h, 0)),
+        out_shape=jax.ShapeDtypeStruct((batch, q_pad, num_heads, dim), q.dtype),
+        compiler_params=params, interpret=interpret, name="omni_attention_dq",
+    )(*flat)
+    return (dq[:, :q_len, :, :head_dim], dk[:, :kv_len, :, :head_dim],
+            dv[:, :kv_len, :, :head_dim_v], delta)

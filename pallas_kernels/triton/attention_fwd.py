@@ -1,0 +1,152 @@
+"""Block-sparse flash-attention forward pass, Pallas with Triton lowering (sm80+).
+
+One program per (q tile, query head, batch). It keeps its q tile in
+registers and walks only the active kv tiles of its q block in the
+BlockMask (skipped tiles cost nothing), with an online softmax in float32
+and ``exp2`` (log2(e) folded into the scale). FULL tiles do no mask math;
+COMPUTED tiles evaluate the structured mask from indices, PARTIAL tiles
+read their stored tile. K/V tiles come straight from HBM inside the loop,
+which Triton software-pipelines over ``num_stages`` buffers.
+
+Outputs: ``out`` and ``lse`` (natural log, float32, sinks included; -inf for
+a query that sees no key and has no sink).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from omni_jax.scores import ConvertedScoreMod
+from pallas_kernels import compat
+from pallas_kernels.block_sparse import KernelMask, MaskLayout
+from pallas_kernels.triton import tiles
+
+Array = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardConfig:
+    """Tile sizes and launch parameters of the forward kernel.
+
+    ``block_q``/``block_kv`` are upper bounds: the kernel uses the largest
+    power of two <= them that divides the mask's block size.
+    """
+
+    block_q: int = 128
+    block_kv: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def _forward_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, num_q_tiles: int,
+                    group: int, has_sinks: bool) -> None:
+    inputs, (out_ref, lse_ref) = tiles.unpack_refs(refs, treedef)
+    layout = spec.layout
+    tq, tkv = spec.tile_q, spec.tile_kv
+    # Heaviest q tiles (last rows of causal masks) first: shorter tail.
+    q_tile = num_q_tiles - 1 - pl.program_id(0)
+    h, b = pl.program_id(1), pl.program_id(2)
+    kv_head = lax.div(h, group)
+    q_start = q_tile * tq
+    q = inputs["q"][b, pl.ds(q_start, tq), h, :]
+    mask = inputs["mask"]
+    walk = tiles.Walk((mask.kv_num_blocks, mask.kv_indices, mask.kv_tile_flags,
+                       mask.kv_partial_ids), b, h, lax.div(q_start, layout.block_q),
+                      layout.block_kv // tkv)
+
+    def body(it, carry):
+        acc, row_max, row_sum = carry
+        step = walk.step(it)
+        kv_start = step.block * layout.block_kv + step.sub * tkv
+        k = inputs["k"][b, pl.ds(kv_start, tkv), kv_head, :]
+        scores = tiles.TileScores(spec, mask, inputs["captured"], b, h, q_start, kv_start)
+        s, _ = scores.log2_scores(tiles.dot_nt(q, k))
+        s = scores.masked(s, step)
+        new_max = jnp.maximum(row_max, s.max(axis=1))
+        # Rows with nothing visible yet keep max -inf: shift by 0 so exp2 gives 0, not NaN.
+        shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)
+        p = jnp.exp2(s - shift[:, None])
+        alpha = jnp.exp2(row_max - shift)
+        v = inputs["v"][b, pl.ds(kv_start, tkv), kv_head, :]
+        acc = acc * alpha[:, None] + tiles.dot_nn(p.astype(v.dtype), v)
+        return acc, new_max, row_sum * alpha + p.sum(axis=1)
+
+    init = (jnp.zeros((tq, out_ref.shape[-1]), jnp.float32),
+            jnp.full((tq,), -jnp.inf, jnp.float32), jnp.zeros((tq,), jnp.float32))
+    acc, row_max, row_sum = lax.fori_loop(0, walk.num_steps(), body, init)
+
+    if has_sinks:
+        # The sink joins the denominator: renormalise to max(row_max, sink) first.
+        sink = inputs["sinks"][h] * tiles.LOG2E
+        final_max = jnp.maximum(row_max, sink)
+        alpha = jnp.exp2(row_max - final_max)
+        row_sum = row_sum * alpha + jnp.exp2(sink - final_max)
+        acc = acc * alpha[:, None]
+        lse2 = final_max + jnp.log2(row_sum)
+        inv = 1.0 / row_sum
+    else:
+        seen = row_sum > 0
+        safe_sum = jnp.where(seen, row_sum, 1.0)
+        lse2 = jnp.where(seen, row_max + jnp.log2(safe_sum), -jnp.inf)
+        inv = jnp.where(seen, 1.0 / safe_sum, 0.0)
+    out_ref[...] = (acc * inv[:, None]).astype(out_ref.dtype)
+    lse_ref[...] = lse2 * tiles.LN2
+
+
+def attention_forward(q: Array, k: Array, v: Array, mask: KernelMask, layout: MaskLayout,
+                      sinks: Array | None, captured: Sequence[Array], *, scale: float,
+                      softcap: float | None, score_mod: ConvertedScoreMod | None,
+                      config: ForwardConfig, interpret: bool,
+                      partial_tiles: bool = True) -> tuple[Array, Array]:
+    """(out ``[B, Sq, Hq, Dv]``, lse ``[B, Hq, Sq]`` float32) of block-sparse attention.
+
+    ``mask``/``layout`` come from `pallas_kernels.block_sparse.kernel_mask`;
+    ``captured`` holds the score_mod's captured arrays. ``partial_tiles=False``
+    promises the mask holds no PARTIAL tiles (so no stored-tile code is compiled).
+    """
+    batch, q_len, num_heads, head_dim = q.shape
+    num_kv_heads, head_dim_v = k.shape[2], v.shape[3]
+    spec = tiles.ScoreSpec(layout, tiles.tile_size(config.block_q, layout.block_q),
+                           tiles.tile_size(config.block_kv, layout.block_kv), scale, softcap,
+                           score_mod, tuple(jnp.shape(c) for c in captured), partial_tiles)
+    q_pad = layout.num_q_blocks * layout.block_q
+    kv_pad = layout.num_kv_blocks * layout.block_kv
+    dim, dim_v = tiles.padded_head_dim(head_dim), tiles.padded_head_dim(head_dim_v)
+    operands = {
+        "q": tiles.pad_to(tiles.pad_to(q, 1, q_pad), 3, dim),
+        "k": tiles.pad_to(tiles.pad_to(k, 1, kv_pad), 3, dim),
+        "v": tiles.pad_to(tiles.pad_to(v, 1, kv_pad), 3, dim_v),
+        "mask": mask,
+        "sinks": None if sinks is None else sinks.astype(jnp.float32),
+        "captured": [jnp.atleast_1d(c) for c in captured],
+    }
+    flat, treedef = tiles.pack_operands(operands)
+    num_q_tiles = q_pad // spec.tile_q
+    last = num_q_tiles - 1
+    kernel = functools.partial(_forward_kernel, treedef=treedef, spec=spec,
+                               num_q_tiles=num_q_tiles, group=num_heads // num_kv_heads,
+                               has_sinks=sinks is not None)
+    out, lse = pl.pallas_call(
+        kernel,
+        grid=(num_q_tiles, num_heads, batch),
+        in_specs=tiles.whole_array_specs(flat),
+        out_specs=[
+            pl.BlockSpec((None, spec.tile_q, None, dim_v), lambda i, h, b: (b, last - i, h, 0)),
+            pl.BlockSpec((None, None, spec.tile_q), lambda i, h, b: (b, h, last - i)),
+        ],
+        out_shape=[jax.ShapeDtypeStruct((batch, q_pad, num_heads, dim_v), q.dtype),
+                   jax.ShapeDtypeStruct((batch, num_heads, q_pad), jnp.float32)],
+        compiler_params=compat.triton_compiler_params(num_warps=config.num_warps,
+                                                      num_stages=config.num_stages),
+        interpret=interpret,
+        name="omni_attention_fwd",
+    )(*flat)
+    return out[:, :q_len, :, :head_dim_v], lse[:, :, :q_len]

@@ -1,0 +1,115 @@
+"""Tuned default configs of the Triton attention kernels, and an optional autotuner.
+
+`forward_config`/`backward_config` look up a small table keyed by
+(head dim bucket, dtype class, GPU generation). `autotune` times candidate
+configs of one kernel call and caches the winner per problem key, so later
+look-ups with that key return it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, TypeVar
+
+import jax
+
+from pallas_kernels import runtime
+from pallas_kernels.triton.attention_bwd import BackwardConfig
+from pallas_kernels.triton.attention_fwd import ForwardConfig
+
+Config = TypeVar("Config")
+
+# (head-dim bucket, "16bit" | "fp32", generation) -> config. Generation "sm90" is Hopper;
+# everything else (Ampere, Ada, interpret mode) takes "sm80".
+_FORWARD = {
+    (64, "16bit", "sm90"): ForwardConfig(block_q=128, block_kv=64, num_warps=4, num_stages=3),
+    (128, "16bit", "sm90"): ForwardConfig(block_q=128, block_kv=64, num_warps=8, num_stages=3),
+    (256, "16bit", "sm90"): ForwardConfig(block_q=64, block_kv=32, num_warps=8, num_stages=2),
+    (64, "16bit", "sm80"): ForwardConfig(block_q=128, block_kv=64, num_warps=4, num_stages=3),
+    (128, "16bit", "sm80"): ForwardConfig(block_q=128, block_kv=64, num_warps=8, num_stages=2),
+    (256, "16bit", "sm80"): ForwardConfig(block_q=64, block_kv=32, num_warps=8, num_stages=2),
+    (64, "fp32", "sm90"): ForwardConfig(block_q=64, block_kv=32, num_warps=4, num_stages=2),
+    (128, "fp32", "sm90"): ForwardConfig(block_q=64, block_kv=32, num_warps=4, num_stages=2),
+    (256, "fp32", "sm90"): ForwardConfig(block_q=32, block_kv=32, num_warps=4, num_stages=1),
+    (64, "fp32", "sm80"): ForwardConfig(block_q=64, block_kv=32, num_warps=4, num_stages=2),
+    (128, "fp32", "sm80"): ForwardConfig(block_q=64, block_kv=32, num_warps=4, num_stages=1),
+    (256, "fp32", "sm80"): ForwardConfig(block_q=32, block_kv=32, num_warps=4, num_stages=1),
+}
+_BACKWARD = {
+    (64, "16bit", "sm90"): BackwardConfig(32, 128, 128, 32, num_warps=4, num_stages=3),
+    (128, "16bit", "sm90"): BackwardConfig(32, 128, 128, 32, num_warps=8, num_stages=2),
+    (256, "16bit", "sm90"): BackwardConfig(16, 64, 64, 16, num_warps=8, num_stages=1),
+    (64, "16bit", "sm80"): BackwardConfig(32, 128, 128, 32, num_warps=4, num_stages=2),
+    (128, "16bit", "sm80"): BackwardConfig(32, 64, 64, 32, num_warps=4, num_stages=2),
+    (256, "16bit", "sm80"): BackwardConfig(16, 64, 64, 16, num_warps=8, num_stages=1),
+    (64, "fp32", "sm90"): BackwardConfig(32, 64, 64, 32, num_warps=4, num_stages=1),
+    (128, "fp32", "sm90"): BackwardConfig(16, 64, 64, 16, num_warps=4, num_stages=1),
+    (256, "fp32", "sm90"): BackwardConfig(16, 32, 32, 16, num_warps=4, num_stages=1),
+    (64, "fp32", "sm80"): BackwardConfig(32, 64, 64, 32, num_warps=4, num_stages=1),
+    (128, "fp32", "sm80"): BackwardConfig(16, 32, 32, 16, num_warps=4, num_stages=1),
+    (256, "fp32", "sm80"): BackwardConfig(16, 32, 32, 16, num_warps=4, num_stages=1),
+}
+
+_TUNED: dict[Hashable, Any] = {}
+
+
+def _table_key(head_dim: int, dtype: Any) -> tuple[int, str, str]:
+    bucket = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+    dtype_class = "fp32" if jax.numpy.dtype(dtype).itemsize == 4 else "16bit"
+    generation = "sm90" if runtime.gpu_compute_capability() == (9, 0) else "sm80"
+    return bucket, dtype_class, generation
+
+
+def problem_key(shapes: Sequence[tuple[int, ...]], dtype: Any, block_size: Any) -> Hashable:
+    """The autotune cache key of a call: q/k/v shapes, dtype and mask block size."""
+    return tuple(map(tuple, shapes)), str(jax.numpy.dtype(dtype)), block_size
+
+
+def forward_config(head_dim: int, dtype: Any, tune_key: Hashable = None) -> ForwardConfig:
+    """The autotuned config for ``tune_key`` if any, else the table default."""
+    tuned = _TUNED.get(("forward", tune_key))
+    return tuned if tuned is not None else _FORWARD[_table_key(head_dim, dtype)]
+
+
+def backward_config(head_dim: int, dtype: Any, tune_key: Hashable = None) -> BackwardConfig:
+    """The autotuned config for ``tune_key`` if any, else the table default."""
+    tuned = _TUNED.get(("backward", tune_key))
+    return tuned if tuned is not None else _BACKWARD[_table_key(head_dim, dtype)]
+
+
+def set_tuned(kind: str, tune_key: Hashable, config: Any) -> None:
+    """Makes ``config`` the one `forward_config`/`backward_config` return for ``tune_key``."""
+    if kind not in ("forward", "backward"):
+        raise ValueError(f"kind must be 'forward' or 'backward', got {kind!r}")
+    _TUNED[(kind, tune_key)] = config
+
+
+def autotune(kind: str, tune_key: Hashable, candidates: Sequence[Config],
+             build: Callable[[Config], Callable[[], Any]], *, samples: int = 5) -> Config:
+    """Times each candidate, caches the fastest under ``tune_key`` and returns it.
+
+    ``kind`` is "forward" or "backward". ``build(config)`` returns a function
+    of no arguments running the kernel with that config (returning JAX
+    arrays); it is called once to compile, then ``samples`` times. Candidates
+    that fail to build or compile (too much shared memory, ...) are skipped.
+    """
+    best, best_seconds = None, float("inf")
+    for config in candidates:
+        try:
+            fn = build(config)
+            jax.block_until_ready(fn())
+        except Exception:  # noqa: BLE001 - a config the compiler rejects is not a winner
+            continue
+        times = []
+        for _ in range(samples):
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            times.append(time.perf_counter() - start)
+        if statistics.median(times) < best_seconds:
+            best, best_seconds = config, statistics.median(times)
+    if best is None:
+        raise RuntimeError(f"no candidate {kind} config ran for {tune_key!r}")
+    set_tuned(kind, tune_key, best)
+    return best

@@ -1,0 +1,248 @@
+"""What the Triton attention kernels share: the mask walk and the score tile.
+
+Scores live in the log2 domain inside the kernels (``s2 = score * log2(e)``,
+so softmax uses ``exp2``); without softcap and score_mod the factor folds into
+the scale. Kernel tiles may be smaller than the mask blocks they walk: a
+mask block of ``block_q x block_kv`` is cut into ``block_q / tile_q`` by
+``block_kv / tile_kv`` tiles that all share the block's flags, so a FULL block
+stays free of mask math at any tile size.
+
+Inputs are passed as whole-array refs and indexed with program ids, so one
+kernel can read any head of any array (GQA, per-head masks) without
+re-laying out the arrays in HBM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from omni_jax.masks import PARTIAL
+from omni_jax.scores import ConvertedScoreMod, transform_scores
+from pallas_kernels.block_sparse import MaskLayout, batch_head_index, tile_visibility
+
+Array = Any
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+MIN_TILE = 16  # Triton's tl.dot needs every dimension >= 16.
+MAX_HEAD_DIM = 256
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The power-of-two head dim (>= 16) a kernel computes with; zeros fill the rest."""
+    return max(MIN_TILE, pl.next_power_of_2(head_dim))
+
+
+def tile_size(preferred: int, mask_block: int) -> int:
+    """The largest power of two <= ``preferred`` that divides ``mask_block``."""
+    tile = mask_block & -mask_block  # Largest power-of-two divisor.
+    while tile > preferred:
+        tile //= 2
+    return tile
+
+
+def pad_to(x: Array, axis: int, size: int, value: float = 0.0) -> Array:
+    """``x`` zero-padded (or ``value``-padded) along ``axis`` to ``size`` (no copy if equal)."""
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ScoreSpec:
+    """Static description of how a kernel turns ``q @ k^T`` into masked log2 scores."""
+
+    layout: MaskLayout
+    tile_q: int
+    tile_kv: int
+    scale: float
+    softcap: float | None
+    score_mod: ConvertedScoreMod | None
+    # Shapes of the score_mod's captured arrays (kernels receive them at least 1-D).
+    captured_shapes: tuple[tuple[int, ...], ...] = ()
+    # False when the mask is known to hold no PARTIAL tiles (masks built from
+    # structured arguments only): the kernels then compile no stored-tile path.
+    partial_tiles: bool = True
+
+    @property
+    def computed_tiles(self) -> bool:
+        """Whether any tile can be COMPUTED (a structured mask_mod or a ragged kv end)."""
+        return self.layout.mask_mod_treedef is not None or self.layout.ragged_kv
+
+    @property
+    def plain(self) -> bool:
+        """No softcap and no score_mod: the score is linear in ``q @ k^T``."""
+        return self.softcap is None and self.score_mod is None
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One tile of a walk: its mask block, sub-tile within the block, and the block's flags."""
+
+    block: Array
+    sub: Array
+    flags: Array
+    partial_id: Array
+
+
+class Walk:
+    """The active tiles of one mask block row (q-major) or column (kv-major).
+
+    ``refs`` are the four walk arrays of `KernelMask` (count, indices, flags,
+    partial ids) in one orientation; ``subs`` is the number of kernel tiles per
+    walked mask block. Steps run block by block, sub-tile by sub-tile, so the
+    whole walk is one flat loop that Triton can software-pipeline.
+    """
+
+    def __init__(self, refs: Sequence[Any], b: Array, h: Array, block: Array, subs: int):
+        self._count, self._indices, self._flags, self._partial_ids = refs
+        mb, mh = batch_head_index(self._count, b, h)
+        self._lead = (mb, mh, block)
+        self.subs = subs
+
+    def num_steps(self) -> Array:
+        return self._count[self._lead] * self.subs
+
+    def step(self, it: Array) -> Step:
+        j, sub = (it, 0) if self.subs == 1 else (lax.div(it, self.subs), lax.rem(it, self.subs))
+        at = (*self._lead, j)
+        return Step(self._indices[at], sub, self._flags[at], self._partial_ids[at])
+
+
+def positions(start: Array, size: int, axis: int) -> Array:
+    """Global positions ``start + [0, size)`` shaped ``[size, 1]`` (axis 0) or ``[1, size]``."""
+    shape = (size, 1) if axis == 0 else (1, size)
+    return start + lax.broadcasted_iota(jnp.int32, shape, axis)
+
+
+# HIGHEST: float32 operands multiply in IEEE float32 (DEFAULT would lower to TF32);
+# 16-bit operands are unaffected.
+def _dot(a: Array, b: Array, contract: tuple[int, int]) -> Array:
+    return lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())),
+                           precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
+def dot_nt(a: Array, b: Array) -> Array:
+    """``a @ b.T`` accumulated in float32."""
+    return _dot(a, b, (1, 1))
+
+
+def dot_tn(a: Array, b: Array) -> Array:
+    """``a.T @ b`` accumulated in float32."""
+    return _dot(a, b, (0, 0))
+
+
+def dot_nn(a: Array, b: Array) -> Array:
+    """``a @ b`` accumulated in float32."""
+    return _dot(a, b, (1, 0))
+
+
+class TileScores:
+    """Scores of the tile at (``q_start``, ``kv_start``) for batch ``b``, query head ``h``."""
+
+    def __init__(self, spec: ScoreSpec, mask_refs: Any, captured_refs: Sequence[Any],
+                 b: Array, h: Array, q_start: Array, kv_start: Array):
+        self.spec = spec
+        self.mask_refs = mask_refs
+        self.captured_refs = captured_refs
+        self.b, self.h = b, h
+        self.q_start, self.kv_start = q_start, kv_start
+        self.q_idx = positions(q_start, spec.tile_q, 0)
+        self.kv_idx = positions(kv_start, spec.tile_kv, 1)
+
+    def transform(self, scaled: Array) -> Array:
+        """Softcap and score_mod of already-scaled scores (natural-log domain)."""
+        captured = [ref[...].reshape(shape)
+                    for ref, shape in zip(self.captured_refs, self.spec.captured_shapes,
+                                          strict=True)]
+        return transform_scores(scaled, softcap=self.spec.softcap,
+                                score_mod=self.spec.score_mod, captured=captured, b=self.b,
+                                h=self.h, q_idx=self.q_idx, kv_idx=self.kv_idx)
+
+    def log2_scores(self, qk: Array) -> tuple[Array, Array | None]:
+        """(log2-domain scores before masking, d score / d(scale * qk) or None when 1)."""
+        spec = self.spec
+        if spec.plain:
+            return qk * (spec.scale * LOG2E), None
+        scaled = qk * spec.scale
+        scores, slope = jax.jvp(self.transform, (scaled,), (jnp.ones_like(scaled),))
+        return scores * LOG2E, slope
+
+    def masked(self, s: Array, step: Step) -> Array:
+        """``s`` with invisible elements at -inf; FULL tiles skip the mask math entirely."""
+        layout = self.spec.layout
+
+        def computed(s, partial_tile=None):
+            visible = tile_visibility(layout, step.flags, self.q_idx, self.kv_idx,
+                                      self._leaf_values(), partial_tile)
+            return jnp.where(visible, s, -jnp.inf)
+
+        def partial(s):
+            return computed(s, self._partial_tile(step))
+
+        # Only the tile kinds this mask can hold get a branch: a dense mask
+        # compiles to no mask code at all, a causal one to one conditional.
+        # Two-way lax.cond on bool predicates only: Triton lowers each to one
+        # scf.if (a lax.switch here failed to compile on the GPU: its index clamp
+        # came out of the Triton lowering as an i32/i1 arith.maxsi).
+        spec = self.spec
+        if not (spec.computed_tiles or spec.partial_tiles):
+            return s
+        if not spec.partial_tiles:
+            masked = computed
+        elif not spec.computed_tiles:
+            masked = partial
+        else:
+            is_partial = (step.flags & PARTIAL) != 0
+            masked = lambda s: lax.cond(is_partial, partial, computed, s)
+        return lax.cond(step.flags == 0, lambda s: s, masked, s)
+
+    def _leaf_values(self) -> list[Array]:
+        """Each mask_mod leaf at this tile: q slice ``[tq, 1]``, kv slice ``[1, tkv]``, scalar."""
+        spec = self.spec
+        values = []
+        for ref, kind in zip(self.mask_refs.leaves, spec.layout.leaf_kinds, strict=True):
+            row = self.b if ref.shape[0] > 1 else 0
+            if kind == "batch":
+                values.append(ref[row])
+            elif kind == "q":
+                values.append(ref[row, pl.ds(self.q_start, spec.tile_q)][:, None])
+            else:
+                values.append(ref[row, pl.ds(self.kv_start, spec.tile_kv)][None, :])
+        return values
+
+    def _partial_tile(self, step: Step) -> Array:
+        """The slice of the stored mask tile that this kernel tile covers."""
+        spec, layout = self.spec, self.spec.layout
+        q_offset = lax.rem(self.q_start, layout.block_q)
+        kv_offset = lax.rem(self.kv_start, layout.block_kv)
+        return self.mask_refs.partial_masks[jnp.maximum(step.partial_id, jnp.int32(0)),
+                                            pl.ds(q_offset, spec.tile_q),
+                                            pl.ds(kv_offset, spec.tile_kv)]
+
+
+def pack_operands(operands: Any) -> tuple[list[Array], Any]:
+    """Flattens a pytree of kernel inputs; the kernel rebuilds it from its refs."""
+    flat, treedef = jax.tree.flatten(operands)
+    return flat, treedef
+
+
+def unpack_refs(refs: Sequence[Any], treedef: Any) -> tuple[Any, Sequence[Any]]:
+    """(input refs as the operand pytree, output refs)."""
+    n = treedef.num_leaves
+    return jax.tree.unflatten(treedef, list(refs[:n])), refs[n:]
+
+
+def whole_array_specs(flat: Sequence[Array]) -> list[Any]:
+    """Every input visible whole to every program (kernels index with program ids)."""
+    return [pl.no_block_spec for _ in flat]
+

@@ -1,0 +1,65 @@
+"""The shared attention suite on the Triton backend.
+
+`TestTritonAttention` runs the kernels in Pallas interpret mode
+(`OMNI_JAX_PALLAS_INTERPRET=1`, set per test), so it runs on any machine:
+every case in float32, a representative subset in bfloat16 (interpreting
+is slow; the GPU class runs every case in every dtype).
+`TestTritonAttentionGpu` runs them compiled on sm80+ GPUs; compiled kernels
+decline score_mods that capture arrays (they need gathers), so those cases
+instead check the decline.
+"""
+
+import jax.numpy as jnp
+import pytest
+
+import omni_jax
+from pallas_kernels import runtime
+from tests.omni_jax.attention_suite import CASES, AttentionSuite
+
+_GATHERING_SCORE_MODS = ("alibi", "relative_table")
+_ON_GPU = runtime.gpu_compute_capability() is not None
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
+
+
+@pytest.mark.usefixtures("interpret")
+class TestTritonAttention(AttentionSuite):
+    implementation = "triton"
+    dtypes = ("float32",)
+
+
+_BF16_CASES = ("causal_ragged", "generic_block_mask_and_causal", "softcap_sinks")
+
+
+@pytest.mark.usefixtures("interpret")
+class TestTritonAttentionBfloat16(AttentionSuite):
+    implementation = "triton"
+    dtypes = ("bfloat16",)
+    cases = tuple(c for c in CASES if c.name in _BF16_CASES)
+
+    def test_jit_and_vmap_over_batch_of_masks(self):
+        pytest.skip("dtype-independent: runs in TestTritonAttention")
+
+    def test_no_nan_gradient_for_blind_rows(self):
+        pytest.skip("dtype-independent: runs in TestTritonAttention")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA GPU")
+class TestTritonAttentionGpu(AttentionSuite):
+    implementation = "triton"
+    dtypes = ("float32", "bfloat16", "float16")
+    cases = tuple(c for c in CASES if c.score_mod not in _GATHERING_SCORE_MODS)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA GPU")
+def test_compiled_kernels_decline_captured_arrays():
+    q = jnp.ones((1, 32, 2, 32), jnp.bfloat16)
+    slopes = jnp.asarray([0.1, 0.2])
+    with pytest.raises(ValueError, match="captures arrays"):
+        omni_jax.attention(q, q, q, score_mod=lambda s, b, h, i, j: s - slopes[h] * (i - j),
+                           implementation="triton")

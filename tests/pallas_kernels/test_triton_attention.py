@@ -1,0 +1,199 @@
+"""Kernel-level tests of the Triton attention kernels (interpreted on CPU).
+
+Interpret mode fills every output with NaN before the kernel runs, so a tile
+the kernel forgets to write shows up as NaN: these tests poison for free and
+assert no NaN. Shapes exercise tails (lengths not multiples of any tile),
+padded head dims (80, 96, different value dim), tiles smaller than the mask
+blocks (sub-tiles sharing a block's flags), PARTIAL tiles and rows that see
+no key.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import omni_jax
+from omni_jax.backends import get_backend
+from omni_jax.backends.xla import attention_backward as xla_backward
+from omni_jax.backends.xla import attention_forward as xla_forward
+from omni_jax.problem import AttentionProblem
+from pallas_kernels import runtime
+from pallas_kernels.block_sparse import kernel_mask
+from pallas_kernels.triton.attention_bwd import BackwardConfig, attention_backward
+from pallas_kernels.triton.attention_fwd import ForwardConfig, attention_forward
+from tests.omni_jax.attention_suite import Case, check_case
+from tests.reference import relative_error
+
+
+@pytest.fixture(autouse=True)
+def interpret(monkeypatch):
+    monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
+
+
+@pytest.mark.parametrize("case, dtype", [
+    (Case("hd80_tails_causal", q_len=45, kv_len=77, head_dim=80, is_causal=True), "float32"),
+    (Case("hd96_value_dim40", q_len=100, kv_len=37, head_dim=96, head_dim_v=40), "bfloat16"),
+    (Case("short_q_long_kv", batch=1, q_len=16, kv_len=300, heads=2, kv_heads=1,
+          window=(50, 20)), "float16"),
+], ids=lambda x: getattr(x, "name", x))
+def test_tails_and_head_dims_match_reference(case, dtype):
+    check_case("triton", case, dtype, (32, 32))
+
+
+def _generic_problem(q_len, kv_len, block, rng, dtype=jnp.float32):
+    heads, kv_heads, dim = 4, 2, 32
+    q = jnp.asarray(rng.standard_normal((2, q_len, heads, dim)), dtype)
+    k = jnp.asarray(rng.standard_normal((2, kv_len, kv_heads, dim)), dtype)
+    v = jnp.asarray(rng.standard_normal((2, kv_len, kv_heads, dim)), dtype)
+    fn = lambda b, h, qi, ki: ((qi * 5 + ki * 3 + h) % 7 != 0) & (ki <= qi + 20)
+    mask = omni_jax.create_block_mask(fn, None, heads, q_len, kv_len, block)
+    problem = AttentionProblem(batch=2, q_len=q_len, kv_len=kv_len, num_q_heads=heads,
+                               num_kv_heads=kv_heads, head_dim=dim, head_dim_v=dim,
+                               dtype=jnp.dtype(dtype), scale=dim ** -0.5, softcap=None,
+                               score_mod=None, has_sinks=False, has_user_mask=True,
+                               block_size=block)
+    return problem, q, k, v, mask
+
+
+def test_partial_tiles_split_into_smaller_kernel_tiles():
+    rng = np.random.default_rng()
+    problem, q, k, v, block_mask = _generic_problem(70, 90, (32, 64), rng)
+    mask, layout = kernel_mask(block_mask)
+    kwargs = dict(scale=problem.scale, softcap=None, score_mod=None, interpret=True)
+    out, lse = attention_forward(q, k, v, mask, layout, None, (), **kwargs,
+                                 config=ForwardConfig(block_q=16, block_kv=16))
+    ref_out, ref_lse = xla_forward(problem, q, k, v, block_mask, None, ())
+    assert not np.isnan(np.asarray(out)).any() and not np.isnan(np.asarray(lse)).any()
+    assert relative_error(out, ref_out) < 1e-5
+    assert relative_error(lse, ref_lse) < 1e-5
+
+    dout = jnp.asarray(rng.standard_normal(out.shape), out.dtype)
+    dlse = jnp.asarray(rng.standard_normal(lse.shape), jnp.float32)
+    grads = attention_backward(q, k, v, mask, layout, (), out, lse, dout, dlse, **kwargs,
+                               config=BackwardConfig(16, 32, 32, 16))[:3]
+    ref_grads = xla_backward(problem, q, k, v, block_mask, None, (), ref_out, ref_lse, dout,
+                             dlse)[:3]
+    for name, grad, ref in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
+        assert not np.isnan(np.asarray(grad)).any(), name
+        assert relative_error(grad, ref) < 1e-5, (name, relative_error(grad, ref))
+
+
+def test_rows_that_see_nothing_get_zeros_and_minus_inf_lse():
+    rng = np.random.default_rng()
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 48, 2, 32)), jnp.float32) for _ in range(3))
+    q_ids = jnp.asarray(np.r_[np.zeros(20), np.ones(28)][None].astype(np.int32))
+    kv_ids = jnp.zeros((1, 48), jnp.int32)
+
+    def run(q, k, v):
+        return omni_jax.attention(q, k, v, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
+                                  return_lse=True, implementation="triton")
+
+    (out, lse), vjp = jax.vjp(run, q, k, v)
+    assert (np.asarray(out)[:, 20:] == 0).all()
+    assert np.isneginf(np.asarray(lse)[:, :, 20:]).all()
+    assert np.isfinite(np.asarray(lse)[:, :, :20]).all()
+    dq, dk, dv = vjp((jnp.ones_like(out), jnp.ones_like(lse)))
+    for grad in (dq, dk, dv):
+        assert np.isfinite(np.asarray(grad)).all()
+    assert (np.asarray(dq)[:, 20:] == 0).all()
+
+
+def test_declines_what_it_cannot_serve():
+    backend = get_backend("triton")
+    problem = AttentionProblem(batch=1, q_len=64, kv_len=64, num_q_heads=2, num_kv_heads=2,
+                               head_dim=320, head_dim_v=320, dtype=jnp.dtype(jnp.bfloat16),
+                               scale=1.0, softcap=None, score_mod=None, has_sinks=False,
+                               has_user_mask=True, block_size=(24, 32))
+    assert "head_dim=320" in backend.unsupported_reason(problem)
+    problem = AttentionProblem(**{**problem.__dict__, "head_dim": 64, "head_dim_v": 64})
+    assert "block_q=24" in backend.unsupported_reason(problem)
+
+
+def test_unavailable_without_gpu_or_interpret(monkeypatch):
+    monkeypatch.delenv(runtime.INTERPRET_ENV_VAR)
+    reason = get_backend("triton").unavailable_reason()
+    if runtime.gpu_compute_capability() is None:
+        assert runtime.INTERPRET_ENV_VAR in reason
+    else:
+        assert reason is None
+
+
+_LOWERING_FEATURES = {
+    "dense_fp32": dict(dtype=jnp.float32),
+    "causal_gqa_bf16": dict(dtype=jnp.bfloat16, is_causal=True),
+    "ragged_hd80_fp32_window": dict(dtype=jnp.float32, q_len=100, kv_len=77, head_dim=80,
+                                    local_window_size=(30, 2)),
+    "hd256_fp16_softcap_sinks": dict(dtype=jnp.float16, head_dim=256, softcap=20.0,
+                                     sinks=jnp.zeros(4)),
+    "documents_score_mod": dict(dtype=jnp.bfloat16, q_segment_ids=jnp.zeros((2, 128), jnp.int32),
+                                score_mod=lambda s, b, h, i, j: s - 0.1 * jnp.abs(i - j)),
+    "generic_block_mask": dict(dtype=jnp.bfloat16, mask=omni_jax.create_block_mask(
+        lambda b, h, i, j: (i + j) % 3 != 0, None, None, 128, 128, 64)),
+    "generic_block_mask_and_causal": dict(dtype=jnp.bfloat16, is_causal=True,
+                                          mask=omni_jax.create_block_mask(
+                                              lambda b, h, i, j: (i + j) % 3 != 0, None, None,
+                                              128, 128, 64)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_LOWERING_FEATURES))
+def test_kernels_lower_to_triton(name, monkeypatch):
+    """Forward and backward lower through Pallas' Triton lowering (no GPU needed).
+
+    Compiling the Triton IR to PTX still needs the GPU; this catches every
+    primitive, shape or indexing the Pallas Triton lowering rejects.
+    """
+    monkeypatch.delenv(runtime.INTERPRET_ENV_VAR)
+    monkeypatch.setattr(runtime, "can_run_triton", lambda: True)
+    kwargs = dict(_LOWERING_FEATURES[name])
+    dtype = kwargs.pop("dtype")
+    q_len, kv_len = kwargs.pop("q_len", 128), kwargs.pop("kv_len", 128)
+    head_dim = kwargs.pop("head_dim", 64)
+    q = jax.ShapeDtypeStruct((2, q_len, 4, head_dim), dtype)
+    kv = jax.ShapeDtypeStruct((2, kv_len, 2, head_dim), dtype)
+
+    def forward_backward(q, k, v):
+        out, vjp = jax.vjp(lambda q, k, v: omni_jax.attention(
+            q, k, v, implementation="triton", **kwargs), q, k, v)
+        return vjp(out)
+
+    lowered = jax.jit(forward_backward).trace(q, kv, kv).lower(lowering_platforms=("cuda",))
+    assert lowered.as_text().count("xla.gpu.triton") >= 3  # forward, dK/dV, dQ
+
+
+def test_autotune_caches_the_fastest_config_that_runs():
+    import time
+
+    from pallas_kernels.triton import configs
+
+    candidates = [ForwardConfig(block_q=16), ForwardConfig(block_q=32), ForwardConfig(block_q=64)]
+
+    def build(config):
+        if config.block_q == 64:
+            raise RuntimeError("out of shared memory")
+        delay = 0.002 if config.block_q == 32 else 0.02
+        return lambda: (time.sleep(delay), jnp.zeros(()))[1]
+
+    key = ("test", 1)
+    assert configs.autotune("forward", key, candidates, build, samples=2) == candidates[1]
+    assert configs.forward_config(64, jnp.bfloat16, key) == candidates[1]
+
+
+def test_autotuned_configs_serve_later_calls(monkeypatch):
+    from omni_jax.backends import triton as triton_backend
+    from pallas_kernels.triton import configs
+
+    rng = np.random.default_rng()
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 64, 2, 32)), jnp.float32) for _ in range(3))
+    candidates = [ForwardConfig(block_q=16, block_kv=16), ForwardConfig(block_q=32, block_kv=32)]
+    forward, backward = triton_backend.autotune(q, k, v, forward_candidates=candidates,
+                                                is_causal=True)
+    assert forward in candidates and backward is None
+    used = []
+    lookup = configs.forward_config
+    monkeypatch.setattr(configs, "forward_config", lambda *a: used.append(lookup(*a)) or used[-1])
+    out = omni_jax.attention(q, k, v, is_causal=True, implementation="triton")
+    expected = omni_jax.attention(q, k, v, is_causal=True, implementation="xla")
+    assert used == [forward]
+    assert relative_error(out, expected) < 1e-5
