@@ -199,6 +199,19 @@ def _install_interpreter_shims() -> None:
 
     cb.wgmma = wgmma
     cb.copy_smem_to_gmem = copy_smem_to_gmem
+    _register_layout_cast_on_cpu()
+
+
+def _register_layout_cast_on_cpu() -> None:
+    """The interpreter evaluates ``plgpu.layout_cast`` (also inside ``plgpu.load`` and
+    ``plgpu.broadcasted_iota`` with a layout) on the CPU, where it has no rule: there a
+    register layout means nothing, so it is the identity."""
+    try:
+        from jax._src.interpreters import mlir
+        from jax._src.pallas.mosaic_gpu.core import layout_cast_p
+    except ImportError:  # pragma: no cover - internals moved
+        return
+    mlir.register_lowering(layout_cast_p, lambda ctx, x, **params: [x], platform="cpu")
 
 
 def _clip_range(rnge, shape):
