@@ -200,6 +200,7 @@ def _install_interpreter_shims() -> None:
     cb.wgmma = wgmma
     cb.copy_smem_to_gmem = copy_smem_to_gmem
     _register_layout_cast_on_cpu()
+    _cache_thread_compilation()
 
 
 def _register_layout_cast_on_cpu() -> None:
@@ -212,6 +213,46 @@ def _register_layout_cast_on_cpu() -> None:
     except ImportError:  # pragma: no cover - internals moved
         return
     mlir.register_lowering(layout_cast_p, lambda ctx, x, **params: [x], platform="cpu")
+
+
+def _cache_thread_compilation() -> None:
+    """Compiles each interpreted thread body once, not once per grid point.
+
+    The interpreter lowers and compiles the body of every simulated thread at
+    every grid point (seconds each); a jit keyed on the (same) body jaxpr
+    reuses the executable, which makes multi-CTA kernels affordable in tests.
+    """
+    try:
+        from jax._src.pallas.mosaic.interpret import thread_map
+    except ImportError:  # pragma: no cover - internals moved
+        return
+    if not hasattr(thread_map, "_run_jaxpr"):
+        return  # pragma: no cover - internals moved
+    import threading
+
+    import jax
+    import numpy as np
+    from jax import core as jax_core
+
+    def run(jaxpr, consts, *args):
+        jax_core.eval_jaxpr(jaxpr, consts, *args)
+
+    executables: dict = {}
+    lock = threading.Lock()
+
+    def run_jaxpr(jaxpr, consts, *args):
+        avals = tuple((np.shape(x), np.asarray(x).dtype) for x in jax.tree.leaves((consts, args)))
+        key = (id(jaxpr), avals)
+        with lock:
+            entry = executables.get(key)
+        if entry is None:
+            traced = jax.jit(run, static_argnums=(0,)).trace(jaxpr, consts, *args)
+            entry = (jaxpr, traced.lower().compile())  # Holding jaxpr keeps its id unique.
+            with lock:
+                entry = executables.setdefault(key, entry)
+        entry[1](consts, *args)
+
+    thread_map._run_jaxpr = run_jaxpr
 
 
 def _clip_range(rnge, shape):
@@ -232,3 +273,11 @@ def _clip_range(rnge, shape):
         clipped.append(slice(r.start, stop))
         keep.append(slice(0, stop - r.start))
     return tuple(clipped), tuple(keep)
+
+
+def mosaic_load(ref: Any, layout: Any, *, interpret: bool) -> Array:
+    """``plgpu.load(ref, (), layout=layout)``: a whole smem ref into registers of ``layout``.
+
+    The interpreter cannot evaluate ``plgpu.load``; there a plain read is the same.
+    """
+    return ref[...] if interpret else _mosaic_module().load(ref, (), layout=layout)

@@ -245,8 +245,8 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
         if s.num_q_leaves:
             plgpu.barrier_wait(q_leaf_barrier)
             for i in range(s.num_q_leaves):
-                row = plgpu.load(q_leaf_smem.at[i, pl.ds(wg * rows, rows)], (),
-                                 layout=row_layout)
+                row = compat.mosaic_load(q_leaf_smem.at[i, pl.ds(wg * rows, rows)],
+                                         row_layout, interpret=s.interpret)
                 q_leaf_values.append(lax.broadcast_in_dim(row, tile, [0]))
         plgpu.barrier_wait(walk_barrier)
         count = walk_smem[0]
@@ -273,7 +273,8 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
             if s.num_kv_leaves:
                 plgpu.barrier_wait(kv_leaf_barriers.at[slot])
                 for i in range(s.num_kv_leaves):
-                    col = plgpu.load(kv_leaf_smem.at[slot, i], (), layout=col_layout)
+                    col = compat.mosaic_load(kv_leaf_smem.at[slot, i], col_layout,
+                                             interpret=s.interpret)
                     kv_leaf_values.append(lax.broadcast_in_dim(col, tile, [1]))
 
             def masked(scores):
@@ -284,8 +285,9 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
                     def _():
                         plgpu.barrier_wait(mask_barriers.at[slot])
 
-                    partial_tile = plgpu.load(mask_smem.at[slot, pl.ds(wg * rows, rows)], (),
-                                              layout=plgpu.Layout.WGMMA)
+                    partial_tile = compat.mosaic_load(
+                        mask_smem.at[slot, pl.ds(wg * rows, rows)], plgpu.Layout.WGMMA,
+                        interpret=s.interpret)
                 visible = tile_visibility(s.layout, flags, q_idx, kv_idx, leaf_values,
                                           partial_tile)
                 return jnp.where(visible, scores, -jnp.inf)
