@@ -116,7 +116,7 @@ class _Statics:
     softcap: float | None
     score_mod: ConvertedScoreMod | None
     has_partial: bool
-    walk_width: int
+    walk_lines: int
     mask_batch: int
     mask_heads: int
     # For each mask_mod leaf, in leaf order: ("q" | "kv", row in its stacked leaf array).
@@ -137,15 +137,25 @@ def _walk_offsets(num_kv_blocks: int) -> tuple[int, int, int]:
     return 1, 1 + num_kv_blocks, 1 + 2 * num_kv_blocks
 
 
-def _packed_walk(kmask: KernelMask, num_kv_blocks: int) -> Array:
-    """``[Bm, Hm, nq, W]`` int32 rows (count, kv indices, flags, partial ids), W % 4 == 0.
+# A walk row is stored as [rows, _WALK_LINE]: a TMA box is at most 256 elements per dim.
+_WALK_LINE = 128
 
-    One row is one TMA (16-byte multiple) per CTA.
+
+def _packed_walk(kmask: KernelMask, num_kv_blocks: int) -> Array:
+    """``[Bm, Hm, nq, R, 128]`` int32: per q-block (count, kv indices, flags, partial ids).
+
+    One q-block's walk is one 2-D TMA per CTA.
     """
     rows = jnp.concatenate([kmask.kv_num_blocks[..., None], kmask.kv_indices,
                             kmask.kv_tile_flags, kmask.kv_partial_ids], axis=-1)
     width = 1 + 3 * num_kv_blocks
-    return jnp.pad(rows.astype(jnp.int32), ((0, 0),) * 3 + ((0, -width % 4),))
+    rows = jnp.pad(rows.astype(jnp.int32), ((0, 0),) * 3 + ((0, -width % _WALK_LINE),))
+    return rows.reshape(*rows.shape[:3], -1, _WALK_LINE)
+
+
+def _walk_entry(walk_smem, i):
+    """Entry ``i`` of the walk row held in smem as ``[R, _WALK_LINE]``."""
+    return walk_smem[lax.div(i, _WALK_LINE), lax.rem(i, _WALK_LINE)]
 
 
 def _stacked_leaves(kmask: KernelMask, layout: MaskLayout, batch: int):
@@ -201,7 +211,7 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
                 q_leaf_ref.at[batch, :, pl.ds(q_block * cfg.block_q, cfg.block_q)],
                 q_leaf_smem, q_leaf_barrier)
         plgpu.barrier_wait(walk_barrier)
-        count = walk_smem[0]
+        count = walk_smem[0, 0]
 
         @pl.loop(0, count)
         def _fetch(step):
@@ -213,7 +223,7 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
                 plgpu.barrier_wait(k_consumed.at[slot])
                 plgpu.barrier_wait(v_consumed.at[slot])
 
-            kv_block = walk_smem[index_offset + step]
+            kv_block = _walk_entry(walk_smem, index_offset + step)
             rows_kv = pl.ds(kv_block * block_kv, block_kv)
             plgpu.copy_gmem_to_smem(k_ref.at[batch, rows_kv, kv_head], k_smem.at[slot],
                                     k_barriers.at[slot])
@@ -221,9 +231,9 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
                 plgpu.copy_gmem_to_smem(kv_leaf_ref.at[batch, :, rows_kv],
                                         kv_leaf_smem.at[slot], kv_leaf_barriers.at[slot])
             if s.has_partial:
-                @pl.when((walk_smem[flags_offset + step] & PARTIAL) != 0)
+                @pl.when((_walk_entry(walk_smem, flags_offset + step) & PARTIAL) != 0)
                 def _():
-                    partial_id = walk_smem[partial_offset + step]
+                    partial_id = _walk_entry(walk_smem, partial_offset + step)
                     plgpu.copy_gmem_to_smem(partial_ref.at[partial_id], mask_smem.at[slot],
                                             mask_barriers.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[batch, rows_kv, kv_head], v_smem.at[slot],
@@ -249,14 +259,14 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
                                          row_layout, interpret=s.interpret)
                 q_leaf_values.append(lax.broadcast_in_dim(row, tile, [0]))
         plgpu.barrier_wait(walk_barrier)
-        count = walk_smem[0]
+        count = walk_smem[0, 0]
         plgpu.barrier_wait(q_barriers.at[wg])
 
         def step_fn(step, carry):
             acc, row_max, row_sum = carry
             slot = lax.rem(step, stages)
-            kv_block = walk_smem[index_offset + step]
-            flags = walk_smem[flags_offset + step]
+            kv_block = _walk_entry(walk_smem, index_offset + step)
+            flags = _walk_entry(walk_smem, flags_offset + step)
             kv_idx = kv_block * block_kv + kv_iota
 
             plgpu.barrier_wait(k_barriers.at[slot])
@@ -378,7 +388,7 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
         config=config, layout=layout, num_q_heads=num_q_heads,
         group_size=num_q_heads // num_kv_heads, head_dim=dim, head_dim_v=dim_v,
         dtype=q.dtype, scale=scale, softcap=softcap, score_mod=score_mod,
-        has_partial=has_partial, walk_width=walk.shape[-1], mask_batch=walk.shape[0],
+        has_partial=has_partial, walk_lines=walk.shape[-2], mask_batch=walk.shape[0],
         mask_heads=walk.shape[1], leaf_slots=leaf_slots, interpret=interpret)
 
     operands = [q, k, v, walk]
@@ -413,7 +423,7 @@ def _scratch(s: _Statics):
         (None if s.head_dim_v == s.head_dim
          else _swizzled((NUM_CONSUMERS, rows, s.head_dim_v), s.dtype)),
         plgpu.SMEM((NUM_CONSUMERS, rows), jnp.float32),
-        plgpu.SMEM((s.walk_width,), jnp.int32),
+        plgpu.SMEM((s.walk_lines, _WALK_LINE), jnp.int32),
         _swizzled((stages, cfg.block_kv, s.head_dim), s.dtype),
         _swizzled((stages, cfg.block_kv, s.head_dim_v), s.dtype),
         plgpu.SMEM((stages, cfg.block_q, cfg.block_kv), s.dtype) if s.has_partial else None,
