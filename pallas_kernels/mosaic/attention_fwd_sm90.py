@@ -190,7 +190,7 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
     (qo_smem, o_only_smem, lse_smem, walk_smem, k_smem, v_smem, mask_smem, q_leaf_smem,
      kv_leaf_smem, p_staging) = smem
     (walk_barrier, q_leaf_barrier, q_barriers, k_barriers, v_barriers, mask_barriers,
-     kv_leaf_barriers, k_consumed, v_consumed) = barriers
+     kv_leaf_barriers, k_consumed, v_consumed, schedule) = barriers
 
     q_block = lax.axis_index("q_block")
     batch_head = lax.axis_index("batch_head")
@@ -249,46 +249,64 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
         row_layout = compat.wgmma_row_layout()
         col_layout = compat.wgmma_col_layout()
         tile = (rows, block_kv)
-        q_idx = q_start + plgpu.broadcasted_iota(jnp.int32, tile, 0, layout=plgpu.Layout.WGMMA)
-        kv_iota = plgpu.broadcasted_iota(jnp.int32, tile, 1, layout=plgpu.Layout.WGMMA)
-        q_leaf_values = []
+
+        # Index tiles are built where needed, never kept live across the loop: a
+        # [64, block_kv] int32 tile costs block_kv / 2 registers per thread.
+        def indices(kv_block):
+            iota = lambda axis: plgpu.broadcasted_iota(jnp.int32, tile, axis,
+                                                       layout=plgpu.Layout.WGMMA)
+            return q_start + iota(0), kv_block * block_kv + iota(1)
+
+        q_leaf_rows = []
         if s.num_q_leaves:
             plgpu.barrier_wait(q_leaf_barrier)
             for i in range(s.num_q_leaves):
-                row = compat.mosaic_load(q_leaf_smem.at[i, pl.ds(wg * rows, rows)],
-                                         row_layout, interpret=s.interpret)
-                q_leaf_values.append(lax.broadcast_in_dim(row, tile, [0]))
+                q_leaf_rows.append(compat.mosaic_load(
+                    q_leaf_smem.at[i, pl.ds(wg * rows, rows)], row_layout,
+                    interpret=s.interpret))
         plgpu.barrier_wait(walk_barrier)
         count = walk_smem[0, 0]
         plgpu.barrier_wait(q_barriers.at[wg])
+
+        # Ping-pong: the two consumers alternate on the tensor cores, one's softmax
+        # hiding under the other's matmuls. Every pass of `schedule` needs both
+        # consumers; consumer 1 starts one pass behind and consumer 0 catches up
+        # after the loop, so both pass it 2 * count + 1 times.
+        def schedule_sync():
+            plgpu.barrier_arrive(schedule)
+            plgpu.barrier_wait(schedule)
+
+        pl.when(wg == 1)(schedule_sync)
 
         def step_fn(step, carry):
             acc, row_max, row_sum = carry
             slot = lax.rem(step, stages)
             kv_block = _walk_entry(walk_smem, index_offset + step)
             flags = _walk_entry(walk_smem, flags_offset + step)
-            kv_idx = kv_block * block_kv + kv_iota
 
             plgpu.barrier_wait(k_barriers.at[slot])
 
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                schedule_sync()  # The other consumer's P @ V runs while this QK^T does.
                 return acc_ref[...]
 
             scores = pl.run_scoped(qk, plgpu.ACC(tile, jnp.float32))
             plgpu.barrier_arrive(k_consumed.at[slot])
-            scores = _transform(s, scores, batch, head, q_idx, kv_idx)
+            scores = _transform(s, scores, batch, head, indices, kv_block)
 
-            kv_leaf_values = []
+            kv_leaf_cols = []
             if s.num_kv_leaves:
                 plgpu.barrier_wait(kv_leaf_barriers.at[slot])
                 for i in range(s.num_kv_leaves):
-                    col = compat.mosaic_load(kv_leaf_smem.at[slot, i], col_layout,
-                                             interpret=s.interpret)
-                    kv_leaf_values.append(lax.broadcast_in_dim(col, tile, [1]))
+                    kv_leaf_cols.append(compat.mosaic_load(
+                        kv_leaf_smem.at[slot, i], col_layout, interpret=s.interpret))
 
             def masked(scores):
-                leaf_values = _in_leaf_order(s, q_leaf_values, kv_leaf_values)
+                q_idx, kv_idx = indices(kv_block)
+                leaf_values = _in_leaf_order(
+                    s, [lax.broadcast_in_dim(x, tile, [0]) for x in q_leaf_rows],
+                    [lax.broadcast_in_dim(x, tile, [1]) for x in kv_leaf_cols])
                 partial_tile = None
                 if s.has_partial:
                     @pl.when((flags & PARTIAL) != 0)
@@ -312,9 +330,11 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
             probs = jnp.exp2(scores - lax.broadcast_in_dim(shift, tile, [0]))
             row_sum = row_sum * alpha + probs.sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-
-            plgpu.barrier_wait(v_barriers.at[slot])
             probs = probs.astype(s.dtype)
+
+            plgpu.barrier_arrive(schedule)  # Softmax done...
+            plgpu.barrier_wait(v_barriers.at[slot])
+            plgpu.barrier_wait(schedule)  # ...and the tensor cores are ours.
             if p_staging is not None:  # The interpreter takes wgmma operands from smem only.
                 p_staging.at[wg][...] = probs
                 probs = p_staging.at[wg]
@@ -327,6 +347,7 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
         row_max = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), row_layout)
         row_sum = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), row_layout)
         acc, row_max, row_sum = lax.fori_loop(0, count, step_fn, (acc, row_max, row_sum))
+        pl.when(wg == 0)(schedule_sync)
 
         seen = row_sum > 0
         safe_sum = jnp.where(seen, row_sum, 1.0)
@@ -343,15 +364,18 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
         plgpu.wait_smem_to_gmem(0)
 
 
-def _transform(s: _Statics, scores, batch, head, q_idx, kv_idx):
-    """Scale, softcap and score_mod, in log2 units (the softmax runs on exp2)."""
+def _transform(s: _Statics, scores, batch, head, indices, kv_block):
+    """Scale, softcap and score_mod, in log2 units (the softmax runs on exp2).
+
+    ``indices(kv_block)`` builds the (q_idx, kv_idx) tiles a score_mod needs.
+    """
     if s.softcap is None and s.score_mod is None:
         return scores * (s.scale * _LOG2E)
     scores = scores * s.scale
     if s.softcap is not None:
         scores = s.softcap * jnp.tanh(scores * (1.0 / s.softcap))
     if s.score_mod is not None:
-        scores = apply_score_mod(s.score_mod, (), scores, batch, head, q_idx, kv_idx)
+        scores = apply_score_mod(s.score_mod, (), scores, batch, head, *indices(kv_block))
     return scores * _LOG2E
 
 
@@ -444,6 +468,7 @@ def _scratch(s: _Statics):
         plgpu.Barrier(num_barriers=stages),
         consumed,
         consumed,
+        plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
     )
     return smem, barriers
 
