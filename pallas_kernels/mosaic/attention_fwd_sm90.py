@@ -97,7 +97,7 @@ def smem_bytes(config: ForwardConfig, head_dim: int, head_dim_v: int, itemsize: 
     qo = config.block_q * (head_dim + (head_dim_v if head_dim_v != head_dim else 0)) * itemsize
     ring = config.num_stages * config.block_kv * (head_dim + head_dim_v) * itemsize
     if has_partial:
-        ring += config.num_stages * config.block_q * config.block_kv * itemsize
+        ring += config.num_stages * config.block_q * config.block_kv  # int8 tiles
     return qo + ring
 
 
@@ -388,6 +388,12 @@ def _pad_last(x: Array, size: int) -> Array:
                                                                                - x.shape[-1]),))
 
 
+def _pad_sequence(x: Array) -> Array:
+    """Pads axis 1 to a multiple of 8 (no copy when it is one)."""
+    extra = -x.shape[1] % 8
+    return x if not extra else jnp.pad(x, ((0, 0), (0, extra), (0, 0), (0, 0)))
+
+
 def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: MaskLayout, *,
                       scale: float, softcap: float | None,
                       score_mod: ConvertedScoreMod | None, has_partial: bool,
@@ -405,6 +411,9 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
                          f"kernel's {(config.block_q, config.block_kv)}")
     dim, dim_v = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
     q, k, v = _pad_last(q, dim), _pad_last(k, dim), _pad_last(v, dim_v)
+    # TMA boxes into 8-row-tiled smem need sequence lengths that are multiples of 8;
+    # padded keys lie past kv_len, in the ragged (COMPUTED, hence masked) last block.
+    q, k, v = _pad_sequence(q), _pad_sequence(k), _pad_sequence(v)
     walk = _packed_walk(kmask, layout.num_kv_blocks)
     q_leaves, kv_leaves, leaf_slots = _stacked_leaves(kmask, layout, batch)
     interpret = interpret_params is not None
@@ -417,10 +426,10 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
 
     operands = [q, k, v, walk]
     if has_partial:
-        operands.append(kmask.partial_masks.astype(q.dtype))
+        operands.append(kmask.partial_masks.astype(jnp.int8))
     operands += [x for x in (q_leaves, kv_leaves) if x is not None]
     q_padded = layout.num_q_blocks * config.block_q
-    out_type = (jax.ShapeDtypeStruct((batch, q_len, num_q_heads, dim_v), q.dtype),
+    out_type = (jax.ShapeDtypeStruct((batch, q.shape[1], num_q_heads, dim_v), q.dtype),
                 jax.ShapeDtypeStruct((batch, num_q_heads, q_padded), jnp.float32))
     out, lse = compat.mosaic_kernel(
         functools.partial(_kernel, statics), out_type,
@@ -430,13 +439,15 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret_params,
     )(*operands)
-    return out[..., :head_dim_v], lse[..., :q_len]
+    return out[:, :q_len, :, :head_dim_v], lse[..., :q_len]
 
 
 def _swizzled(shape, dtype) -> Any:
-    """SMEM for a wgmma operand: 64-element-wide tiles, 128-byte swizzle."""
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)),
-                                                plgpu.SwizzleTransform(128)))
+    """SMEM in swizzled 8-row tiles (wgmma operands, register loads) of up to 128 bytes."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = min(128, shape[-1] * itemsize)
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // itemsize)),
+                                                plgpu.SwizzleTransform(swizzle)))
 
 
 def _scratch(s: _Statics):
@@ -450,7 +461,7 @@ def _scratch(s: _Statics):
         plgpu.SMEM((s.walk_lines, _WALK_LINE), jnp.int32),
         _swizzled((stages, cfg.block_kv, s.head_dim), s.dtype),
         _swizzled((stages, cfg.block_kv, s.head_dim_v), s.dtype),
-        plgpu.SMEM((stages, cfg.block_q, cfg.block_kv), s.dtype) if s.has_partial else None,
+        _swizzled((stages, cfg.block_q, cfg.block_kv), jnp.int8) if s.has_partial else None,
         plgpu.SMEM((s.num_q_leaves, cfg.block_q), jnp.int32) if s.num_q_leaves else None,
         (plgpu.SMEM((stages, s.num_kv_leaves, cfg.block_kv), jnp.int32)
          if s.num_kv_leaves else None),
