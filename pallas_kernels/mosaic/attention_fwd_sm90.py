@@ -192,7 +192,9 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
     (walk_barrier, q_leaf_barrier, q_barriers, k_barriers, v_barriers, mask_barriers,
      kv_leaf_barriers, k_consumed, v_consumed, schedule) = barriers
 
-    q_block = lax.axis_index("q_block")
+    # Last q-blocks first: under causal-like masks they have the most kv-blocks, and
+    # starting the longest CTAs first shortens the tail of the launch.
+    q_block = s.layout.num_q_blocks - 1 - lax.axis_index("q_block")
     batch_head = lax.axis_index("batch_head")
     batch = lax.div(batch_head, s.num_q_heads)
     head = lax.rem(batch_head, s.num_q_heads)
