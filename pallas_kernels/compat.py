@@ -258,8 +258,10 @@ def _cache_thread_compilation() -> None:
 def _clip_range(rnge, shape):
     """None if ``rnge`` is in bounds, else (clipped range, slices of the value to keep).
 
-    The slices are None when nothing is in bounds.
+    The slices are None when nothing is in bounds. A range shorter than ``shape``
+    (a whole-ref copy has no indexers) covers the remaining dims whole.
     """
+    rnge = (*rnge, *(slice(0, d) for d in shape[len(rnge):]))
     if all(isinstance(r, int) or r.stop <= d for r, d in zip(rnge, shape, strict=True)):
         return None
     clipped, keep = [], []
