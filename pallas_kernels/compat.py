@@ -199,13 +199,69 @@ def _install_interpreter_shims() -> None:
 
     cb.wgmma = wgmma
     cb.copy_smem_to_gmem = copy_smem_to_gmem
+    _register_layout_cast_on_cpu()
+    _cache_thread_compilation()
+
+
+def _register_layout_cast_on_cpu() -> None:
+    """The interpreter evaluates ``plgpu.layout_cast`` (also inside ``plgpu.load`` and
+    ``plgpu.broadcasted_iota`` with a layout) on the CPU, where it has no rule: there a
+    register layout means nothing, so it is the identity."""
+    try:
+        from jax._src.interpreters import mlir
+        from jax._src.pallas.mosaic_gpu.core import layout_cast_p
+    except ImportError:  # pragma: no cover - internals moved
+        return
+    mlir.register_lowering(layout_cast_p, lambda ctx, x, **params: [x], platform="cpu")
+
+
+def _cache_thread_compilation() -> None:
+    """Compiles each interpreted thread body once, not once per grid point.
+
+    The interpreter lowers and compiles the body of every simulated thread at
+    every grid point (seconds each); a jit keyed on the (same) body jaxpr
+    reuses the executable, which makes multi-CTA kernels affordable in tests.
+    """
+    try:
+        from jax._src.pallas.mosaic.interpret import thread_map
+    except ImportError:  # pragma: no cover - internals moved
+        return
+    if not hasattr(thread_map, "_run_jaxpr"):
+        return  # pragma: no cover - internals moved
+    import threading
+
+    import jax
+    import numpy as np
+    from jax import core as jax_core
+
+    def run(jaxpr, consts, *args):
+        jax_core.eval_jaxpr(jaxpr, consts, *args)
+
+    executables: dict = {}
+    lock = threading.Lock()
+
+    def run_jaxpr(jaxpr, consts, *args):
+        avals = tuple((np.shape(x), np.asarray(x).dtype) for x in jax.tree.leaves((consts, args)))
+        key = (id(jaxpr), avals)
+        with lock:
+            entry = executables.get(key)
+        if entry is None:
+            traced = jax.jit(run, static_argnums=(0,)).trace(jaxpr, consts, *args)
+            entry = (jaxpr, traced.lower().compile())  # Holding jaxpr keeps its id unique.
+            with lock:
+                entry = executables.setdefault(key, entry)
+        entry[1](consts, *args)
+
+    thread_map._run_jaxpr = run_jaxpr
 
 
 def _clip_range(rnge, shape):
     """None if ``rnge`` is in bounds, else (clipped range, slices of the value to keep).
 
-    The slices are None when nothing is in bounds.
+    The slices are None when nothing is in bounds. A range shorter than ``shape``
+    (a whole-ref copy has no indexers) covers the remaining dims whole.
     """
+    rnge = (*rnge, *(slice(0, d) for d in shape[len(rnge):]))
     if all(isinstance(r, int) or r.stop <= d for r, d in zip(rnge, shape, strict=True)):
         return None
     clipped, keep = [], []
@@ -233,3 +289,11 @@ def mosaic_interpreter_races_found() -> bool:
         return False
     races = getattr(gpu_callbacks, "_races", None)
     return bool(races is not None and races.races_found)
+
+
+def mosaic_load(ref: Any, layout: Any, *, interpret: bool) -> Array:
+    """``plgpu.load(ref, (), layout=layout)``: a whole smem ref into registers of ``layout``.
+
+    The interpreter cannot evaluate ``plgpu.load``; there a plain read is the same.
+    """
+    return ref[...] if interpret else _mosaic_module().load(ref, (), layout=layout)

@@ -3,6 +3,10 @@
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+# The Mosaic-GPU interpreter runs every simulated warpgroup as an XLA CPU execution that
+# blocks on barriers; XLA's CPU pool has one thread per core unless NPROC says more, so a
+# three-warpgroup kernel can deadlock on a two-core machine.
+os.environ.setdefault("NPROC", "16")
 
 
 def pytest_generate_tests(metafunc):

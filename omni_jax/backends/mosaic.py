@@ -1,0 +1,155 @@
+"""The Pallas Mosaic-GPU backend: warp-specialized, TMA-pipelined kernels for Hopper.
+
+Runs on sm90 GPUs, or anywhere under ``OMNI_JAX_PALLAS_INTERPRET=1`` through
+the Mosaic-GPU interpreter (race detection on; TMA bounds as on hardware).
+
+Serves bf16/fp16 inputs with head dims up to 256 (padded to 64/128/256), any
+lengths, GQA/MQA, every BlockMask with ``block_q = 128`` (the kernel's q tile),
+softcap, sinks and score_mods that capture no arrays and use only elementwise
+operations. The backward pass is not implemented in Mosaic-GPU yet:
+`backward_unsupported_reason` says so and `omni_jax` takes the backward from
+the next backend that can (Triton on GPUs, else XLA).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from omni_jax.backends.base import AttentionBackend
+from omni_jax.masks import And, BlockMask, Causal
+from omni_jax.problem import AttentionProblem
+from pallas_kernels import compat, runtime
+from pallas_kernels.block_sparse import kernel_mask
+from pallas_kernels.mosaic import attention_fwd_sm90 as fwd
+
+_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+# 227 KiB per block on sm90, less what `smem_bytes` does not count (walk, lse,
+# barriers, 1 KiB alignment of swizzled buffers).
+_SMEM_LIMIT = 227 * 1024 - 8 * 1024
+# Primitives a score_mod may use: elementwise math the Mosaic-GPU lowering
+# handles on register tiles (no gathers, no reductions, no control flow).
+_ELEMENTWISE_PRIMITIVES = frozenset({
+    "add", "sub", "mul", "div", "neg", "max", "min", "abs", "sign", "exp", "exp2", "log",
+    "tanh", "logistic", "sqrt", "rsqrt", "integer_pow", "square", "convert_element_type",
+    "select_n", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "rem",
+    "broadcast_in_dim", "pjit", "jit", "copy", "copy_p",
+})
+
+
+def _primitives(jaxpr) -> set[str]:
+    """Names of the primitives of ``jaxpr``, nested jaxprs (pjit, custom_jvp) included."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                names |= _primitives(inner)
+    return names
+
+
+def score_mod_unsupported_reason(problem: AttentionProblem) -> str | None:
+    """Why the kernels cannot lower ``problem.score_mod``, or None."""
+    score_mod = problem.score_mod
+    if score_mod is None:
+        return None
+    if score_mod.num_captured:
+        return ("score_mod captures arrays (the Mosaic kernels take no captured operands "
+                "yet)")
+    scalar = jax.ShapeDtypeStruct((), jnp.float32)
+    index = jax.ShapeDtypeStruct((), jnp.int32)
+    closed = jax.make_jaxpr(lambda *a: score_mod(*a, ()))(scalar, index, index, index, index)
+    unsupported = _primitives(closed.jaxpr) - _ELEMENTWISE_PRIMITIVES
+    if unsupported:
+        return f"score_mod uses operations the Mosaic lowering lacks: {sorted(unsupported)}"
+    return None
+
+
+class MosaicBackend(AttentionBackend):
+    """Pallas Mosaic-GPU kernels for Hopper (sm90)."""
+
+    name = "mosaic"
+
+    def unavailable_reason(self) -> str | None:
+        if runtime.can_run_mosaic_hopper():
+            return None
+        return ("the Mosaic-GPU kernels need an sm90 (Hopper) GPU, or "
+                f"{runtime.INTERPRET_ENV_VAR}=1 for the interpreter")
+
+    def unsupported_reason(self, problem: AttentionProblem) -> str | None:
+        if np.dtype(problem.dtype) not in _DTYPES:
+            return f"dtype {np.dtype(problem.dtype).name} (the kernels take bfloat16 or float16)"
+        for name, dim in (("head_dim", problem.head_dim), ("head_dim_v", problem.head_dim_v)):
+            if fwd.padded_head_dim(dim) is None:
+                return f"{name}={dim} (at most {fwd.SUPPORTED_HEAD_DIMS[-1]})"
+        if problem.block_size is not None:
+            block_q, block_kv = problem.block_size
+            if block_q != fwd.BLOCK_Q or block_kv % 64 or not 64 <= block_kv <= 256:
+                return (f"BlockMask block_size {problem.block_size}: the kernels need "
+                        f"block_q={fwd.BLOCK_Q} and block_kv a multiple of 64 up to 256")
+            if self._smem(problem, self._config(problem, causal=False)) > _SMEM_LIMIT:
+                return f"block_kv={block_kv} with head_dim {problem.head_dim} exceeds smem"
+        return score_mod_unsupported_reason(problem)
+
+    def backward_unsupported_reason(self, problem: AttentionProblem) -> str | None:
+        return "the Mosaic-GPU backward pass is not implemented yet"
+
+    def block_size(self, problem: AttentionProblem) -> tuple[int, int]:
+        config = self._config(problem, causal=False)
+        return config.block_q, config.block_kv
+
+    def forward(self, problem, q, k, v, block_mask: BlockMask, sinks, captured):
+        kmask, layout = kernel_mask(block_mask)
+        causal = _has_causal(block_mask)
+        out, lse = fwd.attention_forward(
+            q, k, v, kmask, layout, scale=problem.scale, softcap=problem.softcap,
+            score_mod=problem.score_mod, has_partial=problem.has_user_mask,
+            config=self._config(problem, causal), interpret_params=_interpret_params())
+        if sinks is None:
+            return out, lse
+        return _fold_sinks(out, lse, sinks)
+
+    def backward(self, problem, q, k, v, block_mask, sinks, captured, out, lse, dout, dlse):
+        raise NotImplementedError(self.backward_unsupported_reason(problem))
+
+    @staticmethod
+    def _config(problem: AttentionProblem, causal: bool) -> fwd.ForwardConfig:
+        config = fwd.forward_config(max(problem.head_dim, problem.head_dim_v), problem.dtype,
+                                    causal)
+        if problem.block_size is not None and problem.block_size[1] != config.block_kv:
+            config = dataclasses.replace(config, block_kv=problem.block_size[1])
+        return config
+
+    @staticmethod
+    def _smem(problem: AttentionProblem, config: fwd.ForwardConfig) -> int:
+        return fwd.smem_bytes(config, fwd.padded_head_dim(problem.head_dim),
+                              fwd.padded_head_dim(problem.head_dim_v),
+                              np.dtype(problem.dtype).itemsize, problem.has_user_mask)
+
+
+def _interpret_params():
+    params = runtime.mosaic_interpret_params()
+    return None if params is None else compat.tma_faithful_interpret_params(params)
+
+
+def _has_causal(block_mask: BlockMask) -> bool:
+    mods = [] if block_mask.mask_mod is None else [block_mask.mask_mod]
+    while mods:
+        mod = mods.pop()
+        if isinstance(mod, Causal):
+            return True
+        if isinstance(mod, And):
+            mods += list(mod.mods)
+    return False
+
+
+def _fold_sinks(out, lse, sinks):
+    """Adds the sink logits to the softmax denominator of a sink-free result."""
+    with_sinks = jnp.logaddexp(lse, sinks.astype(jnp.float32)[None, :, None])
+    weight = jnp.exp(lse - with_sinks)  # 0 for rows that saw no key (lse = -inf).
+    out = (out.astype(jnp.float32) * jnp.swapaxes(weight, 1, 2)[..., None]).astype(out.dtype)
+    return out, with_sinks

@@ -1,0 +1,487 @@
+"""Block-sparse attention forward for Hopper (sm90) in Pallas Mosaic-GPU.
+
+One CTA computes one ``block_q = 128``-row q-block of one (batch, q head)
+with three warpgroups:
+
+* warpgroup 2 (producer, few registers) walks the q-block's active kv-blocks
+  from the shared mask walker (`pallas_kernels.block_sparse`) and TMA-loads K
+  and V (plus, when the mask needs them, the kv-block's mask leaves and its
+  stored PARTIAL tile) into a ring of ``num_stages`` shared-memory slots. A
+  slot is refilled only after both consumers arrived on its "consumed"
+  barriers, so MASKED tiles are never loaded at all;
+* warpgroups 0 and 1 (consumers) each own 64 of the 128 rows: Q once by TMA,
+  then per kv-block ``S = Q K^T`` by wgmma, the tile's mask (none for FULL
+  tiles; indices and mask leaves for COMPUTED tiles; the stored tile for
+  PARTIAL ones), online softmax in registers (base 2, running max kept in
+  log2 units) and ``O += P V`` by wgmma. Output goes registers -> smem -> TMA
+  store (the hardware clips rows past ``q_len``), lse likewise.
+
+K/V are keyed by the kv head ``h // group_size`` (GQA/MQA). Sequence tails
+need no padding: TMA reads past ``kv_len`` as zeros and the ragged last
+kv-block is COMPUTED, so its keys past ``kv_len`` are masked. Head dims are
+zero-padded to 64, 128 or 256 by the wrapper. Sinks are folded in after the
+kernel (they only change the normaliser).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from omni_jax.masks import PARTIAL
+from omni_jax.scores import ConvertedScoreMod, apply_score_mod
+from pallas_kernels import compat
+from pallas_kernels.block_sparse import KernelMask, MaskLayout, tile_visibility
+
+Array = Any
+
+ROWS_PER_CONSUMER = 64  # One wgmma M tile per consumer warpgroup.
+NUM_CONSUMERS = 2
+BLOCK_Q = ROWS_PER_CONSUMER * NUM_CONSUMERS
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardConfig:
+    """Tiling of the forward kernel; ``block_q`` x ``block_kv`` is also the BlockMask tile."""
+
+    block_kv: int
+    num_stages: int
+    block_q: int = BLOCK_Q
+
+    def __post_init__(self):
+        if self.block_q != BLOCK_Q:
+            raise ValueError(f"block_q must be {BLOCK_Q}, got {self.block_q}")
+        if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
+            raise ValueError(f"block_kv must be 64, 128, 192 or 256, got {self.block_kv}")
+        if self.num_stages < 2:
+            raise ValueError(f"num_stages must be at least 2, got {self.num_stages}")
+
+
+# Per (padded head_dim, dtype, causal). Shared memory per CTA: Q/O 128 x D plus
+# num_stages x block_kv x (D + Dv), within the 227 KiB of an H100 SM.
+_CONFIGS = {
+    (64, False): ForwardConfig(block_kv=128, num_stages=3),
+    (64, True): ForwardConfig(block_kv=128, num_stages=3),
+    (128, False): ForwardConfig(block_kv=128, num_stages=2),
+    (128, True): ForwardConfig(block_kv=128, num_stages=2),
+    (256, False): ForwardConfig(block_kv=64, num_stages=2),
+    (256, True): ForwardConfig(block_kv=64, num_stages=2),
+}
+
+
+def padded_head_dim(head_dim: int) -> int | None:
+    """The kernel head dim serving ``head_dim`` (zero-padded), or None when too large."""
+    return next((d for d in SUPPORTED_HEAD_DIMS if head_dim <= d), None)
+
+
+def forward_config(head_dim: int, dtype: Any, causal: bool) -> ForwardConfig:
+    """The tuned config for a (padded) head dim; bf16 and fp16 share one table."""
+    del dtype  # Same tile sizes for both 16-bit types.
+    return _CONFIGS[(padded_head_dim(head_dim), bool(causal))]
+
+
+def smem_bytes(config: ForwardConfig, head_dim: int, head_dim_v: int, itemsize: int,
+               has_partial: bool) -> int:
+    """Shared memory of one CTA (the producer's ring dominates)."""
+    qo = config.block_q * (head_dim + (head_dim_v if head_dim_v != head_dim else 0)) * itemsize
+    ring = config.num_stages * config.block_kv * (head_dim + head_dim_v) * itemsize
+    if has_partial:
+        ring += config.num_stages * config.block_q * config.block_kv  # int8 tiles
+    return qo + ring
+
+
+@dataclasses.dataclass(frozen=True)
+class _Statics:
+    """Everything static the kernel body needs."""
+
+    config: ForwardConfig
+    layout: MaskLayout
+    num_q_heads: int
+    group_size: int
+    head_dim: int
+    head_dim_v: int
+    dtype: Any
+    scale: float
+    softcap: float | None
+    score_mod: ConvertedScoreMod | None
+    has_partial: bool
+    walk_lines: int
+    mask_batch: int
+    mask_heads: int
+    # For each mask_mod leaf, in leaf order: ("q" | "kv", row in its stacked leaf array).
+    leaf_slots: tuple[tuple[str, int], ...]
+    interpret: bool
+
+    @property
+    def num_q_leaves(self) -> int:
+        return sum(kind == "q" for kind, _ in self.leaf_slots)
+
+    @property
+    def num_kv_leaves(self) -> int:
+        return sum(kind == "kv" for kind, _ in self.leaf_slots)
+
+
+def _walk_offsets(num_kv_blocks: int) -> tuple[int, int, int]:
+    """Offsets of kv indices, tile flags and partial ids in a walk row (count at 0)."""
+    return 1, 1 + num_kv_blocks, 1 + 2 * num_kv_blocks
+
+
+# A walk row is stored as [rows, _WALK_LINE]: a TMA box is at most 256 elements per dim.
+_WALK_LINE = 128
+
+
+def _packed_walk(kmask: KernelMask, num_kv_blocks: int) -> Array:
+    """``[Bm, Hm, nq, R, 128]`` int32: per q-block (count, kv indices, flags, partial ids).
+
+    One q-block's walk is one 2-D TMA per CTA.
+    """
+    rows = jnp.concatenate([kmask.kv_num_blocks[..., None], kmask.kv_indices,
+                            kmask.kv_tile_flags, kmask.kv_partial_ids], axis=-1)
+    width = 1 + 3 * num_kv_blocks
+    rows = jnp.pad(rows.astype(jnp.int32), ((0, 0),) * 3 + ((0, -width % _WALK_LINE),))
+    return rows.reshape(*rows.shape[:3], -1, _WALK_LINE)
+
+
+def _walk_entry(walk_smem, i):
+    """Entry ``i`` of the walk row held in smem as ``[R, _WALK_LINE]``."""
+    return walk_smem[lax.div(i, _WALK_LINE), lax.rem(i, _WALK_LINE)]
+
+
+def _stacked_leaves(kmask: KernelMask, layout: MaskLayout, batch: int):
+    """Mask leaves stacked per kind: q ``[B, Lq, nq*bq]`` and kv ``[B, Lkv, nkv*bkv]``.
+
+    "batch" leaves (one scalar per sequence) are broadcast along q so that the
+    kernel reads every leaf as a row or column vector.
+    """
+    q_leaves, kv_leaves, slots = [], [], []
+    q_length = layout.num_q_blocks * layout.block_q
+    for leaf, kind in zip(kmask.leaves, layout.leaf_kinds, strict=True):
+        if kind == "batch":
+            leaf = jnp.broadcast_to(leaf[:, None], (leaf.shape[0], q_length))
+            kind = "q"
+        leaf = jnp.broadcast_to(leaf, (batch, leaf.shape[1]))
+        stack = q_leaves if kind == "q" else kv_leaves
+        slots.append((kind, len(stack)))
+        stack.append(leaf)
+    stack = lambda xs: jnp.stack(xs, axis=1) if xs else None
+    return stack(q_leaves), stack(kv_leaves), tuple(slots)
+
+
+def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
+    s = statics
+    cfg = s.config
+    rows, block_kv, stages = ROWS_PER_CONSUMER, cfg.block_kv, cfg.num_stages
+    refs = list(refs)
+    partial_ref = refs.pop(0) if s.has_partial else None
+    q_leaf_ref = refs.pop(0) if s.num_q_leaves else None
+    kv_leaf_ref = refs.pop(0) if s.num_kv_leaves else None
+    out_ref, lse_ref, smem, barriers = refs
+    (qo_smem, o_only_smem, lse_smem, walk_smem, k_smem, v_smem, mask_smem, q_leaf_smem,
+     kv_leaf_smem, p_staging) = smem
+    (walk_barrier, q_leaf_barrier, q_barriers, k_barriers, v_barriers, mask_barriers,
+     kv_leaf_barriers, k_consumed, v_consumed, schedule) = barriers
+
+    # Last q-blocks first: under causal-like masks they have the most kv-blocks, and
+    # starting the longest CTAs first shortens the tail of the launch.
+    q_block = s.layout.num_q_blocks - 1 - lax.axis_index("q_block")
+    batch_head = lax.axis_index("batch_head")
+    batch = lax.div(batch_head, s.num_q_heads)
+    head = lax.rem(batch_head, s.num_q_heads)
+    kv_head = lax.div(head, s.group_size)
+    wg = lax.axis_index("wg")
+    index_offset, flags_offset, partial_offset = _walk_offsets(s.layout.num_kv_blocks)
+
+    @pl.when(wg == NUM_CONSUMERS)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+        mask_b = batch if s.mask_batch > 1 else 0
+        mask_h = head if s.mask_heads > 1 else 0
+        plgpu.copy_gmem_to_smem(walk_ref.at[mask_b, mask_h, q_block], walk_smem, walk_barrier)
+        if s.num_q_leaves:
+            plgpu.copy_gmem_to_smem(
+                q_leaf_ref.at[batch, :, pl.ds(q_block * cfg.block_q, cfg.block_q)],
+                q_leaf_smem, q_leaf_barrier)
+        plgpu.barrier_wait(walk_barrier)
+        count = walk_smem[0, 0]
+
+        @pl.loop(0, count)
+        def _fetch(step):
+            slot = lax.rem(step, stages)
+
+            # The slot held step - stages: wait until both consumers are done with it.
+            @pl.when(step >= stages)
+            def _():
+                plgpu.barrier_wait(k_consumed.at[slot])
+                plgpu.barrier_wait(v_consumed.at[slot])
+
+            kv_block = _walk_entry(walk_smem, index_offset + step)
+            rows_kv = pl.ds(kv_block * block_kv, block_kv)
+            plgpu.copy_gmem_to_smem(k_ref.at[batch, rows_kv, kv_head], k_smem.at[slot],
+                                    k_barriers.at[slot])
+            if s.num_kv_leaves:
+                plgpu.copy_gmem_to_smem(kv_leaf_ref.at[batch, :, rows_kv],
+                                        kv_leaf_smem.at[slot], kv_leaf_barriers.at[slot])
+            if s.has_partial:
+                @pl.when((_walk_entry(walk_smem, flags_offset + step) & PARTIAL) != 0)
+                def _():
+                    partial_id = _walk_entry(walk_smem, partial_offset + step)
+                    plgpu.copy_gmem_to_smem(partial_ref.at[partial_id], mask_smem.at[slot],
+                                            mask_barriers.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[batch, rows_kv, kv_head], v_smem.at[slot],
+                                    v_barriers.at[slot])
+
+    @pl.when(wg < NUM_CONSUMERS)
+    def _consumer():
+        plgpu.set_max_registers(232, action="increase")
+        q_smem = qo_smem.at[wg]
+        q_start = q_block * cfg.block_q + wg * rows
+        plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, rows), head], q_smem,
+                                q_barriers.at[wg])
+        row_layout = compat.wgmma_row_layout()
+        col_layout = compat.wgmma_col_layout()
+        tile = (rows, block_kv)
+
+        # Index tiles are built where needed, never kept live across the loop: a
+        # [64, block_kv] int32 tile costs block_kv / 2 registers per thread.
+        def indices(kv_block):
+            iota = lambda axis: plgpu.broadcasted_iota(jnp.int32, tile, axis,
+                                                       layout=plgpu.Layout.WGMMA)
+            return q_start + iota(0), kv_block * block_kv + iota(1)
+
+        q_leaf_rows = []
+        if s.num_q_leaves:
+            plgpu.barrier_wait(q_leaf_barrier)
+            for i in range(s.num_q_leaves):
+                q_leaf_rows.append(compat.mosaic_load(
+                    q_leaf_smem.at[i, pl.ds(wg * rows, rows)], row_layout,
+                    interpret=s.interpret))
+        plgpu.barrier_wait(walk_barrier)
+        count = walk_smem[0, 0]
+        plgpu.barrier_wait(q_barriers.at[wg])
+
+        # Ping-pong: the two consumers alternate on the tensor cores, one's softmax
+        # hiding under the other's matmuls. Every pass of `schedule` needs both
+        # consumers; consumer 1 starts one pass behind and consumer 0 catches up
+        # after the loop, so both pass it 2 * count + 1 times.
+        def schedule_sync():
+            plgpu.barrier_arrive(schedule)
+            plgpu.barrier_wait(schedule)
+
+        pl.when(wg == 1)(schedule_sync)
+
+        def step_fn(step, carry):
+            acc, row_max, row_sum = carry
+            slot = lax.rem(step, stages)
+            kv_block = _walk_entry(walk_smem, index_offset + step)
+            flags = _walk_entry(walk_smem, flags_offset + step)
+
+            plgpu.barrier_wait(k_barriers.at[slot])
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                schedule_sync()  # The other consumer's P @ V runs while this QK^T does.
+                return acc_ref[...]
+
+            scores = pl.run_scoped(qk, plgpu.ACC(tile, jnp.float32))
+            plgpu.barrier_arrive(k_consumed.at[slot])
+            scores = _transform(s, scores, batch, head, indices, kv_block)
+
+            kv_leaf_cols = []
+            if s.num_kv_leaves:
+                plgpu.barrier_wait(kv_leaf_barriers.at[slot])
+                for i in range(s.num_kv_leaves):
+                    kv_leaf_cols.append(compat.mosaic_load(
+                        kv_leaf_smem.at[slot, i], col_layout, interpret=s.interpret))
+
+            def masked(scores):
+                q_idx, kv_idx = indices(kv_block)
+                leaf_values = _in_leaf_order(
+                    s, [lax.broadcast_in_dim(x, tile, [0]) for x in q_leaf_rows],
+                    [lax.broadcast_in_dim(x, tile, [1]) for x in kv_leaf_cols])
+                partial_tile = None
+                if s.has_partial:
+                    @pl.when((flags & PARTIAL) != 0)
+                    def _():
+                        plgpu.barrier_wait(mask_barriers.at[slot])
+
+                    partial_tile = compat.mosaic_load(
+                        mask_smem.at[slot, pl.ds(wg * rows, rows)], plgpu.Layout.WGMMA,
+                        interpret=s.interpret)
+                visible = tile_visibility(s.layout, flags, q_idx, kv_idx, leaf_values,
+                                          partial_tile)
+                return jnp.where(visible, scores, -jnp.inf)
+
+            # FULL tiles (flags 0) skip the mask entirely.
+            scores = lax.cond(flags != 0, masked, lambda x: x, scores)
+
+            new_max = jnp.maximum(row_max, scores.max(axis=1))
+            # Rows that have seen no visible key yet keep max -inf: shift by 0 there.
+            shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)
+            alpha = jnp.exp2(row_max - shift)
+            probs = jnp.exp2(scores - lax.broadcast_in_dim(shift, tile, [0]))
+            row_sum = row_sum * alpha + probs.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            probs = probs.astype(s.dtype)
+
+            plgpu.barrier_arrive(schedule)  # Softmax done...
+            plgpu.barrier_wait(v_barriers.at[slot])
+            plgpu.barrier_wait(schedule)  # ...and the tensor cores are ours.
+            if p_staging is not None:  # The interpreter takes wgmma operands from smem only.
+                p_staging.at[wg][...] = probs
+                probs = p_staging.at[wg]
+            acc = compat.wgmma_accumulate(acc, probs, v_smem.at[slot], interpret=s.interpret)
+            plgpu.barrier_arrive(v_consumed.at[slot])
+            return acc, new_max, row_sum
+
+        acc = plgpu.layout_cast(jnp.zeros((rows, s.head_dim_v), jnp.float32),
+                                plgpu.Layout.WGMMA)
+        row_max = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), row_layout)
+        row_sum = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), row_layout)
+        acc, row_max, row_sum = lax.fori_loop(0, count, step_fn, (acc, row_max, row_sum))
+        pl.when(wg == 0)(schedule_sync)
+
+        seen = row_sum > 0
+        safe_sum = jnp.where(seen, row_sum, 1.0)
+        inverse = jnp.where(seen, 1.0 / safe_sum, 0.0)
+        out = acc * lax.broadcast_in_dim(inverse, acc.shape, [0])
+        lse = jnp.where(seen, row_max * _LN2 + jnp.log(safe_sum), -jnp.inf)
+        # The output reuses Q's buffer when the head dims agree (Q is no longer read).
+        o_smem = q_smem if o_only_smem is None else o_only_smem.at[wg]
+        o_smem[...] = out.astype(s.dtype)
+        lse_smem.at[wg][...] = lse
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[batch, pl.ds(q_start, rows), head])
+        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(q_start, rows)])
+        plgpu.wait_smem_to_gmem(0)
+
+
+def _transform(s: _Statics, scores, batch, head, indices, kv_block):
+    """Scale, softcap and score_mod, in log2 units (the softmax runs on exp2).
+
+    ``indices(kv_block)`` builds the (q_idx, kv_idx) tiles a score_mod needs.
+    """
+    if s.softcap is None and s.score_mod is None:
+        return scores * (s.scale * _LOG2E)
+    scores = scores * s.scale
+    if s.softcap is not None:
+        scores = s.softcap * jnp.tanh(scores * (1.0 / s.softcap))
+    if s.score_mod is not None:
+        scores = apply_score_mod(s.score_mod, (), scores, batch, head, *indices(kv_block))
+    return scores * _LOG2E
+
+
+def _in_leaf_order(s: _Statics, q_values, kv_values):
+    return [q_values[i] if kind == "q" else kv_values[i] for kind, i in s.leaf_slots]
+
+
+def _pad_last(x: Array, size: int) -> Array:
+    return x if x.shape[-1] == size else jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, size
+                                                                               - x.shape[-1]),))
+
+
+def _pad_sequence(x: Array) -> Array:
+    """Pads axis 1 to a multiple of 8 (no copy when it is one)."""
+    extra = -x.shape[1] % 8
+    return x if not extra else jnp.pad(x, ((0, 0), (0, extra), (0, 0), (0, 0)))
+
+
+def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: MaskLayout, *,
+                      scale: float, softcap: float | None,
+                      score_mod: ConvertedScoreMod | None, has_partial: bool,
+                      config: ForwardConfig, interpret_params: Any = None,
+                      ) -> tuple[Array, Array]:
+    """``(out [B, Sq, Hq, Dv], lse [B, Hq, Sq] float32)``; sinks are the caller's.
+
+    ``layout`` must tile by ``(config.block_q, config.block_kv)``; ``score_mod``
+    must capture no arrays; ``has_partial`` False promises no PARTIAL tile.
+    """
+    batch, q_len, num_q_heads, head_dim = q.shape
+    num_kv_heads, head_dim_v = v.shape[2], v.shape[3]
+    if (layout.block_q, layout.block_kv) != (config.block_q, config.block_kv):
+        raise ValueError(f"mask tiles {(layout.block_q, layout.block_kv)} differ from the "
+                         f"kernel's {(config.block_q, config.block_kv)}")
+    dim, dim_v = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
+    q, k, v = _pad_last(q, dim), _pad_last(k, dim), _pad_last(v, dim_v)
+    # TMA boxes into 8-row-tiled smem need sequence lengths that are multiples of 8;
+    # padded keys lie past kv_len, in the ragged (COMPUTED, hence masked) last block.
+    q, k, v = _pad_sequence(q), _pad_sequence(k), _pad_sequence(v)
+    walk = _packed_walk(kmask, layout.num_kv_blocks)
+    q_leaves, kv_leaves, leaf_slots = _stacked_leaves(kmask, layout, batch)
+    interpret = interpret_params is not None
+    statics = _Statics(
+        config=config, layout=layout, num_q_heads=num_q_heads,
+        group_size=num_q_heads // num_kv_heads, head_dim=dim, head_dim_v=dim_v,
+        dtype=q.dtype, scale=scale, softcap=softcap, score_mod=score_mod,
+        has_partial=has_partial, walk_lines=walk.shape[-2], mask_batch=walk.shape[0],
+        mask_heads=walk.shape[1], leaf_slots=leaf_slots, interpret=interpret)
+
+    operands = [q, k, v, walk]
+    if has_partial:
+        operands.append(kmask.partial_masks.astype(jnp.int8))
+    operands += [x for x in (q_leaves, kv_leaves) if x is not None]
+    q_padded = layout.num_q_blocks * config.block_q
+    out_type = (jax.ShapeDtypeStruct((batch, q.shape[1], num_q_heads, dim_v), q.dtype),
+                jax.ShapeDtypeStruct((batch, num_q_heads, q_padded), jnp.float32))
+    out, lse = compat.mosaic_kernel(
+        functools.partial(_kernel, statics), out_type,
+        scratch_types=_scratch(statics),
+        grid=(layout.num_q_blocks, batch * num_q_heads), grid_names=("q_block", "batch_head"),
+        num_threads=NUM_CONSUMERS + 1, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret_params,
+    )(*operands)
+    return out[:, :q_len, :, :head_dim_v], lse[..., :q_len]
+
+
+def _swizzled(shape, dtype) -> Any:
+    """SMEM in swizzled 8-row tiles (wgmma operands, register loads) of up to 128 bytes."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = min(128, shape[-1] * itemsize)
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // itemsize)),
+                                                plgpu.SwizzleTransform(swizzle)))
+
+
+def _scratch(s: _Statics):
+    cfg = s.config
+    stages, rows = cfg.num_stages, ROWS_PER_CONSUMER
+    smem = (
+        _swizzled((NUM_CONSUMERS, rows, s.head_dim), s.dtype),
+        (None if s.head_dim_v == s.head_dim
+         else _swizzled((NUM_CONSUMERS, rows, s.head_dim_v), s.dtype)),
+        plgpu.SMEM((NUM_CONSUMERS, rows), jnp.float32),
+        plgpu.SMEM((s.walk_lines, _WALK_LINE), jnp.int32),
+        _swizzled((stages, cfg.block_kv, s.head_dim), s.dtype),
+        _swizzled((stages, cfg.block_kv, s.head_dim_v), s.dtype),
+        _swizzled((stages, cfg.block_q, cfg.block_kv), jnp.int8) if s.has_partial else None,
+        plgpu.SMEM((s.num_q_leaves, cfg.block_q), jnp.int32) if s.num_q_leaves else None,
+        (plgpu.SMEM((stages, s.num_kv_leaves, cfg.block_kv), jnp.int32)
+         if s.num_kv_leaves else None),
+        # Interpreted only: P staged in smem for the P @ V wgmma.
+        _swizzled((NUM_CONSUMERS, rows, cfg.block_kv), s.dtype) if s.interpret else None,
+    )
+    consumed = plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages)
+    barriers = (
+        plgpu.Barrier(num_barriers=1),
+        plgpu.Barrier(num_barriers=1),
+        plgpu.Barrier(num_barriers=NUM_CONSUMERS),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        consumed,
+        consumed,
+        plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
+    )
+    return smem, barriers
+

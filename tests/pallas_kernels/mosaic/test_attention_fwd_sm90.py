@@ -1,0 +1,105 @@
+"""The Mosaic-GPU attention forward kernel, interpreted: tails, blind rows, poison, dims.
+
+Run through the Mosaic-GPU interpreter (a race found fails the test), compared
+with the XLA backend on the same inputs (which the shared suite checks against
+float64).
+"""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import omni_jax
+from pallas_kernels import compat, runtime
+from pallas_kernels.block_sparse import kernel_mask
+from pallas_kernels.mosaic import attention_fwd_sm90 as fwd
+from tests.mosaic_interpret import interpreted_mosaic
+from tests.reference import relative_error
+
+TOLERANCE = {"bfloat16": 2e-2, "float16": 4e-3}
+
+
+@pytest.fixture(autouse=True)
+def _interpreted(monkeypatch):
+    yield from interpreted_mosaic(monkeypatch)
+
+
+def _inputs(rng, dtype, batch, q_len, kv_len, heads, kv_heads, head_dim, head_dim_v=None):
+    shapes = ((batch, q_len, heads, head_dim), (batch, kv_len, kv_heads, head_dim),
+              (batch, kv_len, kv_heads, head_dim_v or head_dim))
+    return tuple(jnp.asarray(rng.standard_normal(s), dtype) for s in shapes)
+
+
+def _compare(dtype, q, k, v, **kwargs):
+    out, lse = omni_jax.attention(q, k, v, return_lse=True, implementation="mosaic", **kwargs)
+    as32 = lambda x: x.astype(jnp.float32)
+    ref_out, ref_lse = omni_jax.attention(as32(q), as32(k), as32(v), return_lse=True,
+                                          implementation="xla", **kwargs)
+    assert not np.isnan(np.asarray(out, np.float32)).any()
+    assert relative_error(out, ref_out) < TOLERANCE[dtype]
+    finite = np.isfinite(np.asarray(ref_lse))
+    assert (np.isfinite(np.asarray(lse)) == finite).all()
+    assert relative_error(np.asarray(lse)[finite], np.asarray(ref_lse)[finite]) < 1e-3
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype,head_dim,q_len,kv_len,causal", [
+    ("bfloat16", 64, 70, 200, True),   # q tail, kv tail, q_len != kv_len, 2 kv blocks
+    ("float16", 128, 130, 60, False),  # two q blocks, kv shorter than one block
+    ("bfloat16", 256, 40, 40, True),   # the widest head dim
+    ("float16", 80, 64, 64, False),    # head dim padded to 128
+])
+def test_lengths_dims_dtypes(dtype, head_dim, q_len, kv_len, causal):
+    rng = np.random.default_rng()
+    q, k, v = _inputs(rng, dtype, 1, q_len, kv_len, 2, 1, head_dim)
+    _compare(dtype, q, k, v, is_causal=causal)
+
+
+def test_blind_rows_get_zeros_and_minus_inf_lse():
+    rng = np.random.default_rng()
+    q, k, v = _inputs(rng, "bfloat16", 1, 64, 64, 1, 1, 64)
+    q_ids = jnp.asarray(np.r_[np.zeros(40), np.full(24, 7)][None].astype(np.int32))
+    kv_ids = jnp.zeros((1, 64), jnp.int32)
+    out, lse = _compare("bfloat16", q, k, v, q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+    assert (np.asarray(out, np.float32)[0, 40:] == 0).all()
+    assert np.isneginf(np.asarray(lse)[0, :, 40:]).all()
+
+
+def test_score_mod_without_captures():
+    rng = np.random.default_rng()
+    q, k, v = _inputs(rng, "bfloat16", 1, 64, 64, 2, 2, 64)
+    _compare("bfloat16", q, k, v, is_causal=True,
+             score_mod=lambda s, b, h, i, j: s - 0.05 * (h + 1) * jnp.abs(i - j))
+
+
+def test_poisoned_outputs_are_all_written():
+    """Memory the kernel never writes reads as NaN: every output row must be written,
+    the rows of q-blocks with no active kv-block included (zeros, lse -inf)."""
+    rng = np.random.default_rng()
+    q, k, v = _inputs(rng, "bfloat16", 1, 256, 128, 2, 2, 64)
+    block_mask = omni_jax.create_block_mask(lambda b, h, i, j: i < 128, None, None, 256, 128,
+                                            (128, 128))
+    kmask, layout = kernel_mask(block_mask)
+    params = compat.tma_faithful_interpret_params(runtime.mosaic_interpret_params())
+    out, lse = fwd.attention_forward(
+        q, k, v, kmask, layout, scale=0.125, softcap=None, score_mod=None, has_partial=True,
+        config=fwd.ForwardConfig(block_kv=128, num_stages=2),
+        interpret_params=dataclasses.replace(params, uninitialized_memory="nan"))
+    out, lse = np.asarray(out, np.float32), np.asarray(lse)
+    assert not np.isnan(out).any() and not np.isnan(lse).any()
+    assert (out[:, 128:] == 0).all() and np.isneginf(lse[:, :, 128:]).all()
+    ref = omni_jax.attention(q.astype(jnp.float32), k.astype(jnp.float32),
+                             v.astype(jnp.float32), mask=block_mask, implementation="xla")
+    assert relative_error(out[:, :128], ref[:, :128]) < TOLERANCE["bfloat16"]
+
+
+def test_declines_what_it_cannot_serve():
+    q = jnp.ones((1, 64, 1, 64), jnp.float32)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        omni_jax.attention(q, q, q, implementation="mosaic")
+    mask = omni_jax.create_block_mask(lambda b, h, i, j: i >= j, None, None, 64, 64, (32, 32))
+    with pytest.raises(ValueError, match="block_q=128"):
+        omni_jax.attention(q.astype(jnp.bfloat16), q.astype(jnp.bfloat16),
+                           q.astype(jnp.bfloat16), mask=mask, implementation="mosaic")
