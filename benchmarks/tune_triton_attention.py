@@ -47,7 +47,8 @@ def _sweep(kind, candidates, tune_key, fn, args, flops, samples):
     for config in candidates:
         configs.set_tuned(kind, tune_key, config)
         try:
-            ms = bench(jax.jit(fn), [args], warmup=2, samples=samples, inner=3)
+            # A new function object per candidate: jit would otherwise reuse the first trace.
+            ms = bench(jax.jit(lambda *a: fn(*a)), [args], warmup=2, samples=samples, inner=3)
         except Exception as error:  # noqa: BLE001 - a config the compiler rejects
             print(f"  {kind:8s} {config}: failed ({type(error).__name__})", flush=True)
             continue

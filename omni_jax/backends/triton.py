@@ -109,8 +109,9 @@ def autotune(query, key, value, *, forward_candidates: Sequence[ForwardConfig] =
 
     def build(kind, config):
         configs.set_tuned(kind, tune_key, config)  # Read at trace time: trace afresh.
-        compiled = jax.jit(forward if kind == "forward" else forward_backward).lower(
-            query, key, value).compile()
+        fn = forward if kind == "forward" else forward_backward
+        # A new function object per candidate: jit would otherwise reuse the first trace.
+        compiled = jax.jit(lambda q, k, v: fn(q, k, v)).lower(query, key, value).compile()
         return lambda: compiled(query, key, value)
 
     winners = []
