@@ -19,5 +19,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BlockMask", "and_masks", "attention", "causal_mask", "chunked_mask", "create_block_mask",
-    "document_mask", "masks", "or_masks", "prefix_lm_mask", "sliding_window_mask", "sparse_mla_prefill",
+    "document_mask", "masks", "or_masks", "prefix_lm_mask", "sliding_window_mask",
+    "sparse_mla_prefill",
 ]
