@@ -7,9 +7,9 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from sparse_mla_reference import dense_loss_fn, reference_forward
 
 from omni_jax import sparse_mla_prefill
+from tests.omni_jax.sparse_mla_reference import dense_loss_fn, reference_forward
 
 
 def rel_err(actual, expected) -> float:
