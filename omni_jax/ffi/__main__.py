@@ -2,7 +2,8 @@
 
 build            compile the library into the build cache (what first use would do)
 build --prebuilt compile into omni_jax/ffi/prebuilt/ so that a wheel ships it
-build --out P    compile to an explicit path (load it with $OMNI_JAX_FFI_LIBRARY=P)
+build --out P    compile to an explicit .so path, or into directory P
+                 (load it with $OMNI_JAX_FFI_LIBRARY=<the .so>)
 info             print the toolchain found and whether the library loads here
 """
 
@@ -19,6 +20,8 @@ def _build(args: argparse.Namespace) -> int:
     archs = tuple(args.arch) if args.arch else build.DEFAULT_ARCHS
     if args.out:
         output = Path(args.out)
+        if output.suffix != ".so":
+            output = output / build.LIBRARY_NAME
     elif args.prebuilt:
         output = library.PREBUILT_PATH
     else:
@@ -45,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     build_parser = commands.add_parser("build", help="compile the FFI library")
     where = build_parser.add_mutually_exclusive_group()
-    where.add_argument("--out", help="output path of the shared library")
+    where.add_argument("--out", help="output .so path or directory")
     where.add_argument("--prebuilt", action="store_true", help="build into the package (wheel)")
     build_parser.add_argument("--arch", action="append", help="sm_90a / sm_100a (repeatable)")
     build_parser.add_argument("--jobs", type=int, default=None, help="parallel nvcc processes")

@@ -168,6 +168,17 @@ def compile_object(
     _run(command)
 
 
+def link_library(
+    objects: list[Path], output: Path, *, archs: tuple[str, ...] = DEFAULT_ARCHS,
+    nvcc: str | None = None,
+) -> None:
+    """Links compiled objects into one shared library (CUDA runtime linked statically)."""
+    nvcc = nvcc or find_nvcc()
+    if nvcc is None:
+        raise BuildError(f"nvcc not found (set {NVCC_ENV_VAR}, PATH or CUDA_HOME)")
+    _run([nvcc, "-shared", *arch_flags(archs), *map(str, objects), "-o", str(output)])
+
+
 def build_library(
     output: Path,
     *,
@@ -195,6 +206,6 @@ def build_library(
             for future in futures:
                 future.result()
         linked = Path(scratch) / LIBRARY_NAME
-        _run([nvcc, "-shared", *arch_flags(archs), *map(str, objects), "-o", str(linked)])
+        link_library(objects, linked, archs=archs, nvcc=nvcc)
         os.replace(linked, output)
     return output
