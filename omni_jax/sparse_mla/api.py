@@ -39,6 +39,15 @@ def _sm90_device_reason() -> str | None:
     return None
 
 
+def kernel_platform_reason() -> str | None:
+    """Why this process cannot run the SM90 kernel (device or FFI library), or None."""
+    device_reason = _sm90_device_reason()
+    if device_reason is not None:
+        return device_reason
+    loaded = ffi.load()
+    return None if loaded.loaded else loaded.reason
+
+
 def _use_kernel(implementation: str | None, shape: ProblemShape, dtype) -> bool:
     if implementation == "xla":
         return False
@@ -47,15 +56,10 @@ def _use_kernel(implementation: str | None, shape: ProblemShape, dtype) -> bool:
         if implementation == "ffi":
             raise ValueError(f"implementation='ffi' cannot run this problem: {shape_reason}")
         return False
-    device_reason = _sm90_device_reason()
-    if device_reason is not None:
+    platform_reason = kernel_platform_reason()
+    if platform_reason is not None:
         if implementation == "ffi":
-            raise RuntimeError(f"implementation='ffi' is unavailable: {device_reason}")
-        return False
-    loaded = ffi.load()
-    if not loaded.loaded:
-        if implementation == "ffi":
-            raise RuntimeError(f"implementation='ffi' is unavailable: {loaded.reason}")
+            raise RuntimeError(f"implementation='ffi' is unavailable: {platform_reason}")
         return False
     return True
 
