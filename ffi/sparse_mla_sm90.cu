@@ -14,6 +14,13 @@
 //       so each WG multiplies both blocks' probabilities (its own from registers, the
 //       peer's from shared memory) by its half of the values.
 //
+// Pipelining: every buffer is two halves with their own ready/free barriers, half 0 =
+// features [0, 256) (chunks 0-3), half 1 = features [256, 576) (chunks 4-8). Half h of
+// buffer b is read by WG b's QK^T and by WG h's PV, so the "local" halves (b == h) are
+// free as soon as their WG's first PV (with its own probabilities) is done, and the
+// producer refills them for the next pair while the second PV (with the peer's
+// probabilities) still runs. The producer refills in the order the halves free up.
+//
 // Accumulator fragment layout (wgmma m64nN, per thread t of a warpgroup): element i sits at
 //   row 16*(t/32) + (t%32)/4 + 8*((i>>1)&1),  column 8*(i>>2) + 2*(t%4) + (i&1).
 // The bf16 A-operand fragment of a 64x16 slice k of such a tile is elements 8k..8k+7 in
@@ -57,11 +64,16 @@ constexpr int kValueChunksPerWg = kDimV / 64 / 2;             // 4 chunks = 256 
 // Shared memory plan (offsets from a 1024-byte aligned base).
 constexpr int kQOffset = 0;
 constexpr int kKvOffset = kTileBytes;                         // two kv tiles
-constexpr int kRowMaxOffset = kKvOffset + 2 * kTileBytes;     // float[2][64]
+constexpr int kProbs1Offset = kKvOffset + 2 * kTileBytes;     // WG1's bf16 probabilities
+constexpr int kRowMaxOffset = kProbs1Offset + kChunkBytes;    // float[2][64]
 constexpr int kRowSumOffset = kRowMaxOffset + 2 * 64 * 4;     // float[2][64]
-constexpr int kBarrierOffset = kRowSumOffset + 2 * 64 * 4;    // uint64 kv_ready[2], kv_free[2]
-constexpr int kSmemBytes = kBarrierOffset + 4 * 8 + 1024;     // + slack for base alignment
+constexpr int kBarrierOffset = kRowSumOffset + 2 * 64 * 4;    // uint64 ready[4], free[4]
+constexpr int kSmemBytes = kBarrierOffset + 8 * 8 + 1024;     // + slack for base alignment
 static_assert(kSmemBytes <= 227 * 1024, "exceeds the sm90 shared memory per block");
+
+// The feature chunks [first, end) of half h of a kv buffer.
+__host__ __device__ constexpr int HalfFirstChunk(int half) { return half == 0 ? 0 : 4; }
+__host__ __device__ constexpr int HalfEndChunk(int half) { return half == 0 ? 4 : kChunksQK; }
 
 // Named barrier ids (CUTLASS offsets them past its reserved ones), all among the 256
 // consumer threads.
@@ -89,19 +101,27 @@ struct Params {
 struct Cta {
   uint8_t* q_tile;            // [64 heads x 576] swizzled
   uint8_t* kv_tiles;          // two [64 rows x 576] swizzled buffers
+  uint8_t* probs1_tile;       // [64 x 64] bf16 probabilities of WG1's block, swizzled
   float (*row_max)[64];       // [wg][row] block row maxes
   float (*row_sum)[64];       // [wg][row] row sums
-  uint64_t* kv_ready;         // [2] producer -> consumers (cp.async arrivals)
-  uint64_t* kv_free;          // [2] consumers -> producer
+  uint64_t* half_ready;       // [buffer * 2 + half] producer -> consumers (cp.async arrivals)
+  uint64_t* half_free;        // [buffer * 2 + half] consumers -> producer
   int64_t batch;
   int s_idx, head0, num_pairs, num_blocks;
   const int32_t* row_indices;  // this query row's topk indices
 
   __device__ uint8_t* kv_tile(int buffer) const { return kv_tiles + buffer * kTileBytes; }
-  // A WG's bf16 probabilities for its block live in its kv buffer's rope chunk, which
-  // only its own QK^T reads and which the producer refills only after both PVs are done.
+  // WG0's bf16 probabilities live in buffer 0's rope chunk (half 1, which only WG0's
+  // QK^T and WG1's PV read, the latter together with these probabilities); WG1's have a
+  // tile of their own, since buffer 1's half 1 is freed before WG0 reads them.
   __device__ uint8_t* probs_tile(int buffer) const {
-    return kv_tile(buffer) + kRopeChunk * kChunkBytes;
+    return buffer == 0 ? kv_tile(0) + kRopeChunk * kChunkBytes : probs1_tile;
+  }
+  __device__ uint64_t* ready_barrier(int buffer, int half) const {
+    return &half_ready[buffer * 2 + half];
+  }
+  __device__ uint64_t* free_barrier(int buffer, int half) const {
+    return &half_free[buffer * 2 + half];
   }
 };
 
@@ -120,33 +140,47 @@ __device__ __forceinline__ bool IsValidIndex(int index, int s_kv) {
 // Producer warpgroup: 16 groups of 8 threads; a group gathers 4 rows of a block, its 8
 // threads copying alternate 16-byte units of a row so each warp instruction reads 128
 // contiguous bytes of 4 rows. Blocks past the end (the pad of an odd count) are all zeros.
+// Halves are refilled in the order they free up: the local ones (0,0) and (1,1) first.
 __device__ __forceinline__ void Produce(const Params& p, const Cta& cta, int tid) {
+  constexpr int kFillOrder[4][2] = {{0, 0}, {1, 1}, {0, 1}, {1, 0}};  // {buffer, half}
+  constexpr int kRowsPerThread = kTopkPerBlock / 16;
   const int group = tid / 8;
   const int lane_in_group = tid % 8;
   const __nv_bfloat16* kv = p.kv + cta.batch * p.s_kv * kDimQK;
   for (int pair = 0; pair < cta.num_pairs; ++pair) {
+    int row_index[2][kRowsPerThread];  // kv row gathered into each of this thread's rows
 #pragma unroll
     for (int buffer = 0; buffer < 2; ++buffer) {
       const int block = 2 * pair + buffer;
-      const bool real_block = block < cta.num_blocks;
-      // The buffer's previous contents (pair - 1) must have been read by both WGs.
-      if (pair > 0) ClusterBarrier::wait(&cta.kv_free[buffer], (pair - 1) & 1);
+#pragma unroll
+      for (int r = 0; r < kRowsPerThread; ++r) {
+        row_index[buffer][r] =
+            block < cta.num_blocks
+                ? __ldg(cta.row_indices + block * kTopkPerBlock + group + 16 * r)
+                : -1;
+      }
+    }
+#pragma unroll
+    for (int step = 0; step < 4; ++step) {
+      const int buffer = kFillOrder[step][0], half = kFillOrder[step][1];
+      // The half's previous contents (pair - 1) must have been read by every WG using them.
+      if (pair > 0) ClusterBarrier::wait(cta.free_barrier(buffer, half), (pair - 1) & 1);
       uint8_t* tile = cta.kv_tile(buffer);
 #pragma unroll
-      for (int r = 0; r < kTopkPerBlock / 16; ++r) {
+      for (int r = 0; r < kRowsPerThread; ++r) {
         const int row = group + 16 * r;
-        const int index = real_block ? __ldg(cta.row_indices + block * kTopkPerBlock + row) : -1;
+        const int index = row_index[buffer][r];
         const bool valid = IsValidIndex(index, p.s_kv);
-        const uint8_t* src =
-            reinterpret_cast<const uint8_t*>(kv + static_cast<int64_t>(valid ? index : 0) * kDimQK);
+        const uint8_t* src = reinterpret_cast<const uint8_t*>(
+            kv + static_cast<int64_t>(valid ? index : 0) * kDimQK);
 #pragma unroll
-        for (int chunk = 0; chunk < kChunksQK; ++chunk) {
+        for (int chunk = HalfFirstChunk(half); chunk < HalfEndChunk(half); ++chunk) {
           CpAsync16ZeroFill(tile + chunk * kChunkBytes + sm90::Swizzle128Offset(row, lane_in_group),
                             src + (chunk * 8 + lane_in_group) * 16, valid);
         }
       }
-      // Arrives on kv_ready once this thread's copies above have landed.
-      cutlass::arch::cpasync_barrier_arrive_noinc(&cta.kv_ready[buffer]);
+      // Arrives on the half's ready barrier once this thread's copies above have landed.
+      cutlass::arch::cpasync_barrier_arrive_noinc(cta.ready_barrier(buffer, half));
     }
   }
   asm volatile("cp.async.wait_all;\n" ::: "memory");
@@ -194,18 +228,25 @@ __device__ __forceinline__ void Consume(const Params& p, const Cta& cta, int tid
                              : make_int2(-1, -1);
     }
 
-    ClusterBarrier::wait(&cta.kv_ready[kWg], pair & 1);
-    cutlass::arch::fence_view_async_shared();  // cp.async (generic proxy) data -> wgmma reads
+    // S = Q K^T, starting with the half of this WG's buffer that the producer refilled
+    // first (the local half kWg), then the other one.
     const uint8_t* k_tile = cta.kv_tile(kWg);
     sm90::FenceOperands(acc_s);
-    cute::warpgroup_arrive();
 #pragma unroll
-    for (int k = 0; k < kDimQK / 16; ++k) {
-      const int offset = (k / 4) * kChunkBytes + (k % 4) * 32;  // 16 features = 32 bytes
-      sm90::Gmma64x64x16SS(
-          sm90::MakeSwizzle128Desc(cta.q_tile + offset, 16, sm90::kSwizzleAtomBytes),
-          sm90::MakeSwizzle128Desc(k_tile + offset, 16, sm90::kSwizzleAtomBytes), acc_s,
-          k == 0 ? sm90::ScaleOut::Zero : sm90::ScaleOut::One);
+    for (int step = 0; step < 2; ++step) {
+      const int half = step == 0 ? kWg : kPeer;
+      ClusterBarrier::wait(cta.ready_barrier(kWg, half), pair & 1);
+      cutlass::arch::fence_view_async_shared();  // cp.async (generic proxy) data -> wgmma
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int k = 4 * HalfFirstChunk(half); k < 4 * HalfEndChunk(half); ++k) {
+        const int offset = (k / 4) * kChunkBytes + (k % 4) * 32;  // 16 features = 32 bytes
+        sm90::Gmma64x64x16SS(
+            sm90::MakeSwizzle128Desc(cta.q_tile + offset, 16, sm90::kSwizzleAtomBytes),
+            sm90::MakeSwizzle128Desc(k_tile + offset, 16, sm90::kSwizzleAtomBytes), acc_s,
+            step == 0 && k == 4 * HalfFirstChunk(half) ? sm90::ScaleOut::Zero
+                                                       : sm90::ScaleOut::One);
+      }
     }
     cute::warpgroup_commit_batch();
     cute::warpgroup_wait<0>();
@@ -296,22 +337,28 @@ __device__ __forceinline__ void Consume(const Params& p, const Cta& cta, int tid
                                        frag_col * 2) = probs[2 * j + half];
       cutlass::arch::fence_view_async_shared();
     }
+    // Done with the peer half of this WG's buffer: its QK^T is over and, for WG0, the
+    // probabilities stored there are written (WG1 arrives after reading them).
+    ClusterBarrier::arrive(cta.free_barrier(kWg, kPeer));
     NamedBarrier::sync(kConsumerThreads, kProbsReady);
 
-    // acc_o += P_block @ V_block[:, 256*kWg : 256*kWg + 256] for both blocks of the pair,
-    // one commit group per block so buffer 0 is released while buffer 1 is still read.
+    // acc_o += P_block @ V_block[:, 256*kWg : 256*kWg + 256] for both blocks of the pair:
+    // first the local block (probabilities in registers, values in half kWg of this WG's
+    // buffer), then the peer's (both from shared memory), one commit group each so the
+    // local half is released while the second group still runs.
     sm90::FenceOperands(acc_o);
     sm90::FenceOperands(probs);
     cute::warpgroup_arrive();
 #pragma unroll
-    for (int buffer = 0; buffer < 2; ++buffer) {
+    for (int step = 0; step < 2; ++step) {
+      const int buffer = step == 0 ? kWg : kPeer;
       const uint8_t* v_tile = cta.kv_tile(buffer) + kWg * kValueChunksPerWg * kChunkBytes;
 #pragma unroll
       for (int k = 0; k < kTopkPerBlock / 16; ++k) {
         // V is MN-major: 16 topk rows per step; 64-value chunks kChunkBytes apart.
         const uint64_t desc_v = sm90::MakeSwizzle128Desc(
             v_tile + k * 16 * sm90::kSwizzleRowBytes, kChunkBytes, sm90::kSwizzleAtomBytes);
-        if (buffer == kWg) {
+        if (step == 0) {
           const uint32_t a[4] = {probs[4 * k], probs[4 * k + 1], probs[4 * k + 2],
                                  probs[4 * k + 3]};
           sm90::Gmma64x256x16RS(a, desc_v, acc_o);
@@ -324,9 +371,9 @@ __device__ __forceinline__ void Consume(const Params& p, const Cta& cta, int tid
       cute::warpgroup_commit_batch();
     }
     cute::warpgroup_wait<1>();
-    ClusterBarrier::arrive(&cta.kv_free[0]);
+    ClusterBarrier::arrive(cta.free_barrier(kWg, kWg));
     cute::warpgroup_wait<0>();
-    ClusterBarrier::arrive(&cta.kv_free[1]);
+    ClusterBarrier::arrive(cta.free_barrier(kPeer, kWg));
     sm90::FenceOperands(acc_o);
     sm90::FenceOperands(probs);
   }
@@ -380,10 +427,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   Cta cta;
   cta.q_tile = smem + kQOffset;
   cta.kv_tiles = smem + kKvOffset;
+  cta.probs1_tile = smem + kProbs1Offset;
   cta.row_max = reinterpret_cast<float(*)[64]>(smem + kRowMaxOffset);
   cta.row_sum = reinterpret_cast<float(*)[64]>(smem + kRowSumOffset);
-  cta.kv_ready = reinterpret_cast<uint64_t*>(smem + kBarrierOffset);
-  cta.kv_free = cta.kv_ready + 2;
+  cta.half_ready = reinterpret_cast<uint64_t*>(smem + kBarrierOffset);
+  cta.half_free = cta.half_ready + 4;
   const int head_tiles = p.h_q / kHeadsPerCta;
   cta.batch = blockIdx.y;
   cta.s_idx = blockIdx.x / head_tiles;
@@ -394,8 +442,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (threadIdx.x == 0) {
     for (int buffer = 0; buffer < 2; ++buffer) {
-      ClusterBarrier::init(&cta.kv_ready[buffer], 128);  // one cp.async arrival per producer
-      ClusterBarrier::init(&cta.kv_free[buffer], kConsumerThreads);
+      for (int half = 0; half < 2; ++half) {
+        // One cp.async arrival per producer thread.
+        ClusterBarrier::init(cta.ready_barrier(buffer, half), 128);
+        // A local half (buffer == half) is used by one WG, the others by both.
+        ClusterBarrier::init(cta.free_barrier(buffer, half),
+                             buffer == half ? 128 : kConsumerThreads);
+      }
     }
     cutlass::arch::fence_barrier_init();
   }
@@ -404,10 +457,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warpgroup = threadIdx.x / 128;
   const int tid = threadIdx.x % 128;
   if (warpgroup == 2) {
-    cutlass::arch::warpgroup_reg_dealloc<40>();
+    cutlass::arch::warpgroup_reg_dealloc<56>();  // 56 * 128 + 224 * 256 = 168 * 384 launched
     Produce(p, cta, tid);
   } else {
-    cutlass::arch::warpgroup_reg_alloc<232>();
+    cutlass::arch::warpgroup_reg_alloc<224>();
     if (warpgroup == 0) {
       Consume<0, kStoreScores>(p, cta, tid);
     } else {
