@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from omni_jax.sparse_mla.validation import ProblemShape
 
@@ -59,4 +60,6 @@ def forward(
         out_types,
         vmap_method="broadcast_all",
     )
-    return tuple(call(q, kv, indices, sm_scale=jnp.float32(sm_scale)))
+    # FFI attributes must be hashable host scalars (a numpy float32 becomes an f32
+    # attribute); a jax array, even a concrete one, is rejected by ffi_call.
+    return tuple(call(q, kv, indices, sm_scale=np.float32(sm_scale)))

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from omni_jax import sparse_mla_prefill
+from omni_jax.sparse_mla import kernel
 from tests.omni_jax.sparse_mla_reference import dense_loss_fn, reference_forward
 
 
@@ -220,3 +221,18 @@ def test_ffi_without_gpu_names_why():
     # implementation=None falls back to the portable path.
     out = sparse_mla_prefill(q, kv, indices, sm_scale=1.0)[0]
     assert out.shape == (1, 64, 512)
+
+
+@pytest.mark.parametrize("return_scores", [False, True])
+def test_kernel_call_lowers_for_cuda_under_jit_and_vmap(return_scores):
+    """The custom call (with sm_scale as a static f32 attribute) lowers without a GPU."""
+    q = jnp.zeros((2, 3, 64, 576), jnp.bfloat16)
+    kv = jnp.zeros((2, 10, 1, 576), jnp.bfloat16)
+    indices = jnp.zeros((2, 3, 1, 128), jnp.int32)
+    fn = jax.jit(jax.vmap(lambda q, kv, i: kernel.forward(
+        q, kv, i, sm_scale=0.125, return_scores=return_scores)))
+    text = fn.trace(q, kv, indices).lower(lowering_platforms=("cuda",)).as_text()
+    target = kernel.SCORES_TARGET_NAME if return_scores else kernel.TARGET_NAME
+    assert f"@{target}(" in text
+    assert "sm_scale = 1.250000e-01 : f32" in text
+    assert "tensor<2x3x64x512xbf16>" in text  # batch axes reach the handler
