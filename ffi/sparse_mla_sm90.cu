@@ -125,12 +125,24 @@ struct Cta {
   }
 };
 
-__device__ __forceinline__ void CpAsync16ZeroFill(void* smem, const void* gmem, bool valid) {
+// An L2 policy that keeps lines resident ahead of normal ones: kv rows are gathered over and
+// over (by every query row listing them) while q, out and scores stream through L2 once.
+__device__ __forceinline__ uint64_t L2EvictLastPolicy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+
+// 16-byte global -> shared copy (zeros when !valid) under `policy`; L2 fetches 256-byte
+// sectors since the rest of the kv row is copied right after.
+__device__ __forceinline__ void CpAsync16ZeroFill(void* smem, const void* gmem, bool valid,
+                                                  uint64_t policy) {
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
-               "r"(src_bytes)
-               : "memory");
+  asm volatile(
+      "cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2, %3;\n" ::"r"(dst),
+      "l"(gmem), "r"(src_bytes), "l"(policy)
+      : "memory");
 }
 
 __device__ __forceinline__ bool IsValidIndex(int index, int s_kv) {
@@ -147,6 +159,7 @@ __device__ __forceinline__ void Produce(const Params& p, const Cta& cta, int tid
   const int group = tid / 8;
   const int lane_in_group = tid % 8;
   const __nv_bfloat16* kv = p.kv + cta.batch * p.s_kv * kDimQK;
+  const uint64_t policy = L2EvictLastPolicy();
   for (int pair = 0; pair < cta.num_pairs; ++pair) {
     int row_index[2][kRowsPerThread];  // kv row gathered into each of this thread's rows
 #pragma unroll
@@ -176,7 +189,7 @@ __device__ __forceinline__ void Produce(const Params& p, const Cta& cta, int tid
 #pragma unroll
         for (int chunk = HalfFirstChunk(half); chunk < HalfEndChunk(half); ++chunk) {
           CpAsync16ZeroFill(tile + chunk * kChunkBytes + sm90::Swizzle128Offset(row, lane_in_group),
-                            src + (chunk * 8 + lane_in_group) * 16, valid);
+                            src + (chunk * 8 + lane_in_group) * 16, valid, policy);
         }
       }
       // Arrives on the half's ready barrier once this thread's copies above have landed.
@@ -201,7 +214,7 @@ __device__ __forceinline__ void Consume(const Params& p, const Cta& cta, int tid
     for (int u = kWg * 128 + tid; u < kHeadsPerCta * kUnitsPerRow; u += kConsumerThreads) {
       const int row = u / kUnitsPerRow, unit = u % kUnitsPerRow;
       const uint4 value =
-          __ldg(reinterpret_cast<const uint4*>(q_rows + row * kDimQK * 2 + unit * 16));
+          __ldcs(reinterpret_cast<const uint4*>(q_rows + row * kDimQK * 2 + unit * 16));
       *reinterpret_cast<uint4*>(cta.q_tile + (unit / 8) * kChunkBytes +
                                 sm90::Swizzle128Offset(row, unit % 8)) = value;
     }
@@ -402,8 +415,9 @@ __device__ __forceinline__ void Consume(const Params& p, const Cta& cta, int tid
         p.out + (row0 + frag_row + 8 * half) * kDimV + kWg * kValueChunksPerWg * 64 + frag_col;
 #pragma unroll
     for (int j = 0; j < 32; ++j)
-      *reinterpret_cast<__nv_bfloat162*>(out_row + 8 * j) = __floats2bfloat162_rn(
-          acc_o[4 * j + 2 * half] * inv, acc_o[4 * j + 2 * half + 1] * inv);
+      __stcs(reinterpret_cast<__nv_bfloat162*>(out_row + 8 * j),
+             __floats2bfloat162_rn(acc_o[4 * j + 2 * half] * inv,
+                                   acc_o[4 * j + 2 * half + 1] * inv));
   }
   if (kWg == 0 && tid % 4 == 0) {
 #pragma unroll
