@@ -208,7 +208,8 @@ __device__ __forceinline__ void Consume(const Params& p, const Cta& cta, int tid
   const int frag_row = 16 * (tid / 32) + (tid % 32) / 4;  // rows frag_row and frag_row + 8
   const int frag_col = 2 * (tid % 4);                      // + 8*j + {0, 1}
 
-  {  // Q tile [64 heads x 576] into 128-byte swizzled shared memory, by both consumer WGs.
+  {  // Q tile [64 heads x 576] into 128-byte swizzled shared memory, by both consumer WGs
+     // (read once: streaming loads, so q does not displace kv rows from L2).
     const uint8_t* q_rows = reinterpret_cast<const uint8_t*>(
         p.q + ((cta.batch * p.s_q + cta.s_idx) * p.h_q + cta.head0) * kDimQK);
     for (int u = kWg * 128 + tid; u < kHeadsPerCta * kUnitsPerRow; u += kConsumerThreads) {
@@ -276,25 +277,6 @@ __device__ __forceinline__ void Consume(const Params& p, const Cta& cta, int tid
       }
     }
 
-    if constexpr (kStoreScores) {
-      // Raw masked scores straight from the fragments, before the softmax touches them:
-      // a warp's float2 stores cover 32 contiguous bytes of each of 8 rows.
-      if (real_block) {
-        float* scores_tile = p.scores +
-                             ((cta.batch * p.s_q + cta.s_idx) * p.h_q + cta.head0) * p.topk +
-                             block * kTopkPerBlock;
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          float* row_ptr =
-              scores_tile + static_cast<int64_t>(frag_row + 8 * half) * p.topk + frag_col;
-#pragma unroll
-          for (int j = 0; j < 8; ++j)
-            __stcs(reinterpret_cast<float2*>(row_ptr + 8 * j),
-                   make_float2(acc_s[4 * j + 2 * half], acc_s[4 * j + 2 * half + 1]));
-        }
-      }
-    }
-
     // Online softmax. Both WGs fold the same three maxima (running, own block, peer
     // block), so they keep identical running maxima without further exchange.
     float block_max[2];
@@ -354,6 +336,26 @@ __device__ __forceinline__ void Consume(const Params& p, const Cta& cta, int tid
     // probabilities stored there are written (WG1 arrives after reading them).
     ClusterBarrier::arrive(cta.free_barrier(kWg, kPeer));
     NamedBarrier::sync(kConsumerThreads, kProbsReady);
+    if constexpr (kStoreScores) {
+      // The masked raw scores (pre-softmax values: the softmax only read acc_s) go straight
+      // from the fragments to global memory. Issued after the proxy fence and barrier above,
+      // they drain while the PV wgmmas run instead of holding up the fence. A warp's float2
+      // stores cover 32 contiguous bytes of each of 8 rows.
+      if (real_block) {
+        float* scores_tile = p.scores +
+                             ((cta.batch * p.s_q + cta.s_idx) * p.h_q + cta.head0) * p.topk +
+                             block * kTopkPerBlock;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          float* row_ptr =
+              scores_tile + static_cast<int64_t>(frag_row + 8 * half) * p.topk + frag_col;
+#pragma unroll
+          for (int j = 0; j < 8; ++j)
+            __stcs(reinterpret_cast<float2*>(row_ptr + 8 * j),
+                   make_float2(acc_s[4 * j + 2 * half], acc_s[4 * j + 2 * half + 1]));
+        }
+      }
+    }
 
     // acc_o += P_block @ V_block[:, 256*kWg : 256*kWg + 256] for both blocks of the pair:
     // first the local block (probabilities in registers, values in half kWg of this WG's
