@@ -125,24 +125,12 @@ struct Cta {
   }
 };
 
-// An L2 policy that keeps lines resident ahead of normal ones: kv rows are gathered over and
-// over (by every query row listing them) while q, out and scores stream through L2 once.
-__device__ __forceinline__ uint64_t L2EvictLastPolicy() {
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
-  return policy;
-}
-
-// 16-byte global -> shared copy (zeros when !valid) under `policy`; L2 fetches 256-byte
-// sectors since the rest of the kv row is copied right after.
-__device__ __forceinline__ void CpAsync16ZeroFill(void* smem, const void* gmem, bool valid,
-                                                  uint64_t policy) {
+__device__ __forceinline__ void CpAsync16ZeroFill(void* smem, const void* gmem, bool valid) {
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const int src_bytes = valid ? 16 : 0;
-  asm volatile(
-      "cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2, %3;\n" ::"r"(dst),
-      "l"(gmem), "r"(src_bytes), "l"(policy)
-      : "memory");
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
+               "r"(src_bytes)
+               : "memory");
 }
 
 __device__ __forceinline__ bool IsValidIndex(int index, int s_kv) {
@@ -159,7 +147,6 @@ __device__ __forceinline__ void Produce(const Params& p, const Cta& cta, int tid
   const int group = tid / 8;
   const int lane_in_group = tid % 8;
   const __nv_bfloat16* kv = p.kv + cta.batch * p.s_kv * kDimQK;
-  const uint64_t policy = L2EvictLastPolicy();
   for (int pair = 0; pair < cta.num_pairs; ++pair) {
     int row_index[2][kRowsPerThread];  // kv row gathered into each of this thread's rows
 #pragma unroll
@@ -189,7 +176,7 @@ __device__ __forceinline__ void Produce(const Params& p, const Cta& cta, int tid
 #pragma unroll
         for (int chunk = HalfFirstChunk(half); chunk < HalfEndChunk(half); ++chunk) {
           CpAsync16ZeroFill(tile + chunk * kChunkBytes + sm90::Swizzle128Offset(row, lane_in_group),
-                            src + (chunk * 8 + lane_in_group) * 16, valid, policy);
+                            src + (chunk * 8 + lane_in_group) * 16, valid);
         }
       }
       // Arrives on the half's ready barrier once this thread's copies above have landed.
@@ -208,14 +195,13 @@ __device__ __forceinline__ void Consume(const Params& p, const Cta& cta, int tid
   const int frag_row = 16 * (tid / 32) + (tid % 32) / 4;  // rows frag_row and frag_row + 8
   const int frag_col = 2 * (tid % 4);                      // + 8*j + {0, 1}
 
-  {  // Q tile [64 heads x 576] into 128-byte swizzled shared memory, by both consumer WGs
-     // (read once: streaming loads, so q does not displace kv rows from L2).
+  {  // Q tile [64 heads x 576] into 128-byte swizzled shared memory, by both consumer WGs.
     const uint8_t* q_rows = reinterpret_cast<const uint8_t*>(
         p.q + ((cta.batch * p.s_q + cta.s_idx) * p.h_q + cta.head0) * kDimQK);
     for (int u = kWg * 128 + tid; u < kHeadsPerCta * kUnitsPerRow; u += kConsumerThreads) {
       const int row = u / kUnitsPerRow, unit = u % kUnitsPerRow;
       const uint4 value =
-          __ldcs(reinterpret_cast<const uint4*>(q_rows + row * kDimQK * 2 + unit * 16));
+          __ldg(reinterpret_cast<const uint4*>(q_rows + row * kDimQK * 2 + unit * 16));
       *reinterpret_cast<uint4*>(cta.q_tile + (unit / 8) * kChunkBytes +
                                 sm90::Swizzle128Offset(row, unit % 8)) = value;
     }
@@ -274,6 +260,25 @@ __device__ __forceinline__ void Consume(const Params& p, const Cta& cta, int tid
       for (int half = 0; half < 2; ++half) {
         if (!valid0) acc_s[4 * j + 2 * half] = -INFINITY;
         if (!valid1) acc_s[4 * j + 2 * half + 1] = -INFINITY;
+      }
+    }
+
+    if constexpr (kStoreScores) {
+      // Raw masked scores straight from the fragments, before the softmax touches them:
+      // a warp's float2 stores cover 32 contiguous bytes of each of 8 rows.
+      if (real_block) {
+        float* scores_tile = p.scores +
+                             ((cta.batch * p.s_q + cta.s_idx) * p.h_q + cta.head0) * p.topk +
+                             block * kTopkPerBlock;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          float* row_ptr =
+              scores_tile + static_cast<int64_t>(frag_row + 8 * half) * p.topk + frag_col;
+#pragma unroll
+          for (int j = 0; j < 8; ++j)
+            __stcs(reinterpret_cast<float2*>(row_ptr + 8 * j),
+                   make_float2(acc_s[4 * j + 2 * half], acc_s[4 * j + 2 * half + 1]));
+        }
       }
     }
 
@@ -336,26 +341,6 @@ __device__ __forceinline__ void Consume(const Params& p, const Cta& cta, int tid
     // probabilities stored there are written (WG1 arrives after reading them).
     ClusterBarrier::arrive(cta.free_barrier(kWg, kPeer));
     NamedBarrier::sync(kConsumerThreads, kProbsReady);
-    if constexpr (kStoreScores) {
-      // The masked raw scores (pre-softmax values: the softmax only read acc_s) go straight
-      // from the fragments to global memory. Issued after the proxy fence and barrier above,
-      // they drain while the PV wgmmas run instead of holding up the fence. A warp's float2
-      // stores cover 32 contiguous bytes of each of 8 rows.
-      if (real_block) {
-        float* scores_tile = p.scores +
-                             ((cta.batch * p.s_q + cta.s_idx) * p.h_q + cta.head0) * p.topk +
-                             block * kTopkPerBlock;
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          float* row_ptr =
-              scores_tile + static_cast<int64_t>(frag_row + 8 * half) * p.topk + frag_col;
-#pragma unroll
-          for (int j = 0; j < 8; ++j)
-            __stcs(reinterpret_cast<float2*>(row_ptr + 8 * j),
-                   make_float2(acc_s[4 * j + 2 * half], acc_s[4 * j + 2 * half + 1]));
-        }
-      }
-    }
 
     // acc_o += P_block @ V_block[:, 256*kWg : 256*kWg + 256] for both blocks of the pair:
     // first the local block (probabilities in registers, values in half kWg of this WG's
@@ -417,9 +402,8 @@ __device__ __forceinline__ void Consume(const Params& p, const Cta& cta, int tid
         p.out + (row0 + frag_row + 8 * half) * kDimV + kWg * kValueChunksPerWg * 64 + frag_col;
 #pragma unroll
     for (int j = 0; j < 32; ++j)
-      __stcs(reinterpret_cast<__nv_bfloat162*>(out_row + 8 * j),
-             __floats2bfloat162_rn(acc_o[4 * j + 2 * half] * inv,
-                                   acc_o[4 * j + 2 * half + 1] * inv));
+      *reinterpret_cast<__nv_bfloat162*>(out_row + 8 * j) = __floats2bfloat162_rn(
+          acc_o[4 * j + 2 * half] * inv, acc_o[4 * j + 2 * half + 1] * inv);
   }
   if (kWg == 0 && tid % 4 == 0) {
 #pragma unroll
