@@ -1,0 +1,124 @@
+"""Sparse MLA prefill: the SM90 FFI kernel, with and without the score output, beside the
+portable JAX path.
+
+    python -m benchmarks.mla            # H100 problem: s_q=4096 h_q=128 topk=2048 s_kv=32768
+    python -m benchmarks.mla --tiny     # CPU smoke test (portable path only)
+
+TFLOP/s counts 2 * s_q * h_q * topk * (d_qk + d_v) for every row (the score output adds
+memory traffic, not flops). ``ratio`` = portable path ms / this row's ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+
+from benchmarks.timing import bench, tflops
+from omni_jax import sparse_mla_prefill
+from omni_jax.sparse_mla import kernel, kernel_platform_reason
+from omni_jax.sparse_mla.validation import ProblemShape
+
+BASELINE = "portable"
+IMPLS = ("ffi", "ffi+scores", "portable", "portable+scores")
+TINY = dict(s_q=4, h_q=64, topk=128, s_kv=256, d_qk=576, d_v=512)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--s-q", type=int, default=4096)
+    parser.add_argument("--h-q", type=int, default=128)
+    parser.add_argument("--topk", type=int, default=2048)
+    parser.add_argument("--s-kv", type=int, default=32768)
+    parser.add_argument("--d-qk", type=int, default=576)
+    parser.add_argument("--d-v", type=int, default=512)
+    parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
+    parser.add_argument("--tiny", action="store_true",
+                        help=f"tiny sizes for a CPU smoke test: {TINY}")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--samples", type=int, default=10)
+    parser.add_argument("--inner", type=int, default=3)
+
+
+def _inputs(sizes: dict, seed: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Random bf16 q/kv and uniformly random indices, about 1% of them invalid (-1)."""
+    k_q, k_kv, k_idx, k_bad = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(k_q, (sizes["s_q"], sizes["h_q"], sizes["d_qk"]), jnp.bfloat16)
+    kv = jax.random.normal(k_kv, (sizes["s_kv"], 1, sizes["d_qk"]), jnp.bfloat16)
+    shape = (sizes["s_q"], 1, sizes["topk"])
+    indices = jax.random.randint(k_idx, shape, 0, sizes["s_kv"], jnp.int32)
+    indices = jnp.where(jax.random.uniform(k_bad, shape) < 0.01, -1, indices)
+    return q, kv, indices
+
+
+def _skip_reason(impl: str, sizes: dict) -> str | None:
+    """Why an implementation cannot run here, or None."""
+    if not impl.startswith("ffi"):
+        return None
+    shape = ProblemShape(s_q=sizes["s_q"], h_q=sizes["h_q"], d_qk=sizes["d_qk"],
+                         s_kv=sizes["s_kv"], h_kv=1, topk=sizes["topk"], d_v=sizes["d_v"])
+    reason = kernel.unsupported_reason(shape, jnp.bfloat16) or kernel_platform_reason()
+    return None if reason is None else f"skipped: {reason}"
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    sizes = dict(TINY) if args.tiny else dict(
+        s_q=args.s_q, h_q=args.h_q, topk=args.topk, s_kv=args.s_kv, d_qk=args.d_qk,
+        d_v=args.d_v)
+    print(f"jax {jax.__version__}, jaxlib {jaxlib.__version__}, device {jax.devices()[0]}")
+    case = ("s_q={s_q} h_q={h_q} topk={topk} s_kv={s_kv} d_qk={d_qk} d_v={d_v}"
+            .format(**sizes))
+    flops = 2 * sizes["s_q"] * sizes["h_q"] * sizes["topk"] * (sizes["d_qk"] + sizes["d_v"])
+    sm_scale = sizes["d_qk"] ** -0.5
+    arg_sets = [_inputs(sizes, seed) for seed in range(2)]
+    timing = dict(warmup=args.warmup, samples=args.samples, inner=args.inner)
+    if args.tiny:
+        timing = dict(warmup=1, samples=2, inner=1)
+
+    rows = []
+    for impl in args.impls:
+        reason = _skip_reason(impl, sizes)
+        if reason is not None:
+            rows.append(dict(case=case, impl=impl, ms=math.nan, tflops=math.nan, ratio=None,
+                             note=reason))
+            continue
+        fn = jax.jit(lambda q, kv, i, impl=impl: sparse_mla_prefill(
+            q, kv, i, sm_scale=sm_scale, d_v=sizes["d_v"],
+            return_scores=impl.endswith("+scores"),
+            implementation="ffi" if impl.startswith("ffi") else "xla"))
+        ms = bench(fn, arg_sets, **timing)
+        note = "SM90 CUDA kernel (XLA FFI)" if impl.startswith("ffi") else "blockwise JAX"
+        if impl.endswith("+scores"):
+            note += ", fp32 scores [s_q, h_q, topk] written"
+        rows.append(dict(case=case, impl=impl, ms=ms, tflops=tflops(flops, ms), ratio=None,
+                         note=note))
+
+    ms_of = {row["impl"]: row["ms"] for row in rows}
+    baseline = ms_of.get(BASELINE, math.nan)
+    for row in rows:
+        if not math.isnan(baseline) and not math.isnan(row["ms"]):
+            row["ratio"] = baseline / row["ms"]
+        without_scores = ms_of.get(row["impl"].removesuffix("+scores"), math.nan)
+        if row["impl"].endswith("+scores") and not math.isnan(row["ms"] / without_scores):
+            row["note"] += f" ({row['ms'] / without_scores - 1:+.1%} time vs without)"
+    return rows
+
+
+def _print(rows: list[dict]) -> None:
+    print(f"{'impl':<18}{'ms':>10}{'TFLOP/s':>10}{'ratio':>8}  note")
+    for row in rows:
+        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}"
+        print(f"{row['impl']:<18}{row['ms']:>10.3f}{row['tflops']:>10.1f}{ratio:>8}  "
+              f"{row['note']}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.mla", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    parsed = parser.parse_args()
+    results = run(parsed)
+    print(results[0]["case"])
+    _print(results)

@@ -1,0 +1,25 @@
+"""benchmarks.mla runs on CPU at tiny sizes and follows the benchmark row convention."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from benchmarks import mla
+
+
+def test_tiny_run_produces_rows_for_every_impl():
+    parser = argparse.ArgumentParser()
+    mla.add_arguments(parser)
+    rows = mla.run(parser.parse_args(["--tiny"]))
+    assert [row["impl"] for row in rows] == list(mla.IMPLS)
+    for row in rows:
+        assert set(row) == {"case", "impl", "ms", "tflops", "ratio", "note"}
+        assert isinstance(row["note"], str) and row["note"]
+    portable = {row["impl"]: row for row in rows if row["impl"].startswith("portable")}
+    for row in portable.values():
+        assert row["ms"] > 0 and row["tflops"] > 0
+    assert portable[mla.BASELINE]["ratio"] == 1.0
+    for row in rows:
+        if math.isnan(row["ms"]):
+            assert row["ratio"] is None and row["note"].startswith("skipped")
