@@ -98,6 +98,7 @@ _SEQ = re.compile(r"\b(?:seq_len|seqlen|seq|s|n|len|kv_len)\s*[=:]?\s*(\d+)", re
 _SIZE = re.compile(r"\b\w+\s*[=:]\s*\d+")  # any "name=number" (batch, heads, head_dim, ...)
 _DIM = re.compile(r"\b([mnk])\s*[=:]\s*(\d+)", re.IGNORECASE)
 _MNK = re.compile(r"(\d+)x(\d+)x(\d+)")
+_BATCH = re.compile(r"\bb\d+\b")  # "b4": batch shrinks as seq grows at fixed tokens
 
 
 def sequence_length(row: Row) -> int | None:
@@ -111,7 +112,7 @@ def mask_type(row: Row) -> str:
     """The row's mask / variant: its ``mask`` key, else the case without its sizes."""
     if row.get("mask"):
         return str(row["mask"])
-    rest = _SIZE.sub("", _SEQ.sub("", str(row["case"])))
+    rest = _BATCH.sub("", _SIZE.sub("", _SEQ.sub("", str(row["case"]))))
     return re.sub(r"[\s,_/-]+", " ", rest).strip() or "attention"
 
 
@@ -159,9 +160,11 @@ def plot_attention(rows: Sequence[Row], path: Path, title: str) -> bool:
     cols = min(3, len(groups))
     nrows = math.ceil(len(groups) / cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 3.6 * nrows), squeeze=False)
+    all_impls = sorted({impl for impls in groups.values() for impl in impls})
+    colors = {impl: f"C{i % 10}" for i, impl in enumerate(all_impls)}  # one color per impl
     for ax, (mask, impls) in zip(axes.flat, sorted(groups.items()), strict=False):
         for impl, points in sorted(impls.items()):
-            ax.plot(*zip(*sorted(points), strict=True), "o-", label=impl)
+            ax.plot(*zip(*sorted(points), strict=True), "o-", label=impl, color=colors[impl])
         ax.set_xscale("log", base=2)
         ax.set_title(mask)
         ax.set_xlabel("sequence length")
