@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _SQRT_HALF = math.sqrt(0.5)
 
@@ -156,6 +158,21 @@ def problem_of(
         in_dtype=jnp.dtype(a.dtype),
         out_dtype=jnp.dtype(out_dtype),
     )
+
+
+def fp8_k_major(a: jax.Array, b: jax.Array, transpose_a: bool,
+                transpose_b: bool) -> tuple[jax.Array, jax.Array, bool, bool]:
+    """fp8 operands laid out K-major, as Hopper's fp8 MMA reads them.
+
+    Returns ``(a, b, transpose_a, transpose_b)``; other layouts of fp8 operands
+    are transposed once by XLA (the one copy a kernel makes), others pass through.
+    """
+    if jnp.dtype(a.dtype) in FP8_DTYPES:
+        if transpose_a:
+            a, transpose_a = jnp.swapaxes(a, -1, -2), False
+        if not transpose_b:
+            b, transpose_b = jnp.swapaxes(b, -1, -2), True
+    return a, b, transpose_a, transpose_b
 
 
 def flatten_batch(x: jax.Array | None, trailing: int) -> jax.Array | None:

@@ -36,9 +36,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import compat, runtime
 from pallas_kernels.matmul_common import (
+    FP8_DTYPES,
     GemmProblem,
     epilogue,
     flatten_batch,
+    fp8_k_major,
     grouped_tile,
     operand_batch_index,
     problem_of,
@@ -58,8 +60,7 @@ _MAX_ACC_ELEMENTS = 128 * 192
 # `_staging` lifts the 8-row multiple where it can.
 _SWIZZLE_BYTES = 128
 _TILE_ROWS = 8
-_FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
-_IN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), *_FP8_DTYPES)
+_IN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), *FP8_DTYPES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +207,7 @@ def default_config(
 
 def _k_major(problem: GemmProblem) -> bool:
     """fp8 wgmma reads only K-major operands: a as (M, K), b as (N, K)."""
-    return problem.in_dtype in _FP8_DTYPES
+    return problem.in_dtype in FP8_DTYPES
 
 
 def _stored_layouts(problem: GemmProblem) -> tuple[bool, bool]:
@@ -547,13 +548,7 @@ def matmul(
     out_dtype = jnp.dtype(out_dtype or a.dtype)
     if jnp.dtype(a.dtype) != jnp.dtype(b.dtype):
         raise ValueError(f"wgmma needs one operand dtype, got {a.dtype} and {b.dtype}")
-    if jnp.dtype(a.dtype) in _FP8_DTYPES:
-        # fp8 wgmma reads K-major operands only: other layouts are transposed
-        # once by XLA (the one copy this kernel makes).
-        if transpose_a:
-            a, transpose_a = jnp.swapaxes(a, -1, -2), False
-        if not transpose_b:
-            b, transpose_b = jnp.swapaxes(b, -1, -2), True
+    a, b, transpose_a, transpose_b = fp8_k_major(a, b, transpose_a, transpose_b)
     p = problem_of(
         a, b, scale, bias,
         transpose_a=transpose_a, transpose_b=transpose_b,

@@ -22,16 +22,17 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import compat, runtime
 from pallas_kernels.matmul_common import (
+    FP8_DTYPES,
     GemmProblem,
     epilogue,
     flatten_batch,
+    fp8_k_major,
     grouped_tile,
     operand_batch_index,
     problem_of,
 )
 
-_FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
-_IN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), *_FP8_DTYPES)
+_IN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), *FP8_DTYPES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +60,7 @@ def _fit(size: int, block: int) -> int:
 
 def default_config(m: int, n: int, k: int, in_dtype) -> MatmulConfig:
     """Defaults per shape class; blocks shrink to cover small problems in one tile."""
-    fp8 = jnp.dtype(in_dtype) in _FP8_DTYPES
+    fp8 = jnp.dtype(in_dtype) in FP8_DTYPES
     if m * n >= 4096 * 4096:
         base = MatmulConfig(block_m=128, block_n=256, block_k=128 if fp8 else 64,
                             num_warps=8, num_stages=3)
@@ -161,13 +162,7 @@ def matmul(
     Returns ``(*batch_shape, M, N)``. Validation of user input lives in ``omni_jax.matmul``.
     """
     out_dtype = jnp.dtype(out_dtype or a.dtype)
-    if jnp.dtype(a.dtype) in _FP8_DTYPES:
-        # Hopper's fp8 MMA reads K-major operands only; rather than rely on the
-        # compiler's handling of other layouts, transpose them once in XLA.
-        if transpose_a:
-            a, transpose_a = jnp.swapaxes(a, -1, -2), False
-        if not transpose_b:
-            b, transpose_b = jnp.swapaxes(b, -1, -2), True
+    a, b, transpose_a, transpose_b = fp8_k_major(a, b, transpose_a, transpose_b)
     p = problem_of(
         a, b, scale, bias,
         transpose_a=transpose_a, transpose_b=transpose_b,
