@@ -69,3 +69,14 @@ def can_run_mosaic_hopper() -> bool:
     if interpret_requested():
         return True
     return gpu_compute_capability() == (9, 0)
+
+
+def implementation_preference() -> tuple[str, ...]:
+    """Backend names, best first, for ops with Mosaic, Triton and XLA implementations."""
+    if jax.default_backend() != "gpu":
+        return ("xla",)
+    if can_run_mosaic_hopper():
+        return ("mosaic", "triton", "xla")
+    if can_run_triton():
+        return ("triton", "xla")
+    return ("xla",)

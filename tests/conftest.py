@@ -2,6 +2,8 @@
 
 import os
 
+import pytest
+
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 # The Mosaic-GPU interpreter runs every simulated warpgroup as an XLA CPU execution that
 # blocks on barriers; XLA's CPU pool has one thread per core unless NPROC says more, so a
@@ -19,3 +21,18 @@ def pytest_generate_tests(metafunc):
     for name, values in suite_parameters(cls).items():
         if name in metafunc.fixturenames:
             metafunc.parametrize(name, values, ids=case_id)
+
+
+@pytest.fixture
+def interpret_pallas_without_gpu(monkeypatch):
+    """Pallas kernels run interpreted where there is no GPU; interpreter state is reset."""
+    import jax
+
+    from pallas_kernels import runtime
+
+    on_gpu = jax.default_backend() == "gpu"
+    if not on_gpu:
+        monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
+    yield
+    if not on_gpu:
+        runtime.reset_mosaic_interpreter()

@@ -15,10 +15,9 @@ import dataclasses
 import functools
 import importlib
 
-import jax
-
 from omni_jax.backends.base import AttentionBackend
 from omni_jax.problem import AttentionProblem
+from pallas_kernels import runtime
 
 _BACKEND_CLASSES = {
     "xla": "omni_jax.backends.xla:XlaBackend",
@@ -65,15 +64,7 @@ def get_backend(name: str) -> AttentionBackend:
 
 def preference_order() -> tuple[str, ...]:
     """Backend names in order of preference for the default device."""
-    if jax.default_backend() != "gpu":
-        return ("xla",)
-    from pallas_kernels import runtime
-
-    if runtime.can_run_mosaic_hopper():
-        return ("mosaic", "triton", "xla")
-    if runtime.can_run_triton():
-        return ("triton", "xla")
-    return ("xla",)
+    return runtime.implementation_preference()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -271,6 +273,18 @@ class _Combination(MaskMod):
     def tree_unflatten(cls, aux, children):
         return cls(*children)
 
+    # How children's visibility combines (``_join``) and its dual, which combines
+    # the children's "empty tile" flags: And is (and, or), Or is (or, and).
+    _join: Callable[[Any, Any], Any]
+    _dual: Callable[[Any, Any], Any]
+
+    def predicate(self, q_idx, kv_idx):
+        return functools.reduce(self._join, (m.predicate(q_idx, kv_idx) for m in self.mods))
+
+    def classify(self, grid):
+        fulls, empties = zip(*(mod.classify(grid) for mod in self.mods), strict=True)
+        return functools.reduce(self._join, fulls), functools.reduce(self._dual, empties)
+
     def leaf_kinds(self):
         return tuple(kind for mod in self.mods for kind in mod.leaf_kinds())
 
@@ -282,38 +296,16 @@ class _Combination(MaskMod):
 class And(_Combination):
     """Visible where every child is visible."""
 
-    def predicate(self, q_idx, kv_idx):
-        result = self.mods[0].predicate(q_idx, kv_idx)
-        for mod in self.mods[1:]:
-            result = result & mod.predicate(q_idx, kv_idx)
-        return result
-
-    def classify(self, grid):
-        classes = [mod.classify(grid) for mod in self.mods]
-        full = classes[0][0]
-        empty = classes[0][1]
-        for child_full, child_empty in classes[1:]:
-            full, empty = full & child_full, empty | child_empty
-        return full, empty
+    _join = staticmethod(operator.and_)
+    _dual = staticmethod(operator.or_)
 
 
 @jax.tree_util.register_pytree_node_class
 class Or(_Combination):
     """Visible where any child is visible."""
 
-    def predicate(self, q_idx, kv_idx):
-        result = self.mods[0].predicate(q_idx, kv_idx)
-        for mod in self.mods[1:]:
-            result = result | mod.predicate(q_idx, kv_idx)
-        return result
-
-    def classify(self, grid):
-        classes = [mod.classify(grid) for mod in self.mods]
-        full = classes[0][0]
-        empty = classes[0][1]
-        for child_full, child_empty in classes[1:]:
-            full, empty = full | child_full, empty & child_empty
-        return full, empty
+    _join = staticmethod(operator.or_)
+    _dual = staticmethod(operator.and_)
 
 
 # Ready-made mask_mods. Each is a MaskMod, so create_block_mask classifies it

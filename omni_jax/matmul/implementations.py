@@ -15,8 +15,6 @@ import functools
 import importlib
 from types import ModuleType
 
-import jax
-
 from pallas_kernels import runtime
 from pallas_kernels.matmul_common import GemmProblem
 
@@ -61,13 +59,7 @@ def why_not(name: str, problem: GemmProblem) -> str | None:
 
 def preference_order() -> tuple[str, ...]:
     """Implementation names in order of preference for the default device."""
-    if jax.default_backend() != "gpu":
-        return ("xla",)
-    if runtime.can_run_mosaic_hopper():
-        return ("mosaic", "triton", "xla")
-    if runtime.can_run_triton():
-        return ("triton", "xla")
-    return ("xla",)
+    return runtime.implementation_preference()
 
 
 def choose(implementation: str | None, problem: GemmProblem) -> str:

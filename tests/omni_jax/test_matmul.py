@@ -26,14 +26,7 @@ KERNELS = ("triton", "mosaic")
 ON_GPU = jax.default_backend() == "gpu"
 
 
-@pytest.fixture(autouse=True)
-def _interpret_without_gpu(monkeypatch):
-    """Pallas kernels run interpreted where there is no GPU; interpreter state is reset."""
-    if not ON_GPU:
-        monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
-    yield
-    if not ON_GPU:
-        runtime.reset_mosaic_interpreter()
+pytestmark = pytest.mark.usefixtures("interpret_pallas_without_gpu")
 
 
 def _skip_if_missing(implementation):

@@ -21,13 +21,7 @@ BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
 ON_GPU = jax.default_backend() == "gpu"
 
 
-@pytest.fixture(autouse=True)
-def _interpret_without_gpu(monkeypatch):
-    if not ON_GPU:
-        monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
-    yield
-    if not ON_GPU:
-        runtime.reset_mosaic_interpreter()
+pytestmark = pytest.mark.usefixtures("interpret_pallas_without_gpu")
 
 
 @pytest.mark.parametrize("in_dtype", [jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn])
