@@ -280,6 +280,16 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
 
         pl.when(wg == 1)(schedule_sync)
 
+        # Plain scores stay raw until the softmax, which folds the scale into the
+        # exp2 argument (one FMA per score); the row max is scaled per row.
+        fold_scale = s.softcap is None and s.score_mod is None and s.scale > 0
+
+        def to_log2(x):
+            return x * (s.scale * _LOG2E) if fold_scale else x
+
+        needs_mask = (s.has_partial or s.layout.ragged_kv
+                      or s.layout.mask_mod_treedef is not None)
+
         def step_fn(step, carry):
             acc, row_max, row_sum = carry
             slot = lax.rem(step, stages)
@@ -295,7 +305,8 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
 
             scores = pl.run_scoped(qk, plgpu.ACC(tile, jnp.float32))
             plgpu.barrier_arrive(k_consumed.at[slot])
-            scores = _transform(s, scores, batch, head, indices, kv_block)
+            if not fold_scale:
+                scores = _transform(s, scores, batch, head, indices, kv_block)
 
             kv_leaf_cols = []
             if s.num_kv_leaves:
@@ -322,17 +333,22 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
                                           partial_tile)
                 return jnp.where(visible, scores, -jnp.inf)
 
-            # FULL tiles (flags 0) skip the mask entirely.
-            scores = lax.cond(flags != 0, masked, lambda x: x, scores)
+            # FULL tiles (flags 0) skip the mask entirely; so does a mask of FULL tiles only.
+            if needs_mask:
+                scores = lax.cond(flags != 0, masked, lambda x: x, scores)
 
-            new_max = jnp.maximum(row_max, scores.max(axis=1))
+            new_max = jnp.maximum(row_max, to_log2(scores.max(axis=1)))
             # Rows that have seen no visible key yet keep max -inf: shift by 0 there.
             shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)
             alpha = jnp.exp2(row_max - shift)
-            probs = jnp.exp2(scores - lax.broadcast_in_dim(shift, tile, [0]))
+            probs = jnp.exp2(to_log2(scores) - lax.broadcast_in_dim(shift, tile, [0]))
             row_sum = row_sum * alpha + probs.sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             probs = probs.astype(s.dtype)
+            # Pins the softmax's instruction order ahead of the ping-pong hand-over
+            # (measured on the H100: up to 10% faster at head dim 64, neutral at 128).
+            acc, new_max, row_sum, probs = lax.optimization_barrier(
+                (acc, new_max, row_sum, probs))
 
             plgpu.barrier_arrive(schedule)  # Softmax done...
             plgpu.barrier_wait(v_barriers.at[slot])
