@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from omni_jax import validation
 from omni_jax.backends import AttentionPlan, plan_attention
 from omni_jax.masks import BlockGrid, BlockMask
+from omni_jax.masks.block_mask import trace_time_eval
 from omni_jax.masks.construct import structured_tile_flags
 from omni_jax.masks.mask_mods import And, Causal, MaskMod, SlidingWindow, document_mask
 from omni_jax.problem import AttentionProblem
@@ -116,11 +117,12 @@ def _argument_mask(is_causal: bool, window: tuple[int, int] | None,
 def _effective_mask(mask: BlockMask | None, structured: MaskMod | None,
                     problem: AttentionProblem) -> BlockMask:
     """One BlockMask for the call: the user's mask AND the argument masks."""
-    if mask is not None:
-        return mask if structured is None else mask.restrict(structured)
-    flags = structured_tile_flags(structured, _grid(problem))
-    return BlockMask.from_tile_flags(flags, mask_mod=structured, q_len=problem.q_len,
-                                     kv_len=problem.kv_len, block_size=problem.block_size)
+    with trace_time_eval(_grid(problem)):
+        if mask is not None:
+            return mask if structured is None else mask.restrict(structured)
+        flags = structured_tile_flags(structured, _grid(problem))
+        return BlockMask.from_tile_flags(flags, mask_mod=structured, q_len=problem.q_len,
+                                         kv_len=problem.kv_len, block_size=problem.block_size)
 
 
 def _grid(problem: AttentionProblem) -> BlockGrid:

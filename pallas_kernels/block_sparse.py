@@ -8,7 +8,11 @@ the walk and the tile semantics exist once:
 * walk the ``count`` active kv-blocks of a q-block (forward, dQ) from
   ``kv_num_blocks``/``kv_indices``, or the active q-blocks of a kv-block
   (dK/dV) from ``q_num_blocks``/``q_indices``;
-* FULL tiles (flags 0) need no mask math at all: branch on ``flags != 0``;
+* FULL tiles (flags 0) need no mask math at all. Each walk lists its FULL
+  tiles first (``kv_num_full``/``q_num_full`` of them; the softmax and the
+  gradient sums do not depend on the order), so a kernel runs one loop
+  without any mask code, then one over the masked tiles, with no per-tile
+  branch on FULL;
 * COMPUTED tiles evaluate the structured mask_mod from indices and the
   kv bound; PARTIAL tiles read ``partial_masks[partial_id]``.
 
@@ -30,7 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from omni_jax.masks import COMPUTED, PARTIAL, BlockMask
+from omni_jax.masks import COMPUTED, FULL, PARTIAL, BlockMask
 from omni_jax.masks.mask_mods import LeafKind
 
 Array = Any
@@ -65,10 +69,12 @@ class KernelMask:
     """
 
     kv_num_blocks: Array  # [Bm, Hm, nq]
+    kv_num_full: Array  # [Bm, Hm, nq]: the walk's first kv_num_full tiles are FULL
     kv_indices: Array  # [Bm, Hm, nq, nkv]
     kv_tile_flags: Array
     kv_partial_ids: Array
     q_num_blocks: Array  # [Bm, Hm, nkv]
+    q_num_full: Array  # [Bm, Hm, nkv]
     q_indices: Array  # [Bm, Hm, nkv, nq]
     q_tile_flags: Array
     q_partial_ids: Array
@@ -92,17 +98,37 @@ def kernel_mask(mask: BlockMask) -> tuple[KernelMask, MaskLayout]:
         if kind != "batch":
             leaf = jnp.pad(leaf, ((0, 0), (0, padded_length[kind] - leaf.shape[1])), mode="edge")
         padded.append(leaf)
+    kv_walk = _full_tiles_first(mask.kv_num_blocks, mask.kv_indices, mask.kv_tile_flags,
+                                mask.kv_partial_ids)
+    q_walk = _full_tiles_first(mask.q_num_blocks, mask.q_indices, mask.q_tile_flags,
+                               mask.q_partial_ids)
     arrays = KernelMask(
-        kv_num_blocks=mask.kv_num_blocks, kv_indices=mask.kv_indices,
-        kv_tile_flags=mask.kv_tile_flags, kv_partial_ids=mask.kv_partial_ids,
-        q_num_blocks=mask.q_num_blocks, q_indices=mask.q_indices,
-        q_tile_flags=mask.q_tile_flags, q_partial_ids=mask.q_partial_ids,
+        kv_num_blocks=mask.kv_num_blocks, kv_num_full=kv_walk[0], kv_indices=kv_walk[1],
+        kv_tile_flags=kv_walk[2], kv_partial_ids=kv_walk[3],
+        q_num_blocks=mask.q_num_blocks, q_num_full=q_walk[0], q_indices=q_walk[1],
+        q_tile_flags=q_walk[2], q_partial_ids=q_walk[3],
         partial_masks=mask.partial_masks.astype(jnp.int8), leaves=tuple(padded))
     layout = MaskLayout(q_len=grid.q_len, kv_len=grid.kv_len, block_q=grid.block_q,
                         block_kv=grid.block_kv, num_q_blocks=grid.num_q_blocks,
                         num_kv_blocks=grid.num_kv_blocks, mask_mod_treedef=treedef,
                         leaf_kinds=tuple(kinds))
     return arrays, layout
+
+
+def _full_tiles_first(count: Array, indices: Array, flags: Array, partial_ids: Array):
+    """A walk reordered so its FULL tiles come first: (num_full, indices, flags, ids).
+
+    Stable within each kind; the padding past ``count`` stays at the end.
+    """
+    n = indices.shape[-1]
+    position = jnp.arange(n, dtype=jnp.int32)
+    active = position < count[..., None]
+    full = active & (flags == FULL)
+    rank = jnp.where(full, 0, jnp.where(active, 1, 2))
+    order = jnp.argsort(rank * n + position, axis=-1).astype(jnp.int32)
+    reorder = lambda x: jnp.take_along_axis(x, order, axis=-1)
+    return (full.sum(axis=-1, dtype=jnp.int32), reorder(indices), reorder(flags),
+            reorder(partial_ids))
 
 
 def batch_head_index(mask_array: Array, batch: Array, head: Array) -> tuple[Array, Array]:

@@ -21,6 +21,7 @@ the dK/dV backward walks it. Batch and head dimensions may be 1 (broadcast).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
@@ -57,6 +58,19 @@ def _compact(dense_flags: Array, dense_partial_ids: Array):
     flags = jnp.where(valid, jnp.take_along_axis(dense_flags, order, axis=-1), FULL)
     partial_ids = jnp.where(valid, jnp.take_along_axis(dense_partial_ids, order, axis=-1), -1)
     return count, indices, flags.astype(jnp.int32), partial_ids.astype(jnp.int32)
+
+
+# Grids of at most this many tiles build their walks at trace time where nothing they
+# depend on is traced: a jitted call then carries them as constants (a few hundred KiB
+# at most) instead of re-sorting them on the device at every call.
+_TRACE_TIME_TILES = 1 << 16
+
+
+def trace_time_eval(grid: BlockGrid) -> contextlib.AbstractContextManager:
+    """Evaluates mask construction for ``grid`` eagerly where its inputs are not traced."""
+    if grid.num_q_blocks * grid.num_kv_blocks <= _TRACE_TIME_TILES:
+        return jax.ensure_compile_time_eval()
+    return contextlib.nullcontext()
 
 
 def mark_kv_tail(tile_flags: Array, grid: BlockGrid) -> Array:

@@ -11,8 +11,9 @@ with three warpgroups:
   barriers, so MASKED tiles are never loaded at all;
 * warpgroups 0 and 1 (consumers) each own 64 of the 128 rows: Q once by TMA,
   then per kv-block ``S = Q K^T`` by wgmma, the tile's mask (none for FULL
-  tiles; indices and mask leaves for COMPUTED tiles; the stored tile for
-  PARTIAL ones), online softmax in registers (base 2, running max kept in
+  tiles, which the walk lists first and a loop without mask code takes;
+  indices and mask leaves for COMPUTED tiles; the stored tile for PARTIAL
+  ones), online softmax in registers (base 2, running max kept in
   log2 units) and ``O += P V`` by wgmma. Output goes registers -> smem -> TMA
   store (the hardware clips rows past ``q_len``), lse likewise.
 
@@ -133,8 +134,12 @@ class _Statics:
 
 
 def _walk_offsets(num_kv_blocks: int) -> tuple[int, int, int]:
-    """Offsets of kv indices, tile flags and partial ids in a walk row (count at 0)."""
-    return 1, 1 + num_kv_blocks, 1 + 2 * num_kv_blocks
+    """Offsets of kv indices, tile flags and partial ids in a walk row.
+
+    Entry 0 is the count of active kv-blocks, entry 1 the number of FULL ones
+    (listed first).
+    """
+    return 2, 2 + num_kv_blocks, 2 + 2 * num_kv_blocks
 
 
 # A walk row is stored as [rows, _WALK_LINE]: a TMA box is at most 256 elements per dim.
@@ -142,13 +147,15 @@ _WALK_LINE = 128
 
 
 def _packed_walk(kmask: KernelMask, num_kv_blocks: int) -> Array:
-    """``[Bm, Hm, nq, R, 128]`` int32: per q-block (count, kv indices, flags, partial ids).
+    """``[Bm, Hm, nq, R, 128]`` int32: per q-block (count, FULL count, kv indices, flags,
+    partial ids).
 
     One q-block's walk is one 2-D TMA per CTA.
     """
-    rows = jnp.concatenate([kmask.kv_num_blocks[..., None], kmask.kv_indices,
-                            kmask.kv_tile_flags, kmask.kv_partial_ids], axis=-1)
-    width = 1 + 3 * num_kv_blocks
+    rows = jnp.concatenate([kmask.kv_num_blocks[..., None], kmask.kv_num_full[..., None],
+                            kmask.kv_indices, kmask.kv_tile_flags, kmask.kv_partial_ids],
+                           axis=-1)
+    width = 2 + 3 * num_kv_blocks
     rows = jnp.pad(rows.astype(jnp.int32), ((0, 0),) * 3 + ((0, -width % _WALK_LINE),))
     return rows.reshape(*rows.shape[:3], -1, _WALK_LINE)
 
@@ -287,10 +294,10 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
         def to_log2(x):
             return x * (s.scale * _LOG2E) if fold_scale else x
 
-        needs_mask = (s.has_partial or s.layout.ragged_kv
-                      or s.layout.mask_mod_treedef is not None)
+        masked_tiles = (s.has_partial or s.layout.ragged_kv
+                        or s.layout.mask_mod_treedef is not None)
 
-        def step_fn(step, carry):
+        def step_fn(step, carry, full: bool):
             acc, row_max, row_sum = carry
             slot = lax.rem(step, stages)
             kv_block = _walk_entry(walk_smem, index_offset + step)
@@ -333,9 +340,8 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
                                           partial_tile)
                 return jnp.where(visible, scores, -jnp.inf)
 
-            # FULL tiles (flags 0) skip the mask entirely; so does a mask of FULL tiles only.
-            if needs_mask:
-                scores = lax.cond(flags != 0, masked, lambda x: x, scores)
+            if not full:
+                scores = masked(scores)
 
             new_max = jnp.maximum(row_max, to_log2(scores.max(axis=1)))
             # Rows that have seen no visible key yet keep max -inf: shift by 0 there.
@@ -364,7 +370,14 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
                                 plgpu.Layout.WGMMA)
         row_max = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), row_layout)
         row_sum = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), row_layout)
-        acc, row_max, row_sum = lax.fori_loop(0, count, step_fn, (acc, row_max, row_sum))
+        # The walk lists FULL tiles first: one loop without mask code, then the rest.
+        num_full = walk_smem[0, 1]
+        carry = lax.fori_loop(0, num_full, functools.partial(step_fn, full=True),
+                              (acc, row_max, row_sum))
+        if masked_tiles:
+            carry = lax.fori_loop(num_full, count, functools.partial(step_fn, full=False),
+                                  carry)
+        acc, row_max, row_sum = carry
         pl.when(wg == 0)(schedule_sync)
 
         seen = row_sum > 0

@@ -73,16 +73,16 @@ def _dkdv_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, group: int) ->
     k = inputs["k"][b, pl.ds(kv_start, tkv), kv_head, :]
     v = inputs["v"][b, pl.ds(kv_start, tkv), kv_head, :]
     mask = inputs["mask"]
-    walks = (mask.q_num_blocks, mask.q_indices, mask.q_tile_flags, mask.q_partial_ids)
+    walks = (mask.q_num_blocks, mask.q_num_full, mask.q_indices, mask.q_tile_flags,
+             mask.q_partial_ids)
 
     def head(g, carry):
         h = kv_head * group + g
         walk = tiles.Walk(walks, b, h, lax.div(kv_start, layout.block_kv),
                           layout.block_q // tq)
 
-        def body(it, carry):
+        def body(step, carry):
             dk, dv = carry
-            step = walk.step(it)
             q_start = step.block * layout.block_q + step.sub * tq
             q = inputs["q"][b, pl.ds(q_start, tq), h, :]
             do = inputs["do"][b, pl.ds(q_start, tq), h, :]
@@ -94,7 +94,7 @@ def _dkdv_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, group: int) ->
             dk = dk + tiles.dot_tn(ds.astype(q.dtype), q)
             return dk, dv
 
-        return lax.fori_loop(0, walk.num_steps(), body, carry)
+        return walk.fold(body, carry, spec.masked_tiles)
 
     init = (jnp.zeros((tkv, dk_ref.shape[-1]), jnp.float32),
             jnp.zeros((tkv, dv_ref.shape[-1]), jnp.float32))
@@ -115,12 +115,11 @@ def _dq_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, group: int) -> N
     lse2 = inputs["lse2"][b, h, pl.ds(q_start, tq)]
     delta = inputs["delta"][b, h, pl.ds(q_start, tq)]
     mask = inputs["mask"]
-    walk = tiles.Walk((mask.kv_num_blocks, mask.kv_indices, mask.kv_tile_flags,
-                       mask.kv_partial_ids), b, h, lax.div(q_start, layout.block_q),
-                      layout.block_kv // tkv)
+    walk = tiles.Walk((mask.kv_num_blocks, mask.kv_num_full, mask.kv_indices,
+                       mask.kv_tile_flags, mask.kv_partial_ids), b, h,
+                      lax.div(q_start, layout.block_q), layout.block_kv // tkv)
 
-    def body(it, dq):
-        step = walk.step(it)
+    def body(step, dq):
         kv_start = step.block * layout.block_kv + step.sub * tkv
         k = inputs["k"][b, pl.ds(kv_start, tkv), kv_head, :]
         v = inputs["v"][b, pl.ds(kv_start, tkv), kv_head, :]
@@ -128,8 +127,7 @@ def _dq_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, group: int) -> N
         _, ds = _tile_gradients(scores, step, q, k, v, do, lse2, delta)
         return dq + tiles.dot_nn(ds.astype(k.dtype), k)
 
-    dq = lax.fori_loop(0, walk.num_steps(), body,
-                       jnp.zeros((tq, dq_ref.shape[-1]), jnp.float32))
+    dq = walk.fold(body, jnp.zeros((tq, dq_ref.shape[-1]), jnp.float32), spec.masked_tiles)
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
 

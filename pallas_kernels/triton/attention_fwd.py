@@ -3,7 +3,8 @@
 One program per (q tile, query head, batch). It keeps its q tile in
 registers and walks only the active kv tiles of its q block in the
 BlockMask (skipped tiles cost nothing), with an online softmax in float32
-and ``exp2`` (log2(e) folded into the scale). FULL tiles do no mask math;
+and ``exp2`` (log2(e) folded into the scale). FULL tiles (walked first, in a
+loop of their own) do no mask math;
 COMPUTED tiles evaluate the structured mask from indices, PARTIAL tiles
 read their stored tile. K/V tiles come straight from HBM inside the loop,
 which Triton software-pipelines over ``num_stages`` buffers.
@@ -58,22 +59,29 @@ def _forward_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, num_q_tiles
     q_start = q_tile * tq
     q = inputs["q"][b, pl.ds(q_start, tq), h, :]
     mask = inputs["mask"]
-    walk = tiles.Walk((mask.kv_num_blocks, mask.kv_indices, mask.kv_tile_flags,
-                       mask.kv_partial_ids), b, h, lax.div(q_start, layout.block_q),
-                      layout.block_kv // tkv)
+    walk = tiles.Walk((mask.kv_num_blocks, mask.kv_num_full, mask.kv_indices,
+                       mask.kv_tile_flags, mask.kv_partial_ids), b, h,
+                      lax.div(q_start, layout.block_q), layout.block_kv // tkv)
 
-    def body(it, carry):
+    # Plain scores stay raw until the softmax, which folds the scale into the exp2
+    # argument (one FMA per score); the row max is scaled per row.
+    fold_scale = spec.plain and spec.scale > 0
+
+    def to_log2(x):
+        return x * (spec.scale * tiles.LOG2E) if fold_scale else x
+
+    def body(step, carry):
         acc, row_max, row_sum = carry
-        step = walk.step(it)
         kv_start = step.block * layout.block_kv + step.sub * tkv
         k = inputs["k"][b, pl.ds(kv_start, tkv), kv_head, :]
         scores = tiles.TileScores(spec, mask, inputs["captured"], b, h, q_start, kv_start)
-        s, _ = scores.log2_scores(tiles.dot_nt(q, k))
+        qk = tiles.dot_nt(q, k)
+        s = qk if fold_scale else scores.log2_scores(qk)[0]
         s = scores.masked(s, step)
-        new_max = jnp.maximum(row_max, s.max(axis=1))
+        new_max = jnp.maximum(row_max, to_log2(s.max(axis=1)))
         # Rows with nothing visible yet keep max -inf: shift by 0 so exp2 gives 0, not NaN.
         shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)
-        p = jnp.exp2(s - shift[:, None])
+        p = jnp.exp2(to_log2(s) - shift[:, None])
         alpha = jnp.exp2(row_max - shift)
         v = inputs["v"][b, pl.ds(kv_start, tkv), kv_head, :]
         acc = acc * alpha[:, None] + tiles.dot_nn(p.astype(v.dtype), v)
@@ -81,7 +89,7 @@ def _forward_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, num_q_tiles
 
     init = (jnp.zeros((tq, out_ref.shape[-1]), jnp.float32),
             jnp.full((tq,), -jnp.inf, jnp.float32), jnp.zeros((tq,), jnp.float32))
-    acc, row_max, row_sum = lax.fori_loop(0, walk.num_steps(), body, init)
+    acc, row_max, row_sum = walk.fold(body, init, spec.masked_tiles)
 
     if has_sinks:
         # The sink joins the denominator: renormalise to max(row_max, sink) first.

@@ -79,6 +79,11 @@ class ScoreSpec:
         return self.layout.mask_mod_treedef is not None or self.layout.ragged_kv
 
     @property
+    def masked_tiles(self) -> bool:
+        """Whether any tile can be other than FULL (COMPUTED or PARTIAL)."""
+        return self.computed_tiles or self.partial_tiles
+
+    @property
     def plain(self) -> bool:
         """No softcap and no score_mod: the score is linear in ``q @ k^T``."""
         return self.softcap is None and self.score_mod is None
@@ -86,36 +91,48 @@ class ScoreSpec:
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """One tile of a walk: its mask block, sub-tile within the block, and the block's flags."""
+    """One tile of a walk: its mask block, sub-tile within the block, and the block's flags.
+
+    ``full`` (static) says the tile is FULL: its scores need no mask.
+    """
 
     block: Array
     sub: Array
     flags: Array
     partial_id: Array
+    full: bool
 
 
 class Walk:
     """The active tiles of one mask block row (q-major) or column (kv-major).
 
-    ``refs`` are the four walk arrays of `KernelMask` (count, indices, flags,
-    partial ids) in one orientation; ``subs`` is the number of kernel tiles per
-    walked mask block. Steps run block by block, sub-tile by sub-tile, so the
-    whole walk is one flat loop that Triton can software-pipeline.
+    ``refs`` are the walk arrays of `KernelMask` (count, number of FULL tiles,
+    indices, flags, partial ids) in one orientation; ``subs`` is the number of
+    kernel tiles per walked mask block. Steps run block by block, sub-tile by
+    sub-tile: the FULL tiles (listed first) in one flat loop without mask code,
+    then the masked tiles in another, each of which Triton can software-pipeline.
     """
 
     def __init__(self, refs: Sequence[Any], b: Array, h: Array, block: Array, subs: int):
-        self._count, self._indices, self._flags, self._partial_ids = refs
+        self._count, self._num_full, self._indices, self._flags, self._partial_ids = refs
         mb, mh = batch_head_index(self._count, b, h)
         self._lead = (mb, mh, block)
         self.subs = subs
 
-    def num_steps(self) -> Array:
-        return self._count[self._lead] * self.subs
+    def fold(self, body: Any, carry: Any, masked_tiles: bool) -> Any:
+        """``body(step, carry) -> carry`` over every step; ``masked_tiles`` False promises
+        that every tile is FULL (the mask has no COMPUTED or PARTIAL tile)."""
+        num_full = self._num_full[self._lead] * self.subs
+        carry = lax.fori_loop(0, num_full, lambda it, c: body(self._step(it, True), c), carry)
+        if masked_tiles:
+            carry = lax.fori_loop(num_full, self._count[self._lead] * self.subs,
+                                  lambda it, c: body(self._step(it, False), c), carry)
+        return carry
 
-    def step(self, it: Array) -> Step:
+    def _step(self, it: Array, full: bool) -> Step:
         j, sub = (it, 0) if self.subs == 1 else (lax.div(it, self.subs), lax.rem(it, self.subs))
         at = (*self._lead, j)
-        return Step(self._indices[at], sub, self._flags[at], self._partial_ids[at])
+        return Step(self._indices[at], sub, self._flags[at], self._partial_ids[at], full)
 
 
 def positions(start: Array, size: int, axis: int) -> Array:
@@ -178,7 +195,7 @@ class TileScores:
         return scores * LOG2E, slope
 
     def masked(self, s: Array, step: Step) -> Array:
-        """``s`` with invisible elements at -inf; FULL tiles skip the mask math entirely."""
+        """``s`` with invisible elements at -inf; FULL steps skip the mask math entirely."""
         layout = self.spec.layout
 
         def computed(s, partial_tile=None):
@@ -189,22 +206,19 @@ class TileScores:
         def partial(s):
             return computed(s, self._partial_tile(step))
 
-        # Only the tile kinds this mask can hold get a branch: a dense mask
-        # compiles to no mask code at all, a causal one to one conditional.
-        # Two-way lax.cond on bool predicates only: Triton lowers each to one
-        # scf.if (a lax.switch here failed to compile on the GPU: its index clamp
-        # came out of the Triton lowering as an i32/i1 arith.maxsi).
+        # Only the tile kinds this mask can hold get code: a causal mask compiles
+        # to no branch at all. Two-way lax.cond on bool predicates only: Triton
+        # lowers each to one scf.if (a lax.switch here failed to compile on the
+        # GPU: its index clamp came out of the Triton lowering as an i32/i1
+        # arith.maxsi).
         spec = self.spec
-        if not (spec.computed_tiles or spec.partial_tiles):
+        if step.full:
             return s
         if not spec.partial_tiles:
-            masked = computed
-        elif not spec.computed_tiles:
-            masked = partial
-        else:
-            is_partial = (step.flags & PARTIAL) != 0
-            masked = lambda s: lax.cond(is_partial, partial, computed, s)
-        return lax.cond(step.flags == 0, lambda s: s, masked, s)
+            return computed(s)
+        if not spec.computed_tiles:
+            return partial(s)
+        return lax.cond((step.flags & PARTIAL) != 0, partial, computed, s)
 
     def _leaf_values(self) -> list[Array]:
         """Each mask_mod leaf at this tile: q slice ``[tq, 1]``, kv slice ``[1, tkv]``, scalar."""

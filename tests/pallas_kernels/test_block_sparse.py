@@ -1,0 +1,49 @@
+"""The kernels' view of a BlockMask: walks list FULL tiles first, nothing lost or added."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from omni_jax.masks import FULL, BlockMask
+from pallas_kernels.block_sparse import kernel_mask
+
+
+@st.composite
+def random_tile_flags(draw):
+    """Dense tile flags [Bm, Hm, nq, nkv] in {MASKED, FULL, COMPUTED, PARTIAL, both}."""
+    shape = (draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.integers(1, 5)),
+             draw(st.integers(1, 6)))
+    seed = draw(st.integers(0, 2**31 - 1))
+    return np.random.default_rng(seed).choice([-1, 0, 1, 2, 3], size=shape).astype(np.int32)
+
+
+def _check_walk(count, num_full, indices, flags, ids, original):
+    """One orientation: FULL tiles first, the same active tiles, the same padding."""
+    count, num_full = np.asarray(count), np.asarray(num_full)
+    indices, flags, ids = map(np.asarray, (indices, flags, ids))
+    o_indices, o_flags, o_ids = map(np.asarray, original)
+    for pos in np.ndindex(count.shape):
+        n, f = count[pos], num_full[pos]
+        assert f == np.sum(o_flags[pos][:n] == FULL)
+        assert np.all(flags[pos][:f] == FULL) and np.all(flags[pos][f:n] != FULL)
+        reordered = sorted(zip(indices[pos][:n], flags[pos][:n], ids[pos][:n], strict=True))
+        listed = sorted(zip(o_indices[pos][:n], o_flags[pos][:n], o_ids[pos][:n], strict=True))
+        assert reordered == listed
+        np.testing.assert_array_equal(indices[pos][n:], o_indices[pos][n:])
+
+
+@settings(max_examples=25, deadline=None)
+@given(random_tile_flags())
+def test_walks_list_full_tiles_first(tile_flags):
+    nq, nkv = tile_flags.shape[2:]
+    ids = np.where(tile_flags >= 2, 0, -1).astype(np.int32)
+    mask = BlockMask.from_tile_flags(tile_flags, ids, np.ones((1, 16, 16), bool),
+                                     q_len=16 * nq, kv_len=16 * nkv, block_size=(16, 16))
+    kmask, _ = kernel_mask(mask)
+    _check_walk(mask.kv_num_blocks, kmask.kv_num_full, kmask.kv_indices, kmask.kv_tile_flags,
+                kmask.kv_partial_ids,
+                (mask.kv_indices, mask.kv_tile_flags, mask.kv_partial_ids))
+    _check_walk(mask.q_num_blocks, kmask.q_num_full, kmask.q_indices, kmask.q_tile_flags,
+                kmask.q_partial_ids, (mask.q_indices, mask.q_tile_flags, mask.q_partial_ids))
