@@ -264,7 +264,8 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
 
             return lax.fori_loop(0, num_steps(g), fetch, step)
 
-        lax.fori_loop(0, s.group_size, head_steps, jnp.int32(0))
+        num_loads = lax.fori_loop(0, s.group_size, head_steps, jnp.int32(0))
+        common.drain_ring(num_loads, stages, consumed)
 
     @pl.when(wg < consumers)
     def _consumer():

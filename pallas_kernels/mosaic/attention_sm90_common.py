@@ -132,7 +132,8 @@ def produce_kv_blocks(walk_smem, count, *, stages: int, block_kv: int, batch, kv
 
     ``k`` and ``v`` are (gmem ref, smem ring, "loaded" barriers); ``consumed``
     the (K, V) "consumed" barriers the consumers arrive on. A slot is refilled
-    only after its previous contents were consumed. ``kv_leaves`` (stacked kv
+    only after its previous contents were consumed; at the end the producer
+    waits for the last loads to be consumed too (`drain_ring`). ``kv_leaves`` (stacked kv
     mask leaves) and ``partial`` (stored int8 tiles, loaded for PARTIAL tiles
     only) are optional (ref, ring, barriers) triples.
     """
@@ -170,6 +171,20 @@ def produce_kv_blocks(walk_smem, count, *, stages: int, block_kv: int, batch, kv
         v_ref, v_smem, v_barriers = v
         plgpu.copy_gmem_to_smem(v_ref.at[batch, rows_kv, kv_head], v_smem.at[slot],
                                 v_barriers.at[slot])
+
+    drain_ring(count, stages, k_consumed, v_consumed)
+
+
+def drain_ring(num_steps, stages: int, *consumed) -> None:
+    """Waits until the consumers released the ring's last ``stages`` loads.
+
+    Every phase of a "consumed" barrier is then observed by the producer (the
+    Mosaic-GPU interpreter requires it; on hardware it only idles the producer).
+    """
+    @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
+    def _drain(step):
+        for barriers in consumed:
+            plgpu.barrier_wait(barriers.at[lax.rem(step, stages)])
 
 
 def pad_last(x: Array, size: int) -> Array:

@@ -2,8 +2,12 @@
 
 `TestMosaicAttentionInterpreted` runs a representative subset through the
 Mosaic-GPU interpreter on any machine (races fail the test);
-`TestMosaicAttentionGpu` runs the full suite compiled on an sm90 GPU.
+`TestMosaicAttentionGpu` runs the full suite compiled on an sm90 GPU. Both
+check that every call took its backward from the Mosaic kernels (not from
+the Triton fallback).
 """
+
+import importlib
 
 import jax.numpy as jnp
 import pytest
@@ -21,9 +25,30 @@ _INTERPRETED = ("causal_ragged", "documents_causal_window", "generic_block_mask"
 INTERPRETED_CASES = tuple(case for case in CASES if case.name in _INTERPRETED)
 
 
+def record_backward_backends(monkeypatch) -> list[str]:
+    """Names of the backward backends `omni_jax.attention` plans from now on."""
+    names = []
+    module = importlib.import_module("omni_jax.attention")  # The package exports the function.
+    plan_attention = module.plan_attention
+
+    def recording(implementation, problem):
+        plan = plan_attention(implementation, problem)
+        names.append(plan.backward.name)
+        return plan
+
+    monkeypatch.setattr(module, "plan_attention", recording)
+    return names
+
+
 class _MosaicSuite(AttentionSuite):
     implementation = "mosaic"
     mask_block_size = (128, 64)
+
+    @pytest.fixture(autouse=True)
+    def _mosaic_backward(self, monkeypatch):
+        names = record_backward_backends(monkeypatch)
+        yield
+        assert names and set(names) == {"mosaic"}, names
 
 
 class TestMosaicAttentionInterpreted(_MosaicSuite):
