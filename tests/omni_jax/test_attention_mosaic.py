@@ -9,6 +9,7 @@ the Triton fallback).
 
 import importlib
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -75,3 +76,20 @@ def test_score_mod_capturing_arrays_is_declined(monkeypatch):
     with pytest.raises(ValueError, match="captures arrays"):
         omni_jax.attention(q, q, q, score_mod=lambda s, b, h, i, j: s - slopes[h],
                            implementation="mosaic")
+
+
+@pytest.mark.parametrize("head_dim,block_kv,mosaic_backward", [
+    (128, None, True),
+    (256, None, False),  # 64-row float32 accumulators of 256 columns exceed the registers.
+    (64, 64, True),
+])
+def test_backward_falls_back_where_mosaic_has_none(head_dim, block_kv, mosaic_backward,
+                                                   monkeypatch):
+    """The fallback is the next backend in the device's order (Triton on GPUs)."""
+    monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
+    names = record_backward_backends(monkeypatch)
+    q = jax.ShapeDtypeStruct((1, 256, 2, head_dim), jnp.bfloat16)
+    mask = None if block_kv is None else omni_jax.create_block_mask(
+        lambda b, h, i, j: i >= j, None, None, 256, 256, (128, block_kv))
+    jax.eval_shape(lambda q: omni_jax.attention(q, q, q, mask=mask, implementation="mosaic"), q)
+    assert len(names) == 1 and (names[0] == "mosaic") == mosaic_backward, names
