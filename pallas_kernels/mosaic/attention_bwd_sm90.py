@@ -175,6 +175,23 @@ def _iota(shape, axis):
     return plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
 
 
+def _transposed(ref):
+    return plgpu.transpose_ref(ref, (1, 0))
+
+
+def _products(tile, *operands):
+    """``a @ b`` (float32, ``tile``-shaped) for each ``(a, b)`` of smem operands by wgmma.
+
+    All products are issued before the one wait that reading the results implies.
+    """
+    def issue(*acc_refs):
+        for acc_ref, (a, b) in zip(acc_refs, operands, strict=True):
+            plgpu.wgmma(acc_ref, a, b)
+        return tuple(acc_ref[...] for acc_ref in acc_refs)
+
+    return pl.run_scoped(issue, *(plgpu.ACC(tile, jnp.float32) for _ in operands))
+
+
 def _staged(staging, value):
     """A register wgmma operand; interpreted, staged in smem (its wgmma reads smem only)."""
     if staging is None:
@@ -304,12 +321,9 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                 q_half, do_half = q_ring.at[slot], do_ring.at[slot]
 
                 plgpu.barrier_wait(q_ready.at[slot])
-
-                def kq(acc_ref):
-                    plgpu.wgmma(acc_ref, k_tile, plgpu.transpose_ref(q_half, (1, 0)))
-                    return acc_ref[...]
-
-                scores = pl.run_scoped(kq, plgpu.ACC(tile, jnp.float32))
+                plgpu.barrier_wait(do_ready.at[slot])
+                scores, dprobs = _products(tile, (k_tile, _transposed(q_half)),
+                                           (v_tile, _transposed(do_half)))
                 scores, slope = common.log2_scores(s.scores, scores, batch, head,
                                                    lambda: indices(q_start), slope=True)
 
@@ -347,13 +361,6 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                                            interpret=s.interpret)
                 probs = jnp.exp2(scores - lax.broadcast_in_dim(lse2, tile, [1]))
 
-                plgpu.barrier_wait(do_ready.at[slot])
-
-                def v_do(acc_ref):
-                    plgpu.wgmma(acc_ref, v_tile, plgpu.transpose_ref(do_half, (1, 0)))
-                    return acc_ref[...]
-
-                dprobs = pl.run_scoped(v_do, plgpu.ACC(tile, jnp.float32))
                 dv = compat.wgmma_accumulate(dv, _staged(stage, probs.astype(s.dtype)), do_half,
                                              interpret=s.interpret)
                 dscores = probs * (dprobs - lax.broadcast_in_dim(delta, tile, [1]))
@@ -462,12 +469,10 @@ def _dq_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *r
             k_block = k_ring.at[slot]
 
             plgpu.barrier_wait(k_ready.at[slot])
-
-            def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_tile, plgpu.transpose_ref(k_block, (1, 0)))
-                return acc_ref[...]
-
-            scores = pl.run_scoped(qk, plgpu.ACC(tile, jnp.float32))
+            plgpu.barrier_wait(v_ready.at[slot])
+            scores, dprobs = _products(tile, (q_tile, _transposed(k_block)),
+                                       (do_tile, _transposed(v_ring.at[slot])))
+            plgpu.barrier_arrive(v_consumed.at[slot])
             scores, slope = common.log2_scores(s.scores, scores, batch, head,
                                                lambda: indices(kv_block), slope=True)
 
@@ -499,14 +504,6 @@ def _dq_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *r
             scores = lax.cond(flags != 0, masked, lambda x: x, scores)
             probs = jnp.exp2(scores - lax.broadcast_in_dim(lse2, tile, [0]))
 
-            plgpu.barrier_wait(v_ready.at[slot])
-
-            def do_v(acc_ref):
-                plgpu.wgmma(acc_ref, do_tile, plgpu.transpose_ref(v_ring.at[slot], (1, 0)))
-                return acc_ref[...]
-
-            dprobs = pl.run_scoped(do_v, plgpu.ACC(tile, jnp.float32))
-            plgpu.barrier_arrive(v_consumed.at[slot])
             dscores = probs * (dprobs - lax.broadcast_in_dim(delta, tile, [0]))
             if slope is not None:
                 dscores = dscores * slope
