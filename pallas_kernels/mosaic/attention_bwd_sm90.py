@@ -235,9 +235,14 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
         q_block = entry(g, index_offset + i)
         return entry(g, flags_offset + i), q_block * BLOCK_Q + half * Q_STEP, half, i
 
+    # Registers move from the producer to the consumers only with two consumers: with
+    # one, the two warpgroups already get the per-thread maximum each.
+    rebalance = consumers > 1
+
     @pl.when(wg == consumers)
     def _producer():
-        plgpu.set_max_registers(40, action="decrease")
+        if rebalance:
+            plgpu.set_max_registers(40, action="decrease")
         mask_b = batch if s.mask_batch > 1 else 0
         mask_h = first_head if s.dkv_walk_heads > 1 else 0
         plgpu.copy_gmem_to_smem(walk_ref.at[mask_b, pl.ds(mask_h, s.dkv_walk_heads), kv_block],
@@ -286,7 +291,8 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
 
     @pl.when(wg < consumers)
     def _consumer():
-        plgpu.set_max_registers(232, action="increase")
+        if rebalance:
+            plgpu.set_max_registers(232, action="increase")
         kv_start = kv_block * cfg.block_kv + wg * rows
         kv_rows = pl.ds(kv_start, rows)
         k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
