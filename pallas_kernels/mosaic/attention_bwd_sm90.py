@@ -301,7 +301,8 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
         row_layout = compat.wgmma_row_layout()
         col_layout = compat.wgmma_col_layout()
         tile = (rows, Q_STEP)  # Transposed scores: kv rows x q columns.
-        stage = staging.at[wg] if staging is not None else None
+        p_stage, ds_stage = (None, None) if staging is None else (staging.at[0, wg],
+                                                                   staging.at[1, wg])
 
         def indices(q_start):
             return q_start + _iota(tile, 1), kv_start + _iota(tile, 0)
@@ -367,14 +368,14 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                                            interpret=s.interpret)
                 probs = jnp.exp2(scores - lax.broadcast_in_dim(lse2, tile, [1]))
 
-                dv = compat.wgmma_accumulate(dv, _staged(stage, probs.astype(s.dtype)), do_half,
-                                             interpret=s.interpret)
                 dscores = probs * (dprobs - lax.broadcast_in_dim(delta, tile, [1]))
                 if slope is not None:
                     dscores = dscores * slope
                 dscores = (dscores * s.scores.scale).astype(s.dtype)
-                dk = compat.wgmma_accumulate(dk, _staged(stage, dscores), q_half,
-                                             interpret=s.interpret)
+                probs = _staged(p_stage, probs.astype(s.dtype))
+                dv, dk = compat.wgmma_accumulate_all(
+                    (dv, dk), ((probs, do_half), (_staged(ds_stage, dscores), q_half)),
+                    interpret=s.interpret)
                 plgpu.barrier_arrive(consumed.at[slot])
                 return dk, dv, step + 1
 
@@ -614,7 +615,7 @@ def _dkv_scratch(s: _Statics):
         plgpu.SMEM((stages, s.num_q_leaves, Q_STEP), jnp.int32) if s.num_q_leaves else None,
         plgpu.SMEM((s.num_kv_leaves, cfg.block_kv), jnp.int32) if s.num_kv_leaves else None,
         # Interpreted only: P^T and dS^T staged in smem for their wgmmas.
-        common.swizzled((consumers, rows, Q_STEP), s.dtype) if s.interpret else None,
+        common.swizzled((2, consumers, rows, Q_STEP), s.dtype) if s.interpret else None,
     )
     ring = lambda: plgpu.Barrier(num_barriers=stages)
     barriers = (
