@@ -1,10 +1,11 @@
-"""The Mosaic-GPU attention backward kernels (dK/dV, dQ), interpreted, against float64.
+"""The Mosaic-GPU attention backward kernels (dK/dV, dQ) against float64 and XLA.
 
 Run through the Mosaic-GPU interpreter (a race found fails the test). The
 forward's out and lse come from the float64 reference, so only the backward
 kernels run. Poisoned cases fill memory the kernels never write with NaN:
 every gradient row must be written, those of blocks with nothing to walk
-included (zeros).
+included (zeros). On an sm90 GPU, long sequences (many ring laps, every
+tuned config) run compiled against the XLA backend.
 """
 
 import dataclasses
@@ -24,7 +25,7 @@ from tests.reference import dense_mask, reference_attention, relative_error
 TOLERANCE = {"bfloat16": 6e-2, "float16": 1.2e-2}
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def _interpreted(monkeypatch):
     yield from interpreted_mosaic(monkeypatch)
 
@@ -87,7 +88,7 @@ def _mask(case: Case, rng):
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_gradients_match_float64(case: Case):
+def test_gradients_match_float64(case: Case, _interpreted):
     seed = int(np.random.default_rng().integers(2**31))
     rng = np.random.default_rng(seed)
     shapes = ((case.batch, case.q_len, case.heads, case.head_dim),
@@ -116,7 +117,8 @@ def test_gradients_match_float64(case: Case):
     params = compat.tma_faithful_interpret_params(runtime.mosaic_interpret_params())
     if case.poisoned:
         params = dataclasses.replace(params, uninitialized_memory="nan")
-    config = bwd.BackwardConfig(block_kv=case.block_kv, dkv_stages=2, dq_stages=2)
+    # Few stages, so that the producers wait for consumed slots before refilling them.
+    config = bwd.BackwardConfig(block_kv=case.block_kv, dkv_stages=2, dq_stages=1)
     scale = case.scale if case.scale is not None else 1.0 / np.sqrt(case.head_dim)
     grads = bwd.attention_backward(
         q, k, v, kmask, layout, jnp.asarray(out, case.dtype), jnp.asarray(lse, jnp.float32),
@@ -153,3 +155,36 @@ def test_configs_fit_shared_memory():
     assert bwd.backward_config(256, jnp.bfloat16, causal=False) is None
     with pytest.raises(ValueError, match="block_kv"):
         bwd.BackwardConfig(block_kv=192, dkv_stages=2, dq_stages=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(runtime.interpret_requested() or runtime.gpu_compute_capability() != (9, 0),
+                    reason="needs an sm90 GPU (compiled Mosaic-GPU kernels)")
+@pytest.mark.parametrize("dtype,head_dim,seq,mask", [
+    ("bfloat16", 128, 1000, "causal"),
+    ("float16", 64, 2048, "documents"),
+    ("bfloat16", 96, 777, "dense"),
+])
+def test_long_sequences_compiled(dtype, head_dim, seq, mask):
+    rng = np.random.default_rng()
+    q = jnp.asarray(rng.standard_normal((2, seq, 4, head_dim)), dtype)
+    k, v = (jnp.asarray(rng.standard_normal((2, seq, 2, head_dim)), dtype) for _ in range(2))
+    kwargs = {"is_causal": mask == "causal"}
+    if mask == "documents":
+        ids = np.sort(rng.integers(0, 5, (2, seq)), axis=-1).astype(np.int32)
+        kwargs = {"q_segment_ids": jnp.asarray(ids), "is_causal": True}
+    dout = jnp.asarray(rng.standard_normal((2, seq, 4, head_dim)), dtype)
+
+    def grads(implementation, *args):
+        def run(q, k, v):
+            return omni_jax.attention(q, k, v, implementation=implementation, **kwargs)
+
+        out, vjp = jax.vjp(run, *args)
+        return vjp(dout.astype(out.dtype))
+
+    as32 = lambda x: x.astype(jnp.float32)
+    actual = jax.jit(lambda *a: grads("mosaic", *a))(q, k, v)
+    expected = jax.jit(lambda *a: grads("xla", *a))(as32(q), as32(k), as32(v))
+    for name, grad, ref in zip(("dq", "dk", "dv"), actual, expected, strict=True):
+        assert not np.isnan(np.asarray(grad, np.float32)).any(), name
+        assert relative_error(grad, ref) < TOLERANCE[dtype], (name, relative_error(grad, ref))
