@@ -28,6 +28,11 @@ lse -inf, passed as ``lse2 = +inf`` so that their P is exactly 0.
 Head dims up to 128 (padded to 64 or 128): at 256 the 64-row float32
 accumulators (dK and dV, or dQ) with the score tiles exceed the registers of
 a warpgroup; `MosaicBackend` then takes the backward from Triton.
+
+Cost: the dQ kernel recomputes S and dP, so a tile takes 7 matmuls where
+FlashAttention-3 takes 5 (it adds dQ from the dK/dV kernel by TMA
+reduce-add into a float32 buffer). The Mosaic-GPU interpreter cannot run
+reductions in TMA stores, and every kernel here must run interpreted in CI.
 """
 
 from __future__ import annotations
