@@ -104,19 +104,31 @@ def wgmma_accumulate(acc: Array, a: Any, b: Any, *, interpret: bool) -> Array:
     interpreted kernels take the product in a fresh zeroed accumulator and add
     it: the same value, the same operands, the same smem reads.
     """
+    return wgmma_accumulate_all((acc,), ((a, b),), interpret=interpret)[0]
+
+
+def wgmma_accumulate_all(accs: tuple, operands: tuple, *, interpret: bool) -> tuple:
+    """`wgmma_accumulate` of several ``(a, b)`` into their ``accs`` with one wait.
+
+    Compiled, every product is issued before the results are read, so the
+    tensor cores run them back to back.
+    """
     plgpu = _mosaic_module()
     if not interpret:
 
-        def update(acc_ref):
+        def update(acc_refs):
+            for acc_ref, (a, b) in zip(acc_refs, operands, strict=True):
+                plgpu.wgmma(acc_ref, a, b)
+
+        return tuple(pl.run_state(update)(tuple(plgpu.ACC.init(acc) for acc in accs)))
+
+    def products(*acc_refs):
+        for acc_ref, (a, b) in zip(acc_refs, operands, strict=True):
             plgpu.wgmma(acc_ref, a, b)
+        return tuple(acc_ref[...] for acc_ref in acc_refs)
 
-        return pl.run_state(update)(plgpu.ACC.init(acc))
-
-    def product(acc_ref):
-        plgpu.wgmma(acc_ref, a, b)
-        return acc_ref[...]
-
-    return acc + pl.run_scoped(product, plgpu.ACC(acc.shape, jnp.float32))
+    added = pl.run_scoped(products, *(plgpu.ACC(acc.shape, jnp.float32) for acc in accs))
+    return tuple(acc + product for acc, product in zip(accs, added, strict=True))
 
 
 def tma_faithful_interpret_params(params):

@@ -17,6 +17,8 @@ import abc
 from collections.abc import Sequence
 from typing import Any
 
+import jax.numpy as jnp
+
 from omni_jax.masks import BlockMask
 from omni_jax.problem import AttentionProblem
 
@@ -56,3 +58,13 @@ class AttentionBackend(abc.ABC):
                  out: Array, lse: Array, dout: Array,
                  dlse: Array) -> tuple[Array, Array, Array, Array | None, tuple]:
         """Returns (dq, dk, dv, dsinks or None, cotangents of ``captured``)."""
+
+
+def sinks_cotangent(sinks: Array, lse: Array, delta: Array) -> Array:
+    """d loss / d sinks from the forward's lse and ``delta = rowsum(dO * O) - dlse``.
+
+    d lse / d sink is the sink's probability ``exp(sink - lse)``, so the
+    cotangent sums ``-p_sink * delta`` over batch and queries.
+    """
+    sink_prob = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
+    return -(sink_prob * delta).sum(axis=(0, 2)).astype(sinks.dtype)

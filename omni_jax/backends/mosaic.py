@@ -6,9 +6,11 @@ the Mosaic-GPU interpreter (race detection on; TMA bounds as on hardware).
 Serves bf16/fp16 inputs with head dims up to 256 (padded to 64/128/256), any
 lengths, GQA/MQA, every BlockMask with ``block_q = 128`` (the kernel's q tile),
 softcap, sinks and score_mods that capture no arrays and use only elementwise
-operations. The backward pass is not implemented in Mosaic-GPU yet:
-`backward_unsupported_reason` says so and `omni_jax` takes the backward from
-the next backend that can (Triton on GPUs, else XLA).
+operations. The backward pass (dK/dV and dQ kernels) serves the same, except:
+head dims above 128 (after padding), BlockMasks with ``block_kv`` other than
+64 or 128, and score_mods whose derivative uses non-elementwise operations.
+For those `backward_unsupported_reason` says why and `omni_jax` takes the
+backward from the next backend that can (Triton on GPUs, else XLA).
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from omni_jax.backends.base import AttentionBackend
+from omni_jax.backends.base import AttentionBackend, sinks_cotangent
 from omni_jax.masks import And, BlockMask, Causal
 from omni_jax.problem import AttentionProblem
+from omni_jax.scores import zero_cotangent
 from pallas_kernels import compat, runtime
 from pallas_kernels.block_sparse import kernel_mask
+from pallas_kernels.mosaic import attention_bwd_sm90 as bwd
 from pallas_kernels.mosaic import attention_fwd_sm90 as fwd
 
 _DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
@@ -52,8 +56,10 @@ def _primitives(jaxpr) -> set[str]:
     return names
 
 
-def score_mod_unsupported_reason(problem: AttentionProblem) -> str | None:
-    """Why the kernels cannot lower ``problem.score_mod``, or None."""
+def score_mod_unsupported_reason(problem: AttentionProblem,
+                                 derivative: bool = False) -> str | None:
+    """Why the kernels cannot lower ``problem.score_mod`` (or, for the backward, also
+    its derivative), or None."""
     score_mod = problem.score_mod
     if score_mod is None:
         return None
@@ -62,7 +68,12 @@ def score_mod_unsupported_reason(problem: AttentionProblem) -> str | None:
                 "yet)")
     scalar = jax.ShapeDtypeStruct((), jnp.float32)
     index = jax.ShapeDtypeStruct((), jnp.int32)
-    closed = jax.make_jaxpr(lambda *a: score_mod(*a, ()))(scalar, index, index, index, index)
+    def apply(score, *indices):
+        if not derivative:
+            return score_mod(score, *indices, ())
+        return jax.jvp(lambda x: score_mod(x, *indices, ()), (score,), (jnp.ones_like(score),))
+
+    closed = jax.make_jaxpr(apply)(scalar, index, index, index, index)
     unsupported = _primitives(closed.jaxpr) - _ELEMENTWISE_PRIMITIVES
     if unsupported:
         return f"score_mod uses operations the Mosaic lowering lacks: {sorted(unsupported)}"
@@ -96,7 +107,11 @@ class MosaicBackend(AttentionBackend):
         return score_mod_unsupported_reason(problem)
 
     def backward_unsupported_reason(self, problem: AttentionProblem) -> str | None:
-        return "the Mosaic-GPU backward pass is not implemented yet"
+        reason = self.unsupported_reason(problem)
+        if reason is None:
+            config = self._backward_config(problem)
+            reason = config if isinstance(config, str) else None
+        return reason
 
     def block_size(self, problem: AttentionProblem) -> tuple[int, int]:
         config = self._config(problem, causal=False)
@@ -114,7 +129,39 @@ class MosaicBackend(AttentionBackend):
         return _fold_sinks(out, lse, sinks)
 
     def backward(self, problem, q, k, v, block_mask, sinks, captured, out, lse, dout, dlse):
-        raise NotImplementedError(self.backward_unsupported_reason(problem))
+        config = self._backward_config(problem)
+        if isinstance(config, str):
+            raise NotImplementedError(config)
+        kmask, layout = kernel_mask(block_mask)
+        dq, dk, dv, delta = bwd.attention_backward(
+            q, k, v, kmask, layout, out, lse, dout, dlse, scale=problem.scale,
+            softcap=problem.softcap, score_mod=problem.score_mod,
+            has_partial=problem.has_user_mask, config=config,
+            interpret_params=_interpret_params())
+        dsinks = None if sinks is None else sinks_cotangent(sinks, lse, delta)
+        # Captured score_mod arrays are declined (`score_mod_unsupported_reason`).
+        return dq, dk, dv, dsinks, tuple(zero_cotangent(c) for c in captured)
+
+    def _backward_config(self, problem: AttentionProblem) -> bwd.BackwardConfig | str:
+        """The backward kernels' config for ``problem``, or why they cannot serve it."""
+        dims = [fwd.padded_head_dim(problem.head_dim), fwd.padded_head_dim(problem.head_dim_v)]
+        config = bwd.backward_config(max(dims), problem.dtype, causal=False)
+        if config is None:
+            return (f"head_dim={problem.head_dim}, head_dim_v={problem.head_dim_v} pad to "
+                    f"{max(dims)}: the Mosaic backward keeps 64-row float32 accumulators "
+                    f"(dK and dV, or dQ) with the score tiles in registers, which fit up to "
+                    f"{bwd.MAX_HEAD_DIM} only")
+        block_kv = (problem.block_size or self.block_size(problem))[1]
+        if block_kv not in bwd.SUPPORTED_BLOCK_KV:
+            return (f"BlockMask block_kv={block_kv}: the Mosaic backward takes "
+                    f"{' or '.join(map(str, bwd.SUPPORTED_BLOCK_KV))} (one dK/dV consumer "
+                    f"warpgroup per 64 kv rows)")
+        config = bwd.fit_config(dataclasses.replace(config, block_kv=block_kv), _SMEM_LIMIT,
+                                *dims, np.dtype(problem.dtype).itemsize,
+                                problem.has_user_mask)
+        if config is None:
+            return f"block_kv={block_kv} with head dims {dims} exceeds shared memory"
+        return score_mod_unsupported_reason(problem, derivative=True) or config
 
     @staticmethod
     def _config(problem: AttentionProblem, causal: bool) -> fwd.ForwardConfig:

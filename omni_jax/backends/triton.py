@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 from jax.extend import core as jex_core
 
 from omni_jax.backends import xla
-from omni_jax.backends.base import AttentionBackend
+from omni_jax.backends.base import AttentionBackend, sinks_cotangent
 from omni_jax.problem import AttentionProblem
 from omni_jax.scores import transform_scores, zero_cotangent
 from pallas_kernels import compat, runtime
@@ -167,12 +167,7 @@ class TritonBackend(AttentionBackend):
             q, k, v, mask, layout, captured, out, lse, dout, dlse, scale=problem.scale,
             softcap=problem.softcap, score_mod=problem.score_mod, config=config,
             interpret=runtime.interpret_requested(), partial_tiles=problem.has_user_mask)
-        dsinks = None
-        if sinks is not None:
-            # d lse / d sink = the sink's probability exp(sink - lse); dL/dsink sums
-            # -p_sink * delta over batch and queries.
-            sink_prob = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
-            dsinks = -(sink_prob * delta).sum(axis=(0, 2)).astype(sinks.dtype)
+        dsinks = None if sinks is None else sinks_cotangent(sinks, lse, delta)
         return dq, dk, dv, dsinks, self._captured_cotangents(
             problem, q, k, v, block_mask, sinks, captured, out, lse, dout, dlse)
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
@@ -38,18 +37,24 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from omni_jax.masks import PARTIAL
-from omni_jax.scores import ConvertedScoreMod, apply_score_mod
+from omni_jax.scores import ConvertedScoreMod
 from pallas_kernels import compat
 from pallas_kernels.block_sparse import KernelMask, MaskLayout, tile_visibility
+from pallas_kernels.mosaic import attention_sm90_common as common
+from pallas_kernels.mosaic.attention_sm90_common import (
+    BLOCK_Q,
+    LN2,
+    LOG2E,
+    ROWS_PER_CONSUMER,
+    SUPPORTED_HEAD_DIMS,
+    padded_head_dim,
+)
 
 Array = Any
 
-ROWS_PER_CONSUMER = 64  # One wgmma M tile per consumer warpgroup.
 NUM_CONSUMERS = 2
-BLOCK_Q = ROWS_PER_CONSUMER * NUM_CONSUMERS
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
-_LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
+__all__ = ["BLOCK_Q", "SUPPORTED_HEAD_DIMS", "ForwardConfig", "attention_forward",
+           "forward_config", "padded_head_dim", "smem_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,11 +86,6 @@ _CONFIGS = {
 }
 
 
-def padded_head_dim(head_dim: int) -> int | None:
-    """The kernel head dim serving ``head_dim`` (zero-padded), or None when too large."""
-    return next((d for d in SUPPORTED_HEAD_DIMS if head_dim <= d), None)
-
-
 def forward_config(head_dim: int, dtype: Any, causal: bool) -> ForwardConfig:
     """The tuned config for a (padded) head dim; bf16 and fp16 share one table."""
     del dtype  # Same tile sizes for both 16-bit types.
@@ -113,9 +113,7 @@ class _Statics:
     head_dim: int
     head_dim_v: int
     dtype: Any
-    scale: float
-    softcap: float | None
-    score_mod: ConvertedScoreMod | None
+    scores: common.ScoreSpec
     has_partial: bool
     walk_lines: int
     mask_batch: int
@@ -131,58 +129,6 @@ class _Statics:
     @property
     def num_kv_leaves(self) -> int:
         return sum(kind == "kv" for kind, _ in self.leaf_slots)
-
-
-def _walk_offsets(num_kv_blocks: int) -> tuple[int, int, int]:
-    """Offsets of kv indices, tile flags and partial ids in a walk row.
-
-    Entry 0 is the count of active kv-blocks, entry 1 the number of FULL ones
-    (listed first).
-    """
-    return 2, 2 + num_kv_blocks, 2 + 2 * num_kv_blocks
-
-
-# A walk row is stored as [rows, _WALK_LINE]: a TMA box is at most 256 elements per dim.
-_WALK_LINE = 128
-
-
-def _packed_walk(kmask: KernelMask, num_kv_blocks: int) -> Array:
-    """``[Bm, Hm, nq, R, 128]`` int32: per q-block (count, FULL count, kv indices, flags,
-    partial ids).
-
-    One q-block's walk is one 2-D TMA per CTA.
-    """
-    rows = jnp.concatenate([kmask.kv_num_blocks[..., None], kmask.kv_num_full[..., None],
-                            kmask.kv_indices, kmask.kv_tile_flags, kmask.kv_partial_ids],
-                           axis=-1)
-    width = 2 + 3 * num_kv_blocks
-    rows = jnp.pad(rows.astype(jnp.int32), ((0, 0),) * 3 + ((0, -width % _WALK_LINE),))
-    return rows.reshape(*rows.shape[:3], -1, _WALK_LINE)
-
-
-def _walk_entry(walk_smem, i):
-    """Entry ``i`` of the walk row held in smem as ``[R, _WALK_LINE]``."""
-    return walk_smem[lax.div(i, _WALK_LINE), lax.rem(i, _WALK_LINE)]
-
-
-def _stacked_leaves(kmask: KernelMask, layout: MaskLayout, batch: int):
-    """Mask leaves stacked per kind: q ``[B, Lq, nq*bq]`` and kv ``[B, Lkv, nkv*bkv]``.
-
-    "batch" leaves (one scalar per sequence) are broadcast along q so that the
-    kernel reads every leaf as a row or column vector.
-    """
-    q_leaves, kv_leaves, slots = [], [], []
-    q_length = layout.num_q_blocks * layout.block_q
-    for leaf, kind in zip(kmask.leaves, layout.leaf_kinds, strict=True):
-        if kind == "batch":
-            leaf = jnp.broadcast_to(leaf[:, None], (leaf.shape[0], q_length))
-            kind = "q"
-        leaf = jnp.broadcast_to(leaf, (batch, leaf.shape[1]))
-        stack = q_leaves if kind == "q" else kv_leaves
-        slots.append((kind, len(stack)))
-        stack.append(leaf)
-    stack = lambda xs: jnp.stack(xs, axis=1) if xs else None
-    return stack(q_leaves), stack(kv_leaves), tuple(slots)
 
 
 def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
@@ -207,7 +153,8 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
     head = lax.rem(batch_head, s.num_q_heads)
     kv_head = lax.div(head, s.group_size)
     wg = lax.axis_index("wg")
-    index_offset, flags_offset, partial_offset = _walk_offsets(s.layout.num_kv_blocks)
+    offsets = common.walk_offsets(s.layout.num_kv_blocks)
+    index_offset, flags_offset, _ = offsets
 
     @pl.when(wg == NUM_CONSUMERS)
     def _producer():
@@ -222,31 +169,13 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
         plgpu.barrier_wait(walk_barrier)
         count = walk_smem[0, 0]
 
-        @pl.loop(0, count)
-        def _fetch(step):
-            slot = lax.rem(step, stages)
-
-            # The slot held step - stages: wait until both consumers are done with it.
-            @pl.when(step >= stages)
-            def _():
-                plgpu.barrier_wait(k_consumed.at[slot])
-                plgpu.barrier_wait(v_consumed.at[slot])
-
-            kv_block = _walk_entry(walk_smem, index_offset + step)
-            rows_kv = pl.ds(kv_block * block_kv, block_kv)
-            plgpu.copy_gmem_to_smem(k_ref.at[batch, rows_kv, kv_head], k_smem.at[slot],
-                                    k_barriers.at[slot])
-            if s.num_kv_leaves:
-                plgpu.copy_gmem_to_smem(kv_leaf_ref.at[batch, :, rows_kv],
-                                        kv_leaf_smem.at[slot], kv_leaf_barriers.at[slot])
-            if s.has_partial:
-                @pl.when((_walk_entry(walk_smem, flags_offset + step) & PARTIAL) != 0)
-                def _():
-                    partial_id = _walk_entry(walk_smem, partial_offset + step)
-                    plgpu.copy_gmem_to_smem(partial_ref.at[partial_id], mask_smem.at[slot],
-                                            mask_barriers.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[batch, rows_kv, kv_head], v_smem.at[slot],
-                                    v_barriers.at[slot])
+        common.produce_kv_blocks(
+            walk_smem, count, stages=stages, block_kv=block_kv, batch=batch, kv_head=kv_head,
+            offsets=offsets, k=(k_ref, k_smem, k_barriers), v=(v_ref, v_smem, v_barriers),
+            consumed=(k_consumed, v_consumed),
+            kv_leaves=((kv_leaf_ref, kv_leaf_smem, kv_leaf_barriers)
+                       if s.num_kv_leaves else None),
+            partial=(partial_ref, mask_smem, mask_barriers) if s.has_partial else None)
 
     @pl.when(wg < NUM_CONSUMERS)
     def _consumer():
@@ -289,19 +218,16 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
 
         # Plain scores stay raw until the softmax, which folds the scale into the
         # exp2 argument (one FMA per score); the row max is scaled per row.
-        fold_scale = s.softcap is None and s.score_mod is None and s.scale > 0
+        fold_scale = s.scores.plain and s.scores.scale > 0
 
         def to_log2(x):
-            return x * (s.scale * _LOG2E) if fold_scale else x
-
-        masked_tiles = (s.has_partial or s.layout.ragged_kv
-                        or s.layout.mask_mod_treedef is not None)
+            return x * (s.scores.scale * LOG2E) if fold_scale else x
 
         def step_fn(step, carry, full: bool):
             acc, row_max, row_sum = carry
             slot = lax.rem(step, stages)
-            kv_block = _walk_entry(walk_smem, index_offset + step)
-            flags = _walk_entry(walk_smem, flags_offset + step)
+            kv_block = common.walk_entry(walk_smem, index_offset + step)
+            flags = common.walk_entry(walk_smem, flags_offset + step)
 
             plgpu.barrier_wait(k_barriers.at[slot])
 
@@ -313,7 +239,8 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
             scores = pl.run_scoped(qk, plgpu.ACC(tile, jnp.float32))
             plgpu.barrier_arrive(k_consumed.at[slot])
             if not fold_scale:
-                scores = _transform(s, scores, batch, head, indices, kv_block)
+                scores = common.log2_scores(s.scores, scores, batch, head,
+                                            lambda: indices(kv_block))
 
             kv_leaf_cols = []
             if s.num_kv_leaves:
@@ -324,8 +251,8 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
 
             def masked(scores):
                 q_idx, kv_idx = indices(kv_block)
-                leaf_values = _in_leaf_order(
-                    s, [lax.broadcast_in_dim(x, tile, [0]) for x in q_leaf_rows],
+                leaf_values = common.in_leaf_order(
+                    s.leaf_slots, [lax.broadcast_in_dim(x, tile, [0]) for x in q_leaf_rows],
                     [lax.broadcast_in_dim(x, tile, [1]) for x in kv_leaf_cols])
                 partial_tile = None
                 if s.has_partial:
@@ -374,7 +301,7 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
         num_full = walk_smem[0, 1]
         carry = lax.fori_loop(0, num_full, functools.partial(step_fn, full=True),
                               (acc, row_max, row_sum))
-        if masked_tiles:
+        if common.has_masked_tiles(s.layout, s.has_partial):
             carry = lax.fori_loop(num_full, count, functools.partial(step_fn, full=False),
                                   carry)
         acc, row_max, row_sum = carry
@@ -384,7 +311,7 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
         safe_sum = jnp.where(seen, row_sum, 1.0)
         inverse = jnp.where(seen, 1.0 / safe_sum, 0.0)
         out = acc * lax.broadcast_in_dim(inverse, acc.shape, [0])
-        lse = jnp.where(seen, row_max * _LN2 + jnp.log(safe_sum), -jnp.inf)
+        lse = jnp.where(seen, row_max * LN2 + jnp.log(safe_sum), -jnp.inf)
         # The output reuses Q's buffer when the head dims agree (Q is no longer read).
         o_smem = q_smem if o_only_smem is None else o_only_smem.at[wg]
         o_smem[...] = out.astype(s.dtype)
@@ -393,36 +320,6 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
         plgpu.copy_smem_to_gmem(o_smem, out_ref.at[batch, pl.ds(q_start, rows), head])
         plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(q_start, rows)])
         plgpu.wait_smem_to_gmem(0)
-
-
-def _transform(s: _Statics, scores, batch, head, indices, kv_block):
-    """Scale, softcap and score_mod, in log2 units (the softmax runs on exp2).
-
-    ``indices(kv_block)`` builds the (q_idx, kv_idx) tiles a score_mod needs.
-    """
-    if s.softcap is None and s.score_mod is None:
-        return scores * (s.scale * _LOG2E)
-    scores = scores * s.scale
-    if s.softcap is not None:
-        scores = s.softcap * jnp.tanh(scores * (1.0 / s.softcap))
-    if s.score_mod is not None:
-        scores = apply_score_mod(s.score_mod, (), scores, batch, head, *indices(kv_block))
-    return scores * _LOG2E
-
-
-def _in_leaf_order(s: _Statics, q_values, kv_values):
-    return [q_values[i] if kind == "q" else kv_values[i] for kind, i in s.leaf_slots]
-
-
-def _pad_last(x: Array, size: int) -> Array:
-    return x if x.shape[-1] == size else jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, size
-                                                                               - x.shape[-1]),))
-
-
-def _pad_sequence(x: Array) -> Array:
-    """Pads axis 1 to a multiple of 8 (no copy when it is one)."""
-    extra = -x.shape[1] % 8
-    return x if not extra else jnp.pad(x, ((0, 0), (0, extra), (0, 0), (0, 0)))
 
 
 def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: MaskLayout, *,
@@ -441,17 +338,18 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
         raise ValueError(f"mask tiles {(layout.block_q, layout.block_kv)} differ from the "
                          f"kernel's {(config.block_q, config.block_kv)}")
     dim, dim_v = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
-    q, k, v = _pad_last(q, dim), _pad_last(k, dim), _pad_last(v, dim_v)
+    q, k, v = common.pad_last(q, dim), common.pad_last(k, dim), common.pad_last(v, dim_v)
     # TMA boxes into 8-row-tiled smem need sequence lengths that are multiples of 8;
     # padded keys lie past kv_len, in the ragged (COMPUTED, hence masked) last block.
-    q, k, v = _pad_sequence(q), _pad_sequence(k), _pad_sequence(v)
-    walk = _packed_walk(kmask, layout.num_kv_blocks)
-    q_leaves, kv_leaves, leaf_slots = _stacked_leaves(kmask, layout, batch)
+    q, k, v = common.pad_sequence(q), common.pad_sequence(k), common.pad_sequence(v)
+    walk = common.packed_walk(kmask.kv_num_blocks, kmask.kv_num_full, kmask.kv_indices,
+                              kmask.kv_tile_flags, kmask.kv_partial_ids)
+    q_leaves, kv_leaves, leaf_slots = common.stacked_leaves(kmask, layout, batch)
     interpret = interpret_params is not None
     statics = _Statics(
         config=config, layout=layout, num_q_heads=num_q_heads,
         group_size=num_q_heads // num_kv_heads, head_dim=dim, head_dim_v=dim_v,
-        dtype=q.dtype, scale=scale, softcap=softcap, score_mod=score_mod,
+        dtype=q.dtype, scores=common.ScoreSpec(scale, softcap, score_mod),
         has_partial=has_partial, walk_lines=walk.shape[-2], mask_batch=walk.shape[0],
         mask_heads=walk.shape[1], leaf_slots=leaf_slots, interpret=interpret)
 
@@ -473,31 +371,23 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
     return out[:, :q_len, :, :head_dim_v], lse[..., :q_len]
 
 
-def _swizzled(shape, dtype) -> Any:
-    """SMEM in swizzled 8-row tiles (wgmma operands, register loads) of up to 128 bytes."""
-    itemsize = jnp.dtype(dtype).itemsize
-    swizzle = min(128, shape[-1] * itemsize)
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // itemsize)),
-                                                plgpu.SwizzleTransform(swizzle)))
-
-
 def _scratch(s: _Statics):
     cfg = s.config
     stages, rows = cfg.num_stages, ROWS_PER_CONSUMER
     smem = (
-        _swizzled((NUM_CONSUMERS, rows, s.head_dim), s.dtype),
+        common.swizzled((NUM_CONSUMERS, rows, s.head_dim), s.dtype),
         (None if s.head_dim_v == s.head_dim
-         else _swizzled((NUM_CONSUMERS, rows, s.head_dim_v), s.dtype)),
+         else common.swizzled((NUM_CONSUMERS, rows, s.head_dim_v), s.dtype)),
         plgpu.SMEM((NUM_CONSUMERS, rows), jnp.float32),
-        plgpu.SMEM((s.walk_lines, _WALK_LINE), jnp.int32),
-        _swizzled((stages, cfg.block_kv, s.head_dim), s.dtype),
-        _swizzled((stages, cfg.block_kv, s.head_dim_v), s.dtype),
-        _swizzled((stages, cfg.block_q, cfg.block_kv), jnp.int8) if s.has_partial else None,
+        plgpu.SMEM((s.walk_lines, common.WALK_LINE), jnp.int32),
+        common.swizzled((stages, cfg.block_kv, s.head_dim), s.dtype),
+        common.swizzled((stages, cfg.block_kv, s.head_dim_v), s.dtype),
+        common.swizzled((stages, cfg.block_q, cfg.block_kv), jnp.int8) if s.has_partial else None,
         plgpu.SMEM((s.num_q_leaves, cfg.block_q), jnp.int32) if s.num_q_leaves else None,
         (plgpu.SMEM((stages, s.num_kv_leaves, cfg.block_kv), jnp.int32)
          if s.num_kv_leaves else None),
         # Interpreted only: P staged in smem for the P @ V wgmma.
-        _swizzled((NUM_CONSUMERS, rows, cfg.block_kv), s.dtype) if s.interpret else None,
+        common.swizzled((NUM_CONSUMERS, rows, cfg.block_kv), s.dtype) if s.interpret else None,
     )
     consumed = plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages)
     barriers = (

@@ -2,9 +2,14 @@
 
 `TestMosaicAttentionInterpreted` runs a representative subset through the
 Mosaic-GPU interpreter on any machine (races fail the test);
-`TestMosaicAttentionGpu` runs the full suite compiled on an sm90 GPU.
+`TestMosaicAttentionGpu` runs the full suite compiled on an sm90 GPU. Both
+check that every call took its backward from the Mosaic kernels (not from
+the Triton fallback).
 """
 
+import importlib
+
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -21,9 +26,30 @@ _INTERPRETED = ("causal_ragged", "documents_causal_window", "generic_block_mask"
 INTERPRETED_CASES = tuple(case for case in CASES if case.name in _INTERPRETED)
 
 
+def record_backward_backends(monkeypatch) -> list[str]:
+    """Names of the backward backends `omni_jax.attention` plans from now on."""
+    names = []
+    module = importlib.import_module("omni_jax.attention")  # The package exports the function.
+    plan_attention = module.plan_attention
+
+    def recording(implementation, problem):
+        plan = plan_attention(implementation, problem)
+        names.append(plan.backward.name)
+        return plan
+
+    monkeypatch.setattr(module, "plan_attention", recording)
+    return names
+
+
 class _MosaicSuite(AttentionSuite):
     implementation = "mosaic"
     mask_block_size = (128, 64)
+
+    @pytest.fixture(autouse=True)
+    def _mosaic_backward(self, monkeypatch):
+        names = record_backward_backends(monkeypatch)
+        yield
+        assert names and set(names) == {"mosaic"}, names
 
 
 class TestMosaicAttentionInterpreted(_MosaicSuite):
@@ -50,3 +76,20 @@ def test_score_mod_capturing_arrays_is_declined(monkeypatch):
     with pytest.raises(ValueError, match="captures arrays"):
         omni_jax.attention(q, q, q, score_mod=lambda s, b, h, i, j: s - slopes[h],
                            implementation="mosaic")
+
+
+@pytest.mark.parametrize("head_dim,block_kv,mosaic_backward", [
+    (128, None, True),
+    (256, None, False),  # 64-row float32 accumulators of 256 columns exceed the registers.
+    (64, 64, True),
+])
+def test_backward_falls_back_where_mosaic_has_none(head_dim, block_kv, mosaic_backward,
+                                                   monkeypatch):
+    """The fallback is the next backend in the device's order (Triton on GPUs)."""
+    monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
+    names = record_backward_backends(monkeypatch)
+    q = jax.ShapeDtypeStruct((1, 256, 2, head_dim), jnp.bfloat16)
+    mask = None if block_kv is None else omni_jax.create_block_mask(
+        lambda b, h, i, j: i >= j, None, None, 256, 256, (128, block_kv))
+    jax.eval_shape(lambda q: omni_jax.attention(q, q, q, mask=mask, implementation="mosaic"), q)
+    assert len(names) == 1 and (names[0] == "mosaic") == mosaic_backward, names

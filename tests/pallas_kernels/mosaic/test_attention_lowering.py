@@ -15,11 +15,12 @@ from pallas_kernels import runtime
 _MASK_CACHE = {}
 
 
-def _generic_mask(length, block_kv):
-    key = (length, block_kv)
+def _generic_mask(length, block_kv, heads=None):
+    """A stored-tile mask, the same for every head or (``heads``) one per head."""
+    key = (length, block_kv, heads)
     if key not in _MASK_CACHE:
         _MASK_CACHE[key] = omni_jax.create_block_mask(
-            lambda b, h, i, j: (i * 7 + j * 3) % 5 != 0, None, None, length, length,
+            lambda b, h, i, j: (i * 7 + j * 3 + h) % 5 != 0, None, heads, length, length,
             (128, block_kv))
     return _MASK_CACHE[key]
 
@@ -31,6 +32,9 @@ VARIANTS = {
                                    local_window_size=(30, 0)),
     "partial_tiles_hd128": dict(shape=(1, 300, 2, 128), kv_heads=2, mask=128),
     "partial_tiles_block_kv_64": dict(shape=(1, 300, 2, 64), kv_heads=1, mask=64),
+    # Per-head tiles under GQA: a dK/dV CTA walks the mask of each head of its group.
+    "partial_tiles_per_head_gqa": dict(shape=(1, 300, 4, 64), kv_heads=2, mask=128,
+                                       mask_heads=4),
     "softcap_score_mod_sinks_fp16": dict(
         shape=(1, 256, 2, 128), kv_heads=1, dtype=jnp.float16, softcap=5.0,
         score_mod=lambda s, b, h, i, j: s - 0.1 * jnp.abs(i - j),
@@ -41,23 +45,51 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(VARIANTS))
-def test_forward_lowers_for_cuda(name, monkeypatch):
-    monkeypatch.delenv(runtime.INTERPRET_ENV_VAR, raising=False)
-    monkeypatch.setattr(runtime, "can_run_mosaic_hopper", lambda: True)
+# Head dim 256 has no Mosaic backward (Triton serves it): see test_backward_fallbacks.
+BACKWARD_VARIANTS = sorted(name for name in VARIANTS if not name.startswith("hd256"))
+
+
+def _arguments(name):
     kwargs = dict(VARIANTS[name])
     batch, length, heads, head_dim = kwargs.pop("shape")
     kv_heads = kwargs.pop("kv_heads")
     dtype = kwargs.pop("dtype", jnp.bfloat16)
     head_dim_v = kwargs.pop("head_dim_v", head_dim)
     if "mask" in kwargs:
-        kwargs["mask"] = _generic_mask(length, kwargs.pop("mask"))
+        kwargs["mask"] = _generic_mask(length, kwargs.pop("mask"), kwargs.pop("mask_heads", None))
     q = jax.ShapeDtypeStruct((batch, length, heads, head_dim), dtype)
     k = jax.ShapeDtypeStruct((batch, length, kv_heads, head_dim), dtype)
     v = jax.ShapeDtypeStruct((batch, length, kv_heads, head_dim_v), dtype)
+    return (q, k, v), kwargs
+
+
+@pytest.fixture
+def _compiled_mosaic(monkeypatch):
+    monkeypatch.delenv(runtime.INTERPRET_ENV_VAR, raising=False)
+    monkeypatch.setattr(runtime, "can_run_mosaic_hopper", lambda: True)
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_forward_lowers_for_cuda(name, _compiled_mosaic):
+    (q, k, v), kwargs = _arguments(name)
 
     def run(q, k, v):
         return omni_jax.attention(q, k, v, implementation="mosaic", return_lse=True, **kwargs)
 
     text = jax.jit(run).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("name", BACKWARD_VARIANTS)
+def test_backward_lowers_for_cuda(name, _compiled_mosaic):
+    """Forward and both backward kernels (dK/dV, dQ) lower; no Triton kernel is involved."""
+    (q, k, v), kwargs = _arguments(name)
+
+    def loss(q, k, v):
+        out, lse = omni_jax.attention(q, k, v, implementation="mosaic", return_lse=True,
+                                      **kwargs)
+        return out.astype(jnp.float32).sum() + lse.sum()
+
+    grads = jax.grad(loss, argnums=(0, 1, 2))
+    text = jax.jit(grads).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= 3 and "triton" not in text

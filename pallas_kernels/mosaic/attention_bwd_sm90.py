@@ -1,0 +1,670 @@
+"""Block-sparse attention backward for Hopper (sm90) in Pallas Mosaic-GPU.
+
+Two warp-specialized kernels, no atomics, both walking the forward's
+BlockMask (q tiles of ``BLOCK_Q = 128`` rows, kv tiles of ``block_kv``):
+
+* dK/dV: one CTA per (kv-block, batch, kv head). Each consumer warpgroup TMA-
+  loads its 64 rows of K and V once. The producer warpgroup walks, for each
+  query head of the GQA group, the active q-blocks of the kv-block (the
+  kv-major view of the mask) as 64-row halves, and TMA-loads Q, dO, lse and
+  delta of each half (plus the q mask leaves and, for PARTIAL tiles, the
+  stored tile) into a ring of stages; MASKED tiles are never loaded. Per
+  step a consumer computes ``S^T = K Q^T`` and ``dP^T = V dO^T`` by wgmma,
+  ``P^T = exp2(S^T - lse)`` (scores in log2 units), ``dV += P^T dO`` and
+  ``dS^T = P^T (dP^T - delta)`` (times the softcap/score_mod derivative and
+  the scale), ``dK += dS^T Q``. dK and dV stay in registers across the whole
+  group, so the GQA reduction needs no atomics.
+* dQ: one CTA per (q-block, batch, q head), structured as the forward: the
+  producer fetches K and V of the active kv-blocks (q-major view) through
+  the same ring code (`attention_sm90_common.produce_kv_blocks`), two
+  consumers own 64 q rows each and accumulate ``dQ += dS K``.
+
+FULL tiles do no mask math; COMPUTED tiles evaluate the mask from indices
+and leaves; PARTIAL tiles read the stored int8 tile (transposed for dK/dV,
+whose tiles are kv-major). ``delta = rowsum(dO * O) - dlse`` is computed in
+JAX beforehand (the lse cotangent folds into it). Rows that see no key have
+lse -inf, passed as ``lse2 = +inf`` so that their P is exactly 0.
+
+Head dims up to 128 (padded to 64 or 128): at 256 the 64-row float32
+accumulators (dK and dV, or dQ) with the score tiles exceed the registers of
+a warpgroup; `MosaicBackend` then takes the backward from Triton.
+
+Cost: the dQ kernel recomputes S and dP, so a tile takes 7 matmuls where
+FlashAttention-3 takes 5 (it adds dQ from the dK/dV kernel by TMA
+reduce-add into a float32 buffer). The Mosaic-GPU interpreter cannot run
+reductions in TMA stores, and every kernel here must run interpreted in CI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from omni_jax.masks import PARTIAL
+from omni_jax.scores import ConvertedScoreMod
+from pallas_kernels import compat
+from pallas_kernels.block_sparse import KernelMask, MaskLayout, tile_visibility
+from pallas_kernels.mosaic import attention_sm90_common as common
+from pallas_kernels.mosaic.attention_sm90_common import (
+    BLOCK_Q,
+    LOG2E,
+    ROWS_PER_CONSUMER,
+    padded_head_dim,
+)
+
+Array = Any
+
+MAX_HEAD_DIM = 128
+Q_STEP = 64  # q rows per dK/dV step: a q-block is walked as two halves.
+NUM_DQ_CONSUMERS = BLOCK_Q // ROWS_PER_CONSUMER
+SUPPORTED_BLOCK_KV = (64, 128)  # 64 kv rows per dK/dV consumer warpgroup: 1 or 2 of them.
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardConfig:
+    """Tiling of the backward kernels; ``block_q`` x ``block_kv`` is the BlockMask tile.
+
+    ``dkv_stages`` slots of (Q, dO, lse, delta) halves feed the dK/dV kernel,
+    ``dq_stages`` slots of (K, V) blocks the dQ kernel.
+    """
+
+    block_kv: int
+    dkv_stages: int
+    dq_stages: int
+    block_q: int = BLOCK_Q
+
+    def __post_init__(self):
+        if self.block_q != BLOCK_Q:
+            raise ValueError(f"block_q must be {BLOCK_Q}, got {self.block_q}")
+        if self.block_kv not in SUPPORTED_BLOCK_KV:
+            raise ValueError(f"block_kv must be one of {SUPPORTED_BLOCK_KV}, got "
+                             f"{self.block_kv}")
+        if self.dkv_stages < 1 or self.dq_stages < 1:
+            raise ValueError(f"stages must be at least 1, got {self.dkv_stages}, "
+                             f"{self.dq_stages}")
+
+    @property
+    def dkv_consumers(self) -> int:
+        return self.block_kv // ROWS_PER_CONSUMER
+
+
+# Per padded head dim (bf16 and fp16 alike, causal or not: the walk decides the work).
+# The block_kv matches the forward's (one BlockMask serves both passes); the stage
+# counts are upper bounds that `fit_config` lowers until shared memory fits.
+_CONFIGS = {
+    64: BackwardConfig(block_kv=128, dkv_stages=4, dq_stages=3),
+    128: BackwardConfig(block_kv=128, dkv_stages=3, dq_stages=2),
+}
+
+
+def backward_config(head_dim: int, dtype: Any, causal: bool) -> BackwardConfig | None:
+    """The tuned config for a (padded) head dim, or None above `MAX_HEAD_DIM`."""
+    del dtype, causal  # Same tiles for both 16-bit types; the mask walk skips the rest.
+    return _CONFIGS.get(padded_head_dim(head_dim))
+
+
+def smem_bytes(config: BackwardConfig, head_dim: int, head_dim_v: int, itemsize: int,
+               has_partial: bool, num_q_leaves: int = 0,
+               num_kv_leaves: int = 0) -> tuple[int, int]:
+    """Shared memory of one (dK/dV, dQ) CTA; head dims already padded."""
+    width = (head_dim + head_dim_v) * itemsize
+    dkv_stage = Q_STEP * width + 2 * Q_STEP * 4 + num_q_leaves * Q_STEP * 4
+    dq_stage = config.block_kv * width + num_kv_leaves * config.block_kv * 4
+    if has_partial:
+        dkv_stage += config.block_kv * Q_STEP
+        dq_stage += config.block_q * config.block_kv
+    dkv = config.block_kv * width + config.dkv_stages * dkv_stage
+    dq = config.block_q * width + 2 * config.block_q * 4 + config.dq_stages * dq_stage
+    return dkv, dq
+
+
+def fit_config(config: BackwardConfig, limit: int, *args, **kwargs) -> BackwardConfig | None:
+    """``config`` with as many stages as fit in ``limit`` bytes (`smem_bytes` arguments)."""
+    while True:
+        dkv, dq = smem_bytes(config, *args, **kwargs)
+        if dkv <= limit and dq <= limit:
+            return config
+        if (dkv > limit and config.dkv_stages == 1) or (dq > limit and config.dq_stages == 1):
+            return None
+        config = dataclasses.replace(
+            config, dkv_stages=config.dkv_stages - (dkv > limit),
+            dq_stages=config.dq_stages - (dq > limit))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Statics:
+    """Everything static the kernel bodies need."""
+
+    config: BackwardConfig
+    layout: MaskLayout
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    head_dim_v: int
+    dtype: Any
+    scores: common.ScoreSpec
+    has_partial: bool
+    dq_walk_lines: int
+    dkv_walk_lines: int
+    mask_batch: int
+    mask_heads: int
+    leaf_slots: tuple[tuple[str, int], ...]
+    interpret: bool
+
+    @property
+    def group_size(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def dkv_walk_heads(self) -> int:
+        """Walk rows a dK/dV CTA loads: one per query head of its group if the mask has heads."""
+        return self.group_size if self.mask_heads > 1 else 1
+
+    @property
+    def num_q_leaves(self) -> int:
+        return sum(kind == "q" for kind, _ in self.leaf_slots)
+
+    @property
+    def num_kv_leaves(self) -> int:
+        return sum(kind == "kv" for kind, _ in self.leaf_slots)
+
+
+def _iota(shape, axis):
+    return plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
+
+
+def _transposed(ref):
+    return plgpu.transpose_ref(ref, (1, 0))
+
+
+def _products(tile, *operands):
+    """``a @ b`` (float32, ``tile``-shaped) for each ``(a, b)`` of smem operands by wgmma.
+
+    All products are issued before the one wait that reading the results implies.
+    """
+    def issue(*acc_refs):
+        for acc_ref, (a, b) in zip(acc_refs, operands, strict=True):
+            plgpu.wgmma(acc_ref, a, b)
+        return tuple(acc_ref[...] for acc_ref in acc_refs)
+
+    return pl.run_scoped(issue, *(plgpu.ACC(tile, jnp.float32) for _ in operands))
+
+
+def _staged(staging, value):
+    """A register wgmma operand; interpreted, staged in smem (its wgmma reads smem only)."""
+    if staging is None:
+        return value
+    staging[...] = value
+    return staging
+
+
+def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *refs):
+    cfg = s.config
+    rows, stages, consumers = ROWS_PER_CONSUMER, cfg.dkv_stages, cfg.dkv_consumers
+    refs = list(refs)
+    partial_ref = refs.pop(0) if s.has_partial else None
+    q_leaf_ref = refs.pop(0) if s.num_q_leaves else None
+    kv_leaf_ref = refs.pop(0) if s.num_kv_leaves else None
+    dk_ref, dv_ref, smem, barriers = refs
+    (k_smem, v_smem, walk_smem, q_ring, do_ring, stats_ring, mask_ring, q_leaf_ring,
+     kv_leaf_smem, staging) = smem
+    (walk_barrier, kv_leaf_barrier, k_barriers, v_barriers, q_ready, do_ready, stats_ready,
+     mask_ready, q_leaf_ready, consumed) = barriers
+
+    kv_block = lax.axis_index("kv_block")
+    batch_head = lax.axis_index("batch_head")
+    batch = lax.div(batch_head, s.num_kv_heads)
+    kv_head = lax.rem(batch_head, s.num_kv_heads)
+    first_head = kv_head * s.group_size
+    wg = lax.axis_index("wg")
+    index_offset, flags_offset, partial_offset = common.walk_offsets(s.layout.num_q_blocks)
+
+    def entry(g, i):
+        """Entry ``i`` of the walk of the group's ``g``-th query head."""
+        row = g if s.dkv_walk_heads > 1 else 0
+        return walk_smem[row, lax.div(i, common.WALK_LINE), lax.rem(i, common.WALK_LINE)]
+
+    def num_steps(g):
+        return 2 * entry(g, 0)  # Two q halves per active q-block.
+
+    def step_position(g, j):
+        """(q-block flags, first q row, q half) of step ``j`` of head ``g``'s walk."""
+        i, half = lax.div(j, 2), lax.rem(j, 2)
+        q_block = entry(g, index_offset + i)
+        return entry(g, flags_offset + i), q_block * BLOCK_Q + half * Q_STEP, half, i
+
+    # Registers move from the producer to the consumers only with two consumers: with
+    # one, the two warpgroups already get the per-thread maximum each.
+    rebalance = consumers > 1
+
+    @pl.when(wg == consumers)
+    def _producer():
+        if rebalance:
+            plgpu.set_max_registers(40, action="decrease")
+        mask_b = batch if s.mask_batch > 1 else 0
+        mask_h = first_head if s.dkv_walk_heads > 1 else 0
+        plgpu.copy_gmem_to_smem(walk_ref.at[mask_b, pl.ds(mask_h, s.dkv_walk_heads), kv_block],
+                                walk_smem, walk_barrier)
+        if s.num_kv_leaves:
+            plgpu.copy_gmem_to_smem(
+                kv_leaf_ref.at[batch, :, pl.ds(kv_block * cfg.block_kv, cfg.block_kv)],
+                kv_leaf_smem, kv_leaf_barrier)
+        plgpu.barrier_wait(walk_barrier)
+
+        def head_steps(g, step):
+            head = first_head + g
+
+            def fetch(j, step):
+                slot = lax.rem(step, stages)
+
+                # The slot held step - stages: wait until every consumer is done with it.
+                @pl.when(step >= stages)
+                def _():
+                    plgpu.barrier_wait(consumed.at[slot])
+
+                flags, q_start, half, i = step_position(g, j)
+                q_rows = pl.ds(q_start, Q_STEP)
+                plgpu.copy_gmem_to_smem(q_ref.at[batch, q_rows, head], q_ring.at[slot],
+                                        q_ready.at[slot])
+                plgpu.copy_gmem_to_smem(stats_ref.at[batch, head, :, q_rows],
+                                        stats_ring.at[slot], stats_ready.at[slot])
+                if s.num_q_leaves:
+                    plgpu.copy_gmem_to_smem(q_leaf_ref.at[batch, :, q_rows],
+                                            q_leaf_ring.at[slot], q_leaf_ready.at[slot])
+                if s.has_partial:
+                    @pl.when((flags & PARTIAL) != 0)
+                    def _():
+                        partial_id = entry(g, partial_offset + i)
+                        plgpu.copy_gmem_to_smem(
+                            partial_ref.at[partial_id, :, pl.ds(half * Q_STEP, Q_STEP)],
+                            mask_ring.at[slot], mask_ready.at[slot])
+                plgpu.copy_gmem_to_smem(do_ref.at[batch, q_rows, head], do_ring.at[slot],
+                                        do_ready.at[slot])
+                return step + 1
+
+            return lax.fori_loop(0, num_steps(g), fetch, step)
+
+        num_loads = lax.fori_loop(0, s.group_size, head_steps, jnp.int32(0))
+        common.drain_ring(num_loads, stages, consumed)
+
+    @pl.when(wg < consumers)
+    def _consumer():
+        if rebalance:
+            plgpu.set_max_registers(232, action="increase")
+        kv_start = kv_block * cfg.block_kv + wg * rows
+        kv_rows = pl.ds(kv_start, rows)
+        k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
+        plgpu.copy_gmem_to_smem(k_ref.at[batch, kv_rows, kv_head], k_tile, k_barriers.at[wg])
+        plgpu.copy_gmem_to_smem(v_ref.at[batch, kv_rows, kv_head], v_tile, v_barriers.at[wg])
+        row_layout = compat.wgmma_row_layout()
+        col_layout = compat.wgmma_col_layout()
+        tile = (rows, Q_STEP)  # Transposed scores: kv rows x q columns.
+        p_stage, ds_stage = (None, None) if staging is None else (staging.at[0, wg],
+                                                                   staging.at[1, wg])
+
+        def indices(q_start):
+            return q_start + _iota(tile, 1), kv_start + _iota(tile, 0)
+
+        kv_leaf_rows = []
+        if s.num_kv_leaves:
+            plgpu.barrier_wait(kv_leaf_barrier)
+            for i in range(s.num_kv_leaves):
+                kv_leaf_rows.append(compat.mosaic_load(
+                    kv_leaf_smem.at[i, pl.ds(wg * rows, rows)], row_layout,
+                    interpret=s.interpret))
+        plgpu.barrier_wait(walk_barrier)
+        plgpu.barrier_wait(k_barriers.at[wg])
+        plgpu.barrier_wait(v_barriers.at[wg])
+
+        def head_steps(g, carry):
+            head = first_head + g
+
+            def step_fn(j, carry):
+                dk, dv, step = carry
+                slot = lax.rem(step, stages)
+                flags, q_start, _, _ = step_position(g, j)
+                q_half, do_half = q_ring.at[slot], do_ring.at[slot]
+
+                plgpu.barrier_wait(q_ready.at[slot])
+                plgpu.barrier_wait(do_ready.at[slot])
+                scores, dprobs = _products(tile, (k_tile, _transposed(q_half)),
+                                           (v_tile, _transposed(do_half)))
+                scores, slope = common.log2_scores(s.scores, scores, batch, head,
+                                                   lambda: indices(q_start), slope=True)
+
+                def masked(scores):
+                    q_idx, kv_idx = indices(q_start)
+                    q_leaf_cols = [
+                        compat.mosaic_load(q_leaf_ring.at[slot, i], col_layout,
+                                           interpret=s.interpret)
+                        for i in range(s.num_q_leaves)]
+                    leaf_values = common.in_leaf_order(
+                        s.leaf_slots, [lax.broadcast_in_dim(x, tile, [1]) for x in q_leaf_cols],
+                        [lax.broadcast_in_dim(x, tile, [0]) for x in kv_leaf_rows])
+                    partial_tile = None
+                    if s.has_partial:
+                        @pl.when((flags & PARTIAL) != 0)
+                        def _():
+                            plgpu.barrier_wait(mask_ready.at[slot])
+
+                        partial_tile = compat.mosaic_load(
+                            mask_ring.at[slot, pl.ds(wg * rows, rows)], plgpu.Layout.WGMMA,
+                            interpret=s.interpret)
+                    visible = tile_visibility(s.layout, flags, q_idx, kv_idx, leaf_values,
+                                              partial_tile)
+                    return jnp.where(visible, scores, -jnp.inf)
+
+                if s.num_q_leaves:  # Loaded for every step, FULL ones too.
+                    plgpu.barrier_wait(q_leaf_ready.at[slot])
+                # FULL tiles (flags 0) skip the mask entirely.
+                scores = lax.cond(flags != 0, masked, lambda x: x, scores)
+
+                plgpu.barrier_wait(stats_ready.at[slot])
+                lse2 = compat.mosaic_load(stats_ring.at[slot, 0], col_layout,
+                                          interpret=s.interpret)
+                delta = compat.mosaic_load(stats_ring.at[slot, 1], col_layout,
+                                           interpret=s.interpret)
+                probs = jnp.exp2(scores - lax.broadcast_in_dim(lse2, tile, [1]))
+
+                dscores = probs * (dprobs - lax.broadcast_in_dim(delta, tile, [1]))
+                if slope is not None:
+                    dscores = dscores * slope
+                dscores = (dscores * s.scores.scale).astype(s.dtype)
+                probs = _staged(p_stage, probs.astype(s.dtype))
+                dv, dk = compat.wgmma_accumulate_all(
+                    (dv, dk), ((probs, do_half), (_staged(ds_stage, dscores), q_half)),
+                    interpret=s.interpret)
+                plgpu.barrier_arrive(consumed.at[slot])
+                return dk, dv, step + 1
+
+            return lax.fori_loop(0, num_steps(g), step_fn, carry)
+
+        zeros = lambda dim: plgpu.layout_cast(jnp.zeros((rows, dim), jnp.float32),
+                                              plgpu.Layout.WGMMA)
+        dk, dv, _ = lax.fori_loop(0, s.group_size, head_steps,
+                                  (zeros(s.head_dim), zeros(s.head_dim_v), jnp.int32(0)))
+        # K and V are no longer read: their buffers stage dK and dV for the TMA store.
+        k_tile[...] = dk.astype(s.dtype)
+        v_tile[...] = dv.astype(s.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[batch, kv_rows, kv_head])
+        plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[batch, kv_rows, kv_head])
+        plgpu.wait_smem_to_gmem(0)
+
+
+def _dq_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *refs):
+    cfg = s.config
+    rows, block_kv, stages = ROWS_PER_CONSUMER, cfg.block_kv, cfg.dq_stages
+    refs = list(refs)
+    partial_ref = refs.pop(0) if s.has_partial else None
+    q_leaf_ref = refs.pop(0) if s.num_q_leaves else None
+    kv_leaf_ref = refs.pop(0) if s.num_kv_leaves else None
+    dq_ref, smem, barriers = refs
+    (q_smem, do_smem, stats_smem, walk_smem, k_ring, v_ring, mask_ring, q_leaf_smem,
+     kv_leaf_ring, staging) = smem
+    (walk_barrier, q_leaf_barrier, q_barriers, do_barriers, stats_barriers, k_ready, v_ready,
+     mask_ready, kv_leaf_ready, k_consumed, v_consumed) = barriers
+
+    # Last q-blocks first: under causal-like masks they have the most kv-blocks.
+    q_block = s.layout.num_q_blocks - 1 - lax.axis_index("q_block")
+    batch_head = lax.axis_index("batch_head")
+    batch = lax.div(batch_head, s.num_q_heads)
+    head = lax.rem(batch_head, s.num_q_heads)
+    kv_head = lax.div(head, s.group_size)
+    wg = lax.axis_index("wg")
+    offsets = common.walk_offsets(s.layout.num_kv_blocks)
+    index_offset, flags_offset, _ = offsets
+
+    @pl.when(wg == NUM_DQ_CONSUMERS)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+        mask_b = batch if s.mask_batch > 1 else 0
+        mask_h = head if s.mask_heads > 1 else 0
+        plgpu.copy_gmem_to_smem(walk_ref.at[mask_b, mask_h, q_block], walk_smem, walk_barrier)
+        if s.num_q_leaves:
+            plgpu.copy_gmem_to_smem(
+                q_leaf_ref.at[batch, :, pl.ds(q_block * BLOCK_Q, BLOCK_Q)], q_leaf_smem,
+                q_leaf_barrier)
+        plgpu.barrier_wait(walk_barrier)
+        common.produce_kv_blocks(
+            walk_smem, walk_smem[0, 0], stages=stages, block_kv=block_kv, batch=batch,
+            kv_head=kv_head, offsets=offsets, k=(k_ref, k_ring, k_ready),
+            v=(v_ref, v_ring, v_ready), consumed=(k_consumed, v_consumed),
+            kv_leaves=((kv_leaf_ref, kv_leaf_ring, kv_leaf_ready)
+                       if s.num_kv_leaves else None),
+            partial=(partial_ref, mask_ring, mask_ready) if s.has_partial else None)
+
+    @pl.when(wg < NUM_DQ_CONSUMERS)
+    def _consumer():
+        plgpu.set_max_registers(232, action="increase")
+        q_start = q_block * BLOCK_Q + wg * rows
+        q_rows = pl.ds(q_start, rows)
+        q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
+        plgpu.copy_gmem_to_smem(q_ref.at[batch, q_rows, head], q_tile, q_barriers.at[wg])
+        plgpu.copy_gmem_to_smem(do_ref.at[batch, q_rows, head], do_tile, do_barriers.at[wg])
+        plgpu.copy_gmem_to_smem(stats_ref.at[batch, head, :, q_rows], stats_smem.at[wg],
+                                stats_barriers.at[wg])
+        row_layout = compat.wgmma_row_layout()
+        col_layout = compat.wgmma_col_layout()
+        tile = (rows, block_kv)
+        stage = staging.at[wg] if staging is not None else None
+
+        def indices(kv_block):
+            return q_start + _iota(tile, 0), kv_block * block_kv + _iota(tile, 1)
+
+        q_leaf_rows = []
+        if s.num_q_leaves:
+            plgpu.barrier_wait(q_leaf_barrier)
+            for i in range(s.num_q_leaves):
+                q_leaf_rows.append(compat.mosaic_load(
+                    q_leaf_smem.at[i, pl.ds(wg * rows, rows)], row_layout,
+                    interpret=s.interpret))
+        plgpu.barrier_wait(stats_barriers.at[wg])
+        lse2 = compat.mosaic_load(stats_smem.at[wg, 0], row_layout, interpret=s.interpret)
+        delta = compat.mosaic_load(stats_smem.at[wg, 1], row_layout, interpret=s.interpret)
+        plgpu.barrier_wait(walk_barrier)
+        count = walk_smem[0, 0]
+        plgpu.barrier_wait(q_barriers.at[wg])
+        plgpu.barrier_wait(do_barriers.at[wg])
+
+        def step_fn(step, dq, full: bool):
+            slot = lax.rem(step, stages)
+            kv_block = common.walk_entry(walk_smem, index_offset + step)
+            flags = common.walk_entry(walk_smem, flags_offset + step)
+            k_block = k_ring.at[slot]
+
+            plgpu.barrier_wait(k_ready.at[slot])
+            plgpu.barrier_wait(v_ready.at[slot])
+            scores, dprobs = _products(tile, (q_tile, _transposed(k_block)),
+                                       (do_tile, _transposed(v_ring.at[slot])))
+            plgpu.barrier_arrive(v_consumed.at[slot])
+            scores, slope = common.log2_scores(s.scores, scores, batch, head,
+                                               lambda: indices(kv_block), slope=True)
+
+            kv_leaf_cols = []
+            if s.num_kv_leaves:
+                plgpu.barrier_wait(kv_leaf_ready.at[slot])
+                for i in range(s.num_kv_leaves):
+                    kv_leaf_cols.append(compat.mosaic_load(
+                        kv_leaf_ring.at[slot, i], col_layout, interpret=s.interpret))
+
+            def masked(scores):
+                q_idx, kv_idx = indices(kv_block)
+                leaf_values = common.in_leaf_order(
+                    s.leaf_slots, [lax.broadcast_in_dim(x, tile, [0]) for x in q_leaf_rows],
+                    [lax.broadcast_in_dim(x, tile, [1]) for x in kv_leaf_cols])
+                partial_tile = None
+                if s.has_partial:
+                    @pl.when((flags & PARTIAL) != 0)
+                    def _():
+                        plgpu.barrier_wait(mask_ready.at[slot])
+
+                    partial_tile = compat.mosaic_load(
+                        mask_ring.at[slot, pl.ds(wg * rows, rows)], plgpu.Layout.WGMMA,
+                        interpret=s.interpret)
+                visible = tile_visibility(s.layout, flags, q_idx, kv_idx, leaf_values,
+                                          partial_tile)
+                return jnp.where(visible, scores, -jnp.inf)
+
+            if not full:
+                scores = masked(scores)
+            probs = jnp.exp2(scores - lax.broadcast_in_dim(lse2, tile, [0]))
+
+            dscores = probs * (dprobs - lax.broadcast_in_dim(delta, tile, [0]))
+            if slope is not None:
+                dscores = dscores * slope
+            dscores = (dscores * s.scores.scale).astype(s.dtype)
+            dq = compat.wgmma_accumulate(dq, _staged(stage, dscores), k_block,
+                                         interpret=s.interpret)
+            plgpu.barrier_arrive(k_consumed.at[slot])
+            return dq
+
+        dq = plgpu.layout_cast(jnp.zeros((rows, s.head_dim), jnp.float32), plgpu.Layout.WGMMA)
+        # The walk lists FULL tiles first: one loop without mask code, then the rest.
+        num_full = walk_smem[0, 1]
+        dq = lax.fori_loop(0, num_full, functools.partial(step_fn, full=True), dq)
+        if common.has_masked_tiles(s.layout, s.has_partial):
+            dq = lax.fori_loop(num_full, count, functools.partial(step_fn, full=False), dq)
+        # Q is no longer read: its buffer stages dQ for the TMA store (clipped at q_len).
+        q_tile[...] = dq.astype(s.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[batch, q_rows, head])
+        plgpu.wait_smem_to_gmem(0)
+
+
+def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: MaskLayout,
+                       out: Array, lse: Array, dout: Array, dlse: Array, *, scale: float,
+                       softcap: float | None, score_mod: ConvertedScoreMod | None,
+                       has_partial: bool, config: BackwardConfig,
+                       interpret_params: Any = None) -> tuple[Array, Array, Array, Array]:
+    """``(dq, dk, dv, delta)``; shapes as `attention_forward`'s inputs.
+
+    ``lse`` is the forward's (sinks included), ``delta [B, Hq, Sq]`` float32 is
+    ``rowsum(dO * O) - dlse``, returned for the sink gradient. ``score_mod``
+    must capture no arrays; ``has_partial`` False promises no PARTIAL tile.
+    """
+    batch, q_len, num_q_heads, head_dim = q.shape
+    kv_len, num_kv_heads, head_dim_v = k.shape[1], v.shape[2], v.shape[3]
+    if (layout.block_q, layout.block_kv) != (config.block_q, config.block_kv):
+        raise ValueError(f"mask tiles {(layout.block_q, layout.block_kv)} differ from the "
+                         f"kernels' {(config.block_q, config.block_kv)}")
+    dim, dim_v = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
+    if max(dim, dim_v) > MAX_HEAD_DIM:
+        raise ValueError(f"head dims {head_dim}, {head_dim_v} exceed {MAX_HEAD_DIM}")
+
+    delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32), out.astype(jnp.float32))
+    delta = delta - dlse.astype(jnp.float32)
+    q_padded = layout.num_q_blocks * BLOCK_Q
+    pad_q = lambda x, value: jnp.pad(x, ((0, 0), (0, 0), (0, q_padded - q_len)),
+                                     constant_values=value)
+    # P = exp2(s2 - lse2): rows that see no key (lse -inf) and padding rows get
+    # lse2 = +inf, so their P is exactly 0 instead of NaN.
+    lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(jnp.float32) * LOG2E)
+    stats = jnp.stack([pad_q(lse2, jnp.inf), pad_q(delta, 0.0)], axis=2)  # [B, Hq, 2, Sq]
+
+    pad = lambda x, d: common.pad_sequence(common.pad_last(x, d))
+    q, k, v, do = pad(q, dim), pad(k, dim), pad(v, dim_v), pad(dout.astype(q.dtype), dim_v)
+    dq_walk = common.packed_walk(kmask.kv_num_blocks, kmask.kv_num_full, kmask.kv_indices,
+                                 kmask.kv_tile_flags, kmask.kv_partial_ids)
+    dkv_walk = common.packed_walk(kmask.q_num_blocks, kmask.q_num_full, kmask.q_indices,
+                                  kmask.q_tile_flags, kmask.q_partial_ids)
+    q_leaves, kv_leaves, leaf_slots = common.stacked_leaves(kmask, layout, batch)
+    interpret = interpret_params is not None
+    statics = _Statics(
+        config=config, layout=layout, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+        head_dim=dim, head_dim_v=dim_v, dtype=q.dtype,
+        scores=common.ScoreSpec(scale, softcap, score_mod), has_partial=has_partial,
+        dq_walk_lines=dq_walk.shape[-2], dkv_walk_lines=dkv_walk.shape[-2],
+        mask_batch=dq_walk.shape[0], mask_heads=dq_walk.shape[1], leaf_slots=leaf_slots,
+        interpret=interpret)
+
+    def operands(walk, partial_tiles):
+        extra = [partial_tiles] if has_partial else []
+        return [q, k, v, do, stats, walk, *extra,
+                *(x for x in (q_leaves, kv_leaves) if x is not None)]
+
+    params = plgpu.CompilerParams(approx_math=True)
+    partial_masks = kmask.partial_masks.astype(jnp.int8)
+    dk, dv = compat.mosaic_kernel(
+        functools.partial(_dkv_kernel, statics),
+        (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+        scratch_types=_dkv_scratch(statics),
+        grid=(layout.num_kv_blocks, batch * num_kv_heads), grid_names=("kv_block", "batch_head"),
+        num_threads=config.dkv_consumers + 1, thread_name="wg", compiler_params=params,
+        interpret=interpret_params,
+    )(*operands(dkv_walk, jnp.swapaxes(partial_masks, 1, 2)))  # kv-major tiles
+    dq = compat.mosaic_kernel(
+        functools.partial(_dq_kernel, statics), jax.ShapeDtypeStruct(q.shape, q.dtype),
+        scratch_types=_dq_scratch(statics),
+        grid=(layout.num_q_blocks, batch * num_q_heads), grid_names=("q_block", "batch_head"),
+        num_threads=NUM_DQ_CONSUMERS + 1, thread_name="wg", compiler_params=params,
+        interpret=interpret_params,
+    )(*operands(dq_walk, partial_masks))
+    return (dq[:, :q_len, :, :head_dim], dk[:, :kv_len, :, :head_dim],
+            dv[:, :kv_len, :, :head_dim_v], delta)
+
+
+def _dkv_scratch(s: _Statics):
+    cfg = s.config
+    stages, rows, consumers = cfg.dkv_stages, ROWS_PER_CONSUMER, cfg.dkv_consumers
+    smem = (
+        common.swizzled((consumers, rows, s.head_dim), s.dtype),
+        common.swizzled((consumers, rows, s.head_dim_v), s.dtype),
+        plgpu.SMEM((s.dkv_walk_heads, s.dkv_walk_lines, common.WALK_LINE), jnp.int32),
+        common.swizzled((stages, Q_STEP, s.head_dim), s.dtype),
+        common.swizzled((stages, Q_STEP, s.head_dim_v), s.dtype),
+        plgpu.SMEM((stages, 2, Q_STEP), jnp.float32),
+        common.swizzled((stages, cfg.block_kv, Q_STEP), jnp.int8) if s.has_partial else None,
+        plgpu.SMEM((stages, s.num_q_leaves, Q_STEP), jnp.int32) if s.num_q_leaves else None,
+        plgpu.SMEM((s.num_kv_leaves, cfg.block_kv), jnp.int32) if s.num_kv_leaves else None,
+        # Interpreted only: P^T and dS^T staged in smem for their wgmmas.
+        common.swizzled((2, consumers, rows, Q_STEP), s.dtype) if s.interpret else None,
+    )
+    ring = lambda: plgpu.Barrier(num_barriers=stages)
+    barriers = (
+        plgpu.Barrier(num_barriers=1),
+        plgpu.Barrier(num_barriers=1),
+        plgpu.Barrier(num_barriers=consumers),
+        plgpu.Barrier(num_barriers=consumers),
+        ring(), ring(), ring(), ring(), ring(),
+        plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),
+    )
+    return smem, barriers
+
+
+def _dq_scratch(s: _Statics):
+    cfg = s.config
+    stages, rows, consumers = cfg.dq_stages, ROWS_PER_CONSUMER, NUM_DQ_CONSUMERS
+    smem = (
+        common.swizzled((consumers, rows, s.head_dim), s.dtype),
+        common.swizzled((consumers, rows, s.head_dim_v), s.dtype),
+        plgpu.SMEM((consumers, 2, rows), jnp.float32),
+        plgpu.SMEM((s.dq_walk_lines, common.WALK_LINE), jnp.int32),
+        common.swizzled((stages, cfg.block_kv, s.head_dim), s.dtype),
+        common.swizzled((stages, cfg.block_kv, s.head_dim_v), s.dtype),
+        common.swizzled((stages, BLOCK_Q, cfg.block_kv), jnp.int8) if s.has_partial else None,
+        plgpu.SMEM((s.num_q_leaves, BLOCK_Q), jnp.int32) if s.num_q_leaves else None,
+        (plgpu.SMEM((stages, s.num_kv_leaves, cfg.block_kv), jnp.int32)
+         if s.num_kv_leaves else None),
+        # Interpreted only: dS staged in smem for the dS @ K wgmma.
+        common.swizzled((consumers, rows, cfg.block_kv), s.dtype) if s.interpret else None,
+    )
+    ring = lambda: plgpu.Barrier(num_barriers=stages)
+    consumed = plgpu.Barrier(num_arrivals=consumers, num_barriers=stages)
+    barriers = (
+        plgpu.Barrier(num_barriers=1),
+        plgpu.Barrier(num_barriers=1),
+        plgpu.Barrier(num_barriers=consumers),
+        plgpu.Barrier(num_barriers=consumers),
+        plgpu.Barrier(num_barriers=consumers),
+        ring(), ring(), ring(), ring(),
+        consumed, consumed,
+    )
+    return smem, barriers

@@ -1,0 +1,224 @@
+"""What the Mosaic-GPU (sm90) attention kernels share: forward, dQ and dK/dV.
+
+* the mask walk packed per walked block into one 2-D TMA box (`packed_walk`,
+  `walk_entry`), for either orientation of the BlockMask;
+* the producer that fetches the active kv-blocks of a q-block into a ring of
+  smem stages (`produce_kv_blocks`, used by the forward and the dQ kernel);
+* the score transform in log2 units with its derivative for the backward
+  (`log2_scores`), mask leaves, padding and swizzled smem layouts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from omni_jax.masks import PARTIAL
+from omni_jax.scores import ConvertedScoreMod, apply_score_mod
+from pallas_kernels.block_sparse import KernelMask, MaskLayout
+
+Array = Any
+
+ROWS_PER_CONSUMER = 64  # One wgmma M tile per consumer warpgroup.
+BLOCK_Q = 128  # The q tile of every BlockMask the Mosaic kernels walk.
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+# A walk row is stored as [rows, WALK_LINE]: a TMA box is at most 256 elements per dim.
+WALK_LINE = 128
+
+
+def padded_head_dim(head_dim: int) -> int | None:
+    """The kernel head dim serving ``head_dim`` (zero-padded), or None when too large."""
+    return next((d for d in SUPPORTED_HEAD_DIMS if head_dim <= d), None)
+
+
+def walk_offsets(num_blocks: int) -> tuple[int, int, int]:
+    """Offsets of block indices, tile flags and partial ids in a walk row.
+
+    Entry 0 is the count of active blocks, entry 1 the number of FULL ones
+    (listed first).
+    """
+    return 2, 2 + num_blocks, 2 + 2 * num_blocks
+
+
+def packed_walk(count: Array, num_full: Array, indices: Array, flags: Array,
+                partial_ids: Array) -> Array:
+    """``[Bm, Hm, n, R, WALK_LINE]`` int32: per walked block (count, FULL count, indices,
+    flags, ids).
+
+    Takes one orientation of `KernelMask` (``kv_*`` for q-blocks, ``q_*`` for
+    kv-blocks); one block's walk is then one 2-D TMA per CTA.
+    """
+    rows = jnp.concatenate([count[..., None], num_full[..., None], indices, flags,
+                            partial_ids], axis=-1)
+    width = 2 + 3 * indices.shape[-1]
+    rows = jnp.pad(rows.astype(jnp.int32), ((0, 0),) * 3 + ((0, -width % WALK_LINE),))
+    return rows.reshape(*rows.shape[:3], -1, WALK_LINE)
+
+
+def has_masked_tiles(layout: MaskLayout, has_partial: bool) -> bool:
+    """Whether a walk can hold tiles other than FULL (COMPUTED or PARTIAL)."""
+    return has_partial or layout.ragged_kv or layout.mask_mod_treedef is not None
+
+
+def walk_entry(walk_smem, i):
+    """Entry ``i`` of the walk row held in smem as ``[R, WALK_LINE]``."""
+    return walk_smem[lax.div(i, WALK_LINE), lax.rem(i, WALK_LINE)]
+
+
+def stacked_leaves(kmask: KernelMask, layout: MaskLayout, batch: int):
+    """Mask leaves stacked per kind: q ``[B, Lq, nq*bq]`` and kv ``[B, Lkv, nkv*bkv]``.
+
+    "batch" leaves (one scalar per sequence) are broadcast along q so that the
+    kernels read every leaf as a q or kv vector. Also returns, per leaf in
+    leaf order, ("q" | "kv", its row in the stacked array).
+    """
+    q_leaves, kv_leaves, slots = [], [], []
+    q_length = layout.num_q_blocks * layout.block_q
+    for leaf, kind in zip(kmask.leaves, layout.leaf_kinds, strict=True):
+        if kind == "batch":
+            leaf = jnp.broadcast_to(leaf[:, None], (leaf.shape[0], q_length))
+            kind = "q"
+        leaf = jnp.broadcast_to(leaf, (batch, leaf.shape[1]))
+        stack = q_leaves if kind == "q" else kv_leaves
+        slots.append((kind, len(stack)))
+        stack.append(leaf)
+    stack = lambda xs: jnp.stack(xs, axis=1) if xs else None
+    return stack(q_leaves), stack(kv_leaves), tuple(slots)
+
+
+def in_leaf_order(leaf_slots, q_values, kv_values) -> list:
+    return [q_values[i] if kind == "q" else kv_values[i] for kind, i in leaf_slots]
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreSpec:
+    """How a kernel turns ``q . k`` into scores: scale, softcap, score_mod."""
+
+    scale: float
+    softcap: float | None
+    score_mod: ConvertedScoreMod | None
+
+    @property
+    def plain(self) -> bool:
+        return self.softcap is None and self.score_mod is None
+
+
+def log2_scores(spec: ScoreSpec, qk: Array, batch, head, indices, *, slope: bool = False):
+    """Scale, softcap and score_mod of ``qk``, in log2 units (the softmax runs on exp2).
+
+    ``indices()`` builds the (q_idx, kv_idx) tiles a score_mod needs. With
+    ``slope`` returns ``(scores, d score / d(scale * qk) or None when 1)``: the
+    backward's chain rule through softcap and score_mod.
+    """
+    if spec.plain:
+        scores = qk * (spec.scale * LOG2E)
+        return (scores, None) if slope else scores
+
+    def transform(scaled):
+        if spec.softcap is not None:
+            scaled = spec.softcap * jnp.tanh(scaled * (1.0 / spec.softcap))
+        if spec.score_mod is not None:
+            scaled = apply_score_mod(spec.score_mod, (), scaled, batch, head, *indices())
+        return scaled
+
+    scaled = qk * spec.scale
+    if not slope:
+        return transform(scaled) * LOG2E
+    scores, derivative = jax.jvp(transform, (scaled,), (jnp.ones_like(scaled),))
+    return scores * LOG2E, derivative
+
+
+def produce_kv_blocks(walk_smem, count, *, stages: int, block_kv: int, batch, kv_head,
+                      offsets: tuple[int, int, int], k, v, consumed, kv_leaves=None,
+                      partial=None) -> None:
+    """The producer loop of a q-block's CTA: TMA-loads its active kv-blocks into the ring.
+
+    ``k`` and ``v`` are (gmem ref, smem ring, "loaded" barriers); ``consumed``
+    the (K, V) "consumed" barriers the consumers arrive on. A slot is refilled
+    only after its previous contents were consumed; at the end the producer
+    waits for the last loads to be consumed too (`drain_ring`). ``kv_leaves`` (stacked kv
+    mask leaves) and ``partial`` (stored int8 tiles, loaded for PARTIAL tiles
+    only) are optional (ref, ring, barriers) triples.
+    """
+    index_offset, flags_offset, partial_offset = offsets
+    k_consumed, v_consumed = consumed
+
+    @pl.loop(0, count)
+    def _fetch(step):
+        slot = lax.rem(step, stages)
+
+        # The slot held step - stages: wait until every consumer is done with it.
+        @pl.when(step >= stages)
+        def _():
+            plgpu.barrier_wait(k_consumed.at[slot])
+            plgpu.barrier_wait(v_consumed.at[slot])
+
+        kv_block = walk_entry(walk_smem, index_offset + step)
+        rows_kv = pl.ds(kv_block * block_kv, block_kv)
+        k_ref, k_smem, k_barriers = k
+        plgpu.copy_gmem_to_smem(k_ref.at[batch, rows_kv, kv_head], k_smem.at[slot],
+                                k_barriers.at[slot])
+        if kv_leaves is not None:
+            leaf_ref, leaf_smem, leaf_barriers = kv_leaves
+            plgpu.copy_gmem_to_smem(leaf_ref.at[batch, :, rows_kv], leaf_smem.at[slot],
+                                    leaf_barriers.at[slot])
+        if partial is not None:
+            partial_ref, mask_smem, mask_barriers = partial
+
+            @pl.when((walk_entry(walk_smem, flags_offset + step) & PARTIAL) != 0)
+            def _():
+                partial_id = walk_entry(walk_smem, partial_offset + step)
+                plgpu.copy_gmem_to_smem(partial_ref.at[partial_id], mask_smem.at[slot],
+                                        mask_barriers.at[slot])
+
+        v_ref, v_smem, v_barriers = v
+        plgpu.copy_gmem_to_smem(v_ref.at[batch, rows_kv, kv_head], v_smem.at[slot],
+                                v_barriers.at[slot])
+
+    drain_ring(count, stages, k_consumed, v_consumed)
+
+
+def drain_ring(num_steps, stages: int, *consumed) -> None:
+    """Waits until the consumers released the ring's last ``stages`` loads.
+
+    Every phase of a "consumed" barrier is then observed by the producer (the
+    Mosaic-GPU interpreter requires it; on hardware it only idles the producer).
+    """
+    @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
+    def _drain(step):
+        for barriers in consumed:
+            plgpu.barrier_wait(barriers.at[lax.rem(step, stages)])
+
+
+def pad_last(x: Array, size: int) -> Array:
+    """``x`` zero-padded along its last axis to ``size`` (no copy when equal)."""
+    if x.shape[-1] == size:
+        return x
+    return jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, size - x.shape[-1]),))
+
+
+def pad_sequence(x: Array) -> Array:
+    """Pads axis 1 to a multiple of 8 (no copy when it is one).
+
+    TMA boxes into 8-row-tiled smem need sequence lengths that are multiples
+    of 8; rows past the true length lie in the ragged (masked) last block.
+    """
+    extra = -x.shape[1] % 8
+    return x if not extra else jnp.pad(x, ((0, 0), (0, extra), (0, 0), (0, 0)))
+
+
+def swizzled(shape, dtype) -> Any:
+    """SMEM in swizzled 8-row tiles (wgmma operands, register loads) of up to 128 bytes."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = min(128, shape[-1] * itemsize)
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // itemsize)),
+                                                plgpu.SwizzleTransform(swizzle)))

@@ -1,0 +1,190 @@
+"""The Mosaic-GPU attention backward kernels (dK/dV, dQ) against float64 and XLA.
+
+Run through the Mosaic-GPU interpreter (a race found fails the test). The
+forward's out and lse come from the float64 reference, so only the backward
+kernels run. Poisoned cases fill memory the kernels never write with NaN:
+every gradient row must be written, those of blocks with nothing to walk
+included (zeros). On an sm90 GPU, long sequences (many ring laps, every
+tuned config) run compiled against the XLA backend.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import omni_jax
+from pallas_kernels import compat, runtime
+from pallas_kernels.block_sparse import kernel_mask
+from pallas_kernels.mosaic import attention_bwd_sm90 as bwd
+from tests.mosaic_interpret import interpreted_mosaic
+from tests.reference import dense_mask, reference_attention, relative_error
+
+TOLERANCE = {"bfloat16": 6e-2, "float16": 1.2e-2}
+
+
+@pytest.fixture
+def _interpreted(monkeypatch):
+    yield from interpreted_mosaic(monkeypatch)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    dtype: str
+    batch: int
+    q_len: int
+    kv_len: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    head_dim_v: int
+    block_kv: int
+    # Poisoned cases need block-aligned shapes: NaN would also fill the TMA's
+    # out-of-bounds reads, which hardware (and the unpoisoned interpreter) zero-fills.
+    poisoned: bool
+    mask: str
+    softcap: float | None = None
+    score_mod: bool = False
+    scale: float | None = None
+
+
+CASES = (
+    # Per-head stored tiles under GQA (walks of 2 query heads per CTA), a q-block
+    # that sees nothing and a kv-block nobody sees, more steps than ring stages.
+    Case("partial_gqa_blind_blocks", "bfloat16", 1, 256, 256, 4, 2, 64, 64, 128, True,
+         "partial"),
+    # Documents (q and kv mask leaves) and causal; ragged q and kv, q_len != kv_len,
+    # head dims padded (96 -> 128, 40 -> 64), one dK/dV consumer (block_kv 64).
+    Case("documents_causal_ragged", "bfloat16", 2, 100, 150, 2, 1, 96, 40, 64, False,
+         "documents"),
+    # Softcap and score_mod chain rule, fp16, causal (COMPUTED diagonal tiles).
+    Case("softcap_score_mod_fp16", "float16", 1, 128, 128, 2, 2, 64, 64, 128, True,
+         "causal", softcap=5.0, score_mod=True, scale=0.2),
+)
+
+
+def _score_mod(s, b, h, i, j):
+    return s - 0.05 * (h + 1) * jnp.abs(i - j).astype(s.dtype)
+
+
+def _mask(case: Case, rng):
+    """(mask_mod for create_block_mask, its mask heads, numpy predicate f(b, h, i, j))."""
+    if case.mask == "partial":
+        def fn(b, h, i, j):
+            return (i >= 128) & (j < 128) & ((i * 7 + j * 3 + h) % 5 != 0)
+
+        return fn, case.heads, fn
+    if case.mask == "documents":
+        q_ids = np.sort(rng.integers(0, 3, (case.batch, case.q_len)), axis=-1)
+        kv_ids = np.sort(rng.integers(0, 3, (case.batch, case.kv_len)), axis=-1)
+        mask_mod = omni_jax.and_masks(omni_jax.causal_mask,
+                                      omni_jax.document_mask(q_ids.astype(np.int32),
+                                                             kv_ids.astype(np.int32)))
+        return mask_mod, None, lambda b, h, i, j: (j <= i) & (q_ids[b, i] == kv_ids[b, j])
+    return omni_jax.causal_mask, None, lambda b, h, i, j: j <= i
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_gradients_match_float64(case: Case, _interpreted):
+    seed = int(np.random.default_rng().integers(2**31))
+    rng = np.random.default_rng(seed)
+    shapes = ((case.batch, case.q_len, case.heads, case.head_dim),
+              (case.batch, case.kv_len, case.kv_heads, case.head_dim),
+              (case.batch, case.kv_len, case.kv_heads, case.head_dim_v))
+    q, k, v = (jnp.asarray(rng.standard_normal(s), case.dtype) for s in shapes)
+    mask_mod, mask_heads, fn = _mask(case, rng)
+    mask_batch = case.batch if case.mask == "documents" else None
+    block_mask = omni_jax.create_block_mask(mask_mod, mask_batch, mask_heads, case.q_len,
+                                            case.kv_len, (128, case.block_kv))
+    visible = dense_mask(case.batch, case.heads, case.q_len, case.kv_len, mask_fn=fn)
+    score_mod = _score_mod if case.score_mod else None
+    dout = rng.standard_normal((case.batch, case.q_len, case.heads, case.head_dim_v))
+    dlse = rng.standard_normal((case.batch, case.heads, case.q_len))
+    with jax.enable_x64(True):
+        def reference(q, k, v):
+            return reference_attention(q, k, v, visible, scale=case.scale,
+                                       softcap=case.softcap, score_mod=score_mod)
+
+        as64 = lambda x: jnp.asarray(np.asarray(x, np.float64))
+        (out, lse), vjp = jax.vjp(reference, as64(q), as64(k), as64(v))
+        expected = [np.asarray(g) for g in vjp((jnp.asarray(dout), jnp.asarray(dlse)))]
+        out, lse = np.asarray(out), np.asarray(lse)
+
+    kmask, layout = kernel_mask(block_mask)
+    params = compat.tma_faithful_interpret_params(runtime.mosaic_interpret_params())
+    if case.poisoned:
+        params = dataclasses.replace(params, uninitialized_memory="nan")
+    # Few stages, so that the producers wait for consumed slots before refilling them.
+    config = bwd.BackwardConfig(block_kv=case.block_kv, dkv_stages=2, dq_stages=1)
+    scale = case.scale if case.scale is not None else 1.0 / np.sqrt(case.head_dim)
+    grads = bwd.attention_backward(
+        q, k, v, kmask, layout, jnp.asarray(out, case.dtype), jnp.asarray(lse, jnp.float32),
+        jnp.asarray(dout, case.dtype), jnp.asarray(dlse, jnp.float32), scale=scale,
+        softcap=case.softcap, score_mod=None if score_mod is None else _converted(score_mod),
+        has_partial=case.mask == "partial", config=config, interpret_params=params)[:3]
+    for name, grad, ref in zip(("dq", "dk", "dv"), grads, expected, strict=True):
+        grad = np.asarray(grad, np.float64)
+        context = (case.name, name, seed)
+        assert grad.shape == ref.shape, context
+        assert not np.isnan(grad).any(), context
+        assert relative_error(grad, ref) < TOLERANCE[case.dtype], (context,
+                                                                  relative_error(grad, ref))
+    if case.mask == "partial":  # Blocks with nothing to walk still write zeros.
+        assert (np.asarray(grads[0], np.float32)[:, :128] == 0).all()
+        assert (np.asarray(grads[1], np.float32)[:, 128:] == 0).all()
+        assert (np.asarray(grads[2], np.float32)[:, 128:] == 0).all()
+
+
+def _converted(score_mod):
+    from omni_jax.scores import convert_score_mod
+
+    converted, captured = convert_score_mod(score_mod)
+    assert not captured
+    return converted
+
+
+def test_configs_fit_shared_memory():
+    for head_dim in (64, 128):
+        config = bwd.backward_config(head_dim, jnp.bfloat16, causal=True)
+        for has_partial in (False, True):
+            fitted = bwd.fit_config(config, 219 * 1024, head_dim, head_dim, 2, has_partial)
+            assert fitted is not None and fitted.block_kv == 128
+    assert bwd.backward_config(256, jnp.bfloat16, causal=False) is None
+    with pytest.raises(ValueError, match="block_kv"):
+        bwd.BackwardConfig(block_kv=192, dkv_stages=2, dq_stages=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(runtime.interpret_requested() or runtime.gpu_compute_capability() != (9, 0),
+                    reason="needs an sm90 GPU (compiled Mosaic-GPU kernels)")
+@pytest.mark.parametrize("dtype,head_dim,seq,mask", [
+    ("bfloat16", 128, 1000, "causal"),
+    ("float16", 64, 2048, "documents"),
+    ("bfloat16", 96, 777, "dense"),
+])
+def test_long_sequences_compiled(dtype, head_dim, seq, mask):
+    rng = np.random.default_rng()
+    q = jnp.asarray(rng.standard_normal((2, seq, 4, head_dim)), dtype)
+    k, v = (jnp.asarray(rng.standard_normal((2, seq, 2, head_dim)), dtype) for _ in range(2))
+    kwargs = {"is_causal": mask == "causal"}
+    if mask == "documents":
+        ids = np.sort(rng.integers(0, 5, (2, seq)), axis=-1).astype(np.int32)
+        kwargs = {"q_segment_ids": jnp.asarray(ids), "is_causal": True}
+    dout = jnp.asarray(rng.standard_normal((2, seq, 4, head_dim)), dtype)
+
+    def grads(implementation, *args):
+        def run(q, k, v):
+            return omni_jax.attention(q, k, v, implementation=implementation, **kwargs)
+
+        out, vjp = jax.vjp(run, *args)
+        return vjp(dout.astype(out.dtype))
+
+    as32 = lambda x: x.astype(jnp.float32)
+    actual = jax.jit(lambda *a: grads("mosaic", *a))(q, k, v)
+    expected = jax.jit(lambda *a: grads("xla", *a))(as32(q), as32(k), as32(v))
+    for name, grad, ref in zip(("dq", "dk", "dv"), actual, expected, strict=True):
+        assert not np.isnan(np.asarray(grad, np.float32)).any(), name
+        assert relative_error(grad, ref) < TOLERANCE[dtype], (name, relative_error(grad, ref))
