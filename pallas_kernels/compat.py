@@ -289,20 +289,6 @@ def _clip_range(rnge, shape):
     return tuple(clipped), tuple(keep)
 
 
-def mosaic_interpreter_races_found() -> bool:
-    """Whether the last kernel the Mosaic-GPU interpreter ran had a data race.
-
-    The interpreter (with ``detect_races=True``) records races instead of raising;
-    tests call this after each interpreted kernel. False when nothing was recorded.
-    """
-    try:
-        from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-    except ImportError:  # pragma: no cover - interpreter internals moved
-        return False
-    races = getattr(gpu_callbacks, "_races", None)
-    return bool(races is not None and races.races_found)
-
-
 def mosaic_load(ref: Any, layout: Any, *, interpret: bool) -> Array:
     """``plgpu.load(ref, (), layout=layout)``: a whole smem ref into registers of ``layout``.
 

@@ -19,7 +19,8 @@ BlockMask (q tiles of ``BLOCK_Q = 128`` rows, kv tiles of ``block_kv``):
   the same ring code (`attention_sm90_common.produce_kv_blocks`), two
   consumers own 64 q rows each and accumulate ``dQ += dS K``.
 
-FULL tiles do no mask math; COMPUTED tiles evaluate the mask from indices
+FULL tiles (listed first in every walk) run in a loop without mask code;
+COMPUTED tiles evaluate the mask from indices
 and leaves; PARTIAL tiles read the stored int8 tile (transposed for dK/dV,
 whose tiles are kv-major). ``delta = rowsum(dO * O) - dlse`` is computed in
 JAX beforehand (the lse cotangent folds into it). Rows that see no key have
@@ -326,7 +327,7 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
         def head_steps(g, carry):
             head = first_head + g
 
-            def step_fn(j, carry):
+            def step_fn(j, carry, full: bool):
                 dk, dv, step = carry
                 slot = lax.rem(step, stages)
                 flags, q_start, _, _ = step_position(g, j)
@@ -363,8 +364,8 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
 
                 if s.num_q_leaves:  # Loaded for every step, FULL ones too.
                     plgpu.barrier_wait(q_leaf_ready.at[slot])
-                # FULL tiles (flags 0) skip the mask entirely.
-                scores = lax.cond(flags != 0, masked, lambda x: x, scores)
+                if not full:
+                    scores = masked(scores)
 
                 plgpu.barrier_wait(stats_ready.at[slot])
                 lse2 = compat.mosaic_load(stats_ring.at[slot, 0], col_layout,
@@ -384,7 +385,13 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                 plgpu.barrier_arrive(consumed.at[slot])
                 return dk, dv, step + 1
 
-            return lax.fori_loop(0, num_steps(g), step_fn, carry)
+            # The walk lists FULL tiles first: one loop without mask code, then the rest.
+            num_full = 2 * entry(g, 1)
+            carry = lax.fori_loop(0, num_full, functools.partial(step_fn, full=True), carry)
+            if common.has_masked_tiles(s.layout, s.has_partial):
+                carry = lax.fori_loop(num_full, num_steps(g),
+                                      functools.partial(step_fn, full=False), carry)
+            return carry
 
         zeros = lambda dim: plgpu.layout_cast(jnp.zeros((rows, dim), jnp.float32),
                                               plgpu.Layout.WGMMA)

