@@ -20,11 +20,11 @@ BlockMask (q tiles of ``BLOCK_Q = 128`` rows, kv tiles of ``block_kv``):
   consumers own 64 q rows each and accumulate ``dQ += dS K``.
 
 FULL tiles (listed first in every walk) run in a loop without mask code;
-COMPUTED tiles evaluate the mask from indices
-and leaves; PARTIAL tiles read the stored int8 tile (transposed for dK/dV,
-whose tiles are kv-major). ``delta = rowsum(dO * O) - dlse`` is computed in
-JAX beforehand (the lse cotangent folds into it). Rows that see no key have
-lse -inf, passed as ``lse2 = +inf`` so that their P is exactly 0.
+COMPUTED tiles evaluate the mask from indices and leaves; PARTIAL tiles read
+the stored int8 tile (transposed for dK/dV, whose tiles are kv-major).
+``delta = rowsum(dO * O) - dlse`` is computed in JAX beforehand (the lse
+cotangent folds into it). Rows that see no key have lse -inf, passed as
+``lse2 = +inf`` so that their P is exactly 0.
 
 Head dims up to 128 (padded to 64 or 128): at 256 the 64-row float32
 accumulators (dK and dV, or dQ) with the score tiles exceed the registers of

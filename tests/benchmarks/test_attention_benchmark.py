@@ -37,3 +37,22 @@ def test_cli_help():
     parser = argparse.ArgumentParser()
     attention.add_arguments(parser)
     assert "--tiny" in parser.format_help()
+
+
+def test_cudnn_documents_form_is_the_document_mask(monkeypatch):
+    """cuDNN's row for documents (a padded batch with lengths) computes the same attention."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    import omni_jax
+
+    plain = jax.nn.dot_product_attention
+    monkeypatch.setattr(jax.nn, "dot_product_attention",
+                        lambda *a, implementation=None, **k: plain(*a, implementation="xla", **k))
+    case = attention.Case(2, 256, 2, 32, "documents", False, "float32")
+    rng = np.random.default_rng()
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 256, 2, 32)), jnp.float32) for _ in range(3))
+    out = attention._documents_as_padded_batch(case)(q, k, v)
+    expected = omni_jax.attention(q, k, v, implementation="xla",
+                                  q_segment_ids=jnp.asarray(attention._segment_ids(case)))
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
