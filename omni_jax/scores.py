@@ -86,6 +86,16 @@ def transform_scores(scores: Array, *, softcap: float | None,
     return scores
 
 
+def primitive_names(jaxpr: Any) -> set[str]:
+    """Names of every primitive in ``jaxpr`` and its sub-jaxprs (pjit, custom_jvp, ...)."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for sub in jex_core.jaxprs_in_params(eqn.params):
+            names |= primitive_names(sub)
+    return names
+
+
 def zero_cotangent(x: Array) -> Array:
     """The zero cotangent of ``x``: float0 for integer and boolean arrays."""
     x = jnp.asarray(x) if not hasattr(x, "dtype") else x

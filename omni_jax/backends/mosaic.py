@@ -24,7 +24,7 @@ import numpy as np
 from omni_jax.backends.base import AttentionBackend, sinks_cotangent
 from omni_jax.masks import And, BlockMask, Causal
 from omni_jax.problem import AttentionProblem
-from omni_jax.scores import zero_cotangent
+from omni_jax.scores import primitive_names, zero_cotangent
 from pallas_kernels import compat, runtime
 from pallas_kernels.block_sparse import kernel_mask
 from pallas_kernels.mosaic import attention_bwd_sm90 as bwd
@@ -42,18 +42,6 @@ _ELEMENTWISE_PRIMITIVES = frozenset({
     "select_n", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "rem",
     "broadcast_in_dim", "pjit", "jit", "copy", "copy_p",
 })
-
-
-def _primitives(jaxpr) -> set[str]:
-    """Names of the primitives of ``jaxpr``, nested jaxprs (pjit, custom_jvp) included."""
-    names = set()
-    for eqn in jaxpr.eqns:
-        names.add(eqn.primitive.name)
-        for param in eqn.params.values():
-            inner = getattr(param, "jaxpr", param)
-            if hasattr(inner, "eqns"):
-                names |= _primitives(inner)
-    return names
 
 
 def score_mod_unsupported_reason(problem: AttentionProblem,
@@ -74,7 +62,7 @@ def score_mod_unsupported_reason(problem: AttentionProblem,
         return jax.jvp(lambda x: score_mod(x, *indices, ()), (score,), (jnp.ones_like(score),))
 
     closed = jax.make_jaxpr(apply)(scalar, index, index, index, index)
-    unsupported = _primitives(closed.jaxpr) - _ELEMENTWISE_PRIMITIVES
+    unsupported = primitive_names(closed.jaxpr) - _ELEMENTWISE_PRIMITIVES
     if unsupported:
         return f"score_mod uses operations the Mosaic lowering lacks: {sorted(unsupported)}"
     return None

@@ -14,12 +14,11 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.extend import core as jex_core
 
 from omni_jax.backends import xla
 from omni_jax.backends.base import AttentionBackend, sinks_cotangent
 from omni_jax.problem import AttentionProblem
-from omni_jax.scores import transform_scores, zero_cotangent
+from omni_jax.scores import primitive_names, transform_scores, zero_cotangent
 from pallas_kernels import compat, runtime
 from pallas_kernels.block_sparse import kernel_mask
 from pallas_kernels.triton import configs, tiles
@@ -32,16 +31,6 @@ _MAX_MASK_BLOCK = 128
 
 def _largest_power_of_two_divisor(n: int) -> int:
     return n & -n
-
-
-def _primitives(jaxpr) -> set[str]:
-    """Names of every primitive in ``jaxpr`` and its sub-jaxprs."""
-    names = set()
-    for eqn in jaxpr.eqns:
-        names.add(eqn.primitive.name)
-        for sub in jex_core.jaxprs_in_params(eqn.params):
-            names |= _primitives(sub)
-    return names
 
 
 @functools.lru_cache(maxsize=256)
@@ -64,7 +53,7 @@ def _score_mod_reason(problem: AttentionProblem) -> str | None:
                                 kv_idx=kv_idx)
 
     jaxpr = jax.make_jaxpr(tile_scores)(jax.ShapeDtypeStruct((16, 16), jnp.float32)).jaxpr
-    missing = sorted(name for name in _primitives(jaxpr)
+    missing = sorted(name for name in primitive_names(jaxpr)
                      if name not in {p.name for p in lowerable})
     if missing:
         return f"score_mod uses operations the Triton lowering lacks: {', '.join(missing)}"

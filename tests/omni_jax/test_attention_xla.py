@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import omni_jax
+from omni_jax.scores import primitive_names
 from tests.omni_jax.attention_suite import AttentionSuite, Case, check_case
 from tests.reference import dense_mask, reference_attention, relative_error
 
@@ -48,3 +49,16 @@ def test_property_masks_and_blind_rows(q_len, kv_len, causal, window, num_q_segm
     np.testing.assert_array_equal(np.asarray(out).transpose(0, 2, 1, 3)[blind], 0.0)
     assert relative_error(out, expected_out) < 1e-5
     assert relative_error(lse, expected_lse) < 1e-5
+
+
+def test_masks_of_static_arguments_are_built_at_trace_time():
+    """is_causal / windows need no traced array: their BlockMask walks are constants of
+    the jitted call, not sorted again on the device at every call; segment ids are traced."""
+    q = jnp.ones((1, 512, 2, 32), jnp.float32)
+    causal = jax.make_jaxpr(lambda q: omni_jax.attention(
+        q, q, q, is_causal=True, local_window_size=(100, 0), implementation="xla"))(q)
+    assert "sort" not in primitive_names(causal.jaxpr)
+    segments = jnp.zeros((1, 512), jnp.int32)
+    documents = jax.make_jaxpr(lambda q, s: omni_jax.attention(
+        q, q, q, q_segment_ids=s, implementation="xla"))(q, segments)
+    assert "sort" in primitive_names(documents.jaxpr)
