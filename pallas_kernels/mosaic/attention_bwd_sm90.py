@@ -51,7 +51,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from omni_jax.masks import PARTIAL
 from omni_jax.scores import ConvertedScoreMod
 from pallas_kernels import compat
-from pallas_kernels.block_sparse import KernelMask, MaskLayout, tile_visibility
+from pallas_kernels.block_sparse import KernelMask, MaskLayout
 from pallas_kernels.mosaic import attention_sm90_common as common
 from pallas_kernels.mosaic.attention_sm90_common import (
     BLOCK_Q,
@@ -341,26 +341,16 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                                                    lambda: indices(q_start), slope=True)
 
                 def masked(scores):
-                    q_idx, kv_idx = indices(q_start)
                     q_leaf_cols = [
                         compat.mosaic_load(q_leaf_ring.at[slot, i], col_layout,
                                            interpret=s.interpret)
                         for i in range(s.num_q_leaves)]
-                    leaf_values = common.in_leaf_order(
-                        s.leaf_slots, [lax.broadcast_in_dim(x, tile, [1]) for x in q_leaf_cols],
-                        [lax.broadcast_in_dim(x, tile, [0]) for x in kv_leaf_rows])
-                    partial_tile = None
-                    if s.has_partial:
-                        @pl.when((flags & PARTIAL) != 0)
-                        def _():
-                            plgpu.barrier_wait(mask_ready.at[slot])
-
-                        partial_tile = compat.mosaic_load(
-                            mask_ring.at[slot, pl.ds(wg * rows, rows)], plgpu.Layout.WGMMA,
-                            interpret=s.interpret)
-                    visible = tile_visibility(s.layout, flags, q_idx, kv_idx, leaf_values,
-                                              partial_tile)
-                    return jnp.where(visible, scores, -jnp.inf)
+                    leaves = common.tile_leaves(s.leaf_slots, q_leaf_cols, kv_leaf_rows, tile,
+                                                q_axis=1)
+                    partial = ((mask_ring.at[slot, pl.ds(wg * rows, rows)],
+                                mask_ready.at[slot]) if s.has_partial else None)
+                    return common.masked_scores(scores, s.layout, flags, *indices(q_start),
+                                                leaves, partial, interpret=s.interpret)
 
                 if s.num_q_leaves:  # Loaded for every step, FULL ones too.
                     plgpu.barrier_wait(q_leaf_ready.at[slot])
@@ -502,26 +492,13 @@ def _dq_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *r
                     kv_leaf_cols.append(compat.mosaic_load(
                         kv_leaf_ring.at[slot, i], col_layout, interpret=s.interpret))
 
-            def masked(scores):
-                q_idx, kv_idx = indices(kv_block)
-                leaf_values = common.in_leaf_order(
-                    s.leaf_slots, [lax.broadcast_in_dim(x, tile, [0]) for x in q_leaf_rows],
-                    [lax.broadcast_in_dim(x, tile, [1]) for x in kv_leaf_cols])
-                partial_tile = None
-                if s.has_partial:
-                    @pl.when((flags & PARTIAL) != 0)
-                    def _():
-                        plgpu.barrier_wait(mask_ready.at[slot])
-
-                    partial_tile = compat.mosaic_load(
-                        mask_ring.at[slot, pl.ds(wg * rows, rows)], plgpu.Layout.WGMMA,
-                        interpret=s.interpret)
-                visible = tile_visibility(s.layout, flags, q_idx, kv_idx, leaf_values,
-                                          partial_tile)
-                return jnp.where(visible, scores, -jnp.inf)
-
             if not full:
-                scores = masked(scores)
+                leaves = common.tile_leaves(s.leaf_slots, q_leaf_rows, kv_leaf_cols, tile,
+                                            q_axis=0)
+                partial = ((mask_ring.at[slot, pl.ds(wg * rows, rows)], mask_ready.at[slot])
+                           if s.has_partial else None)
+                scores = common.masked_scores(scores, s.layout, flags, *indices(kv_block),
+                                              leaves, partial, interpret=s.interpret)
             probs = jnp.exp2(scores - lax.broadcast_in_dim(lse2, tile, [0]))
 
             dscores = probs * (dprobs - lax.broadcast_in_dim(delta, tile, [0]))

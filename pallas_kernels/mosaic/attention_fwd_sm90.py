@@ -36,10 +36,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from omni_jax.masks import PARTIAL
 from omni_jax.scores import ConvertedScoreMod
 from pallas_kernels import compat
-from pallas_kernels.block_sparse import KernelMask, MaskLayout, tile_visibility
+from pallas_kernels.block_sparse import KernelMask, MaskLayout
 from pallas_kernels.mosaic import attention_sm90_common as common
 from pallas_kernels.mosaic.attention_sm90_common import (
     BLOCK_Q,
@@ -249,26 +248,13 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
                     kv_leaf_cols.append(compat.mosaic_load(
                         kv_leaf_smem.at[slot, i], col_layout, interpret=s.interpret))
 
-            def masked(scores):
-                q_idx, kv_idx = indices(kv_block)
-                leaf_values = common.in_leaf_order(
-                    s.leaf_slots, [lax.broadcast_in_dim(x, tile, [0]) for x in q_leaf_rows],
-                    [lax.broadcast_in_dim(x, tile, [1]) for x in kv_leaf_cols])
-                partial_tile = None
-                if s.has_partial:
-                    @pl.when((flags & PARTIAL) != 0)
-                    def _():
-                        plgpu.barrier_wait(mask_barriers.at[slot])
-
-                    partial_tile = compat.mosaic_load(
-                        mask_smem.at[slot, pl.ds(wg * rows, rows)], plgpu.Layout.WGMMA,
-                        interpret=s.interpret)
-                visible = tile_visibility(s.layout, flags, q_idx, kv_idx, leaf_values,
-                                          partial_tile)
-                return jnp.where(visible, scores, -jnp.inf)
-
             if not full:
-                scores = masked(scores)
+                leaves = common.tile_leaves(s.leaf_slots, q_leaf_rows, kv_leaf_cols, tile,
+                                            q_axis=0)
+                partial = ((mask_smem.at[slot, pl.ds(wg * rows, rows)], mask_barriers.at[slot])
+                           if s.has_partial else None)
+                scores = common.masked_scores(scores, s.layout, flags, *indices(kv_block),
+                                              leaves, partial, interpret=s.interpret)
 
             new_max = jnp.maximum(row_max, to_log2(scores.max(axis=1)))
             # Rows that have seen no visible key yet keep max -inf: shift by 0 there.

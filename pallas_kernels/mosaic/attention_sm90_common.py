@@ -22,7 +22,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from omni_jax.masks import PARTIAL
 from omni_jax.scores import ConvertedScoreMod, apply_score_mod
-from pallas_kernels.block_sparse import KernelMask, MaskLayout
+from pallas_kernels import compat
+from pallas_kernels.block_sparse import KernelMask, MaskLayout, tile_visibility
 
 Array = Any
 
@@ -95,8 +96,35 @@ def stacked_leaves(kmask: KernelMask, layout: MaskLayout, batch: int):
     return stack(q_leaves), stack(kv_leaves), tuple(slots)
 
 
-def in_leaf_order(leaf_slots, q_values, kv_values) -> list:
+def tile_leaves(leaf_slots, q_values, kv_values, tile: tuple[int, int],
+                q_axis: int) -> list:
+    """Mask leaf values in leaf order, broadcast over a score tile whose q rows run along
+    ``q_axis`` (0 for q-major tiles, 1 for the dK/dV kernel's kv-major ones)."""
+    kv_axis = 1 - q_axis
+    q_values = [lax.broadcast_in_dim(x, tile, [q_axis]) for x in q_values]
+    kv_values = [lax.broadcast_in_dim(x, tile, [kv_axis]) for x in kv_values]
     return [q_values[i] if kind == "q" else kv_values[i] for kind, i in leaf_slots]
+
+
+def masked_scores(scores: Array, layout: MaskLayout, flags, q_idx: Array, kv_idx: Array,
+                  leaf_values, partial=None, *, interpret: bool) -> Array:
+    """``scores`` of a tile that is not FULL, with its invisible elements at -inf.
+
+    ``partial`` is (this consumer's slice of the stored-tile slot, its "loaded"
+    barrier) when the mask can hold PARTIAL tiles: the producer loads a stored
+    tile only for PARTIAL tiles, so only those wait for it.
+    """
+    partial_tile = None
+    if partial is not None:
+        tile_ref, loaded = partial
+
+        @pl.when((flags & PARTIAL) != 0)
+        def _():
+            plgpu.barrier_wait(loaded)
+
+        partial_tile = compat.mosaic_load(tile_ref, plgpu.Layout.WGMMA, interpret=interpret)
+    visible = tile_visibility(layout, flags, q_idx, kv_idx, leaf_values, partial_tile)
+    return jnp.where(visible, scores, -jnp.inf)
 
 
 @dataclasses.dataclass(frozen=True)
