@@ -16,10 +16,13 @@
 //
 // Pipelining: every buffer is two halves with their own ready/free barriers, half 0 =
 // features [0, 256) (chunks 0-3), half 1 = features [256, 576) (chunks 4-8). Half h of
-// buffer b is read by WG b's QK^T and by WG h's PV, so the "local" halves (b == h) are
-// free as soon as their WG's first PV (with its own probabilities) is done, and the
-// producer refills them for the next pair while the second PV (with the peer's
-// probabilities) still runs. The producer refills in the order the halves free up.
+// buffer b is read by WG b's QK^T and by WG h's PV. The QK^T always ends before that PV
+// starts (the probabilities it needs come after it), so the WG running the PV alone
+// releases the half. The "local" halves (b == h) free up after their WG's first PV (with
+// its own probabilities), and the producer refills them for the next pair while the
+// second PV (with the peer's probabilities) still runs; it refills in the order the
+// halves free up. The consumers run staggered (see Consume): WG0's softmax and WG1's QK^T
+// overlap, and WG0 issues its next QK^T under its second PV.
 //
 // Accumulator fragment layout (wgmma m64nN, per thread t of a warpgroup): element i sits at
 //   row 16*(t/32) + (t%32)/4 + 8*((i>>1)&1),  column 8*(i>>2) + 2*(t%4) + (i&1).
@@ -78,10 +81,12 @@ __host__ __device__ constexpr int HalfEndChunk(int half) { return half == 0 ? 4 
 // Named barrier ids (CUTLASS offsets them past its reserved ones), all among the 256
 // consumer threads.
 enum ConsumerBarrier : uint32_t {
-  kQLoaded = 0,        // Q tile stored and fenced for wgmma
-  kRowMaxReady = 1,    // both WGs' block row maxes are in shared memory
-  kProbsReady = 2,     // both WGs' bf16 probabilities are in shared memory
-  kRowSumReady = 3,    // both WGs' row sums are in shared memory (epilogue)
+  kQLoaded = 0,         // Q tile stored and fenced for wgmma
+  kEvenMaxReady = 1,    // WG0's row max m0 of the pair is in shared memory
+  kOddMaxReady = 2,     // WG1's row max m1 (the pair's common max) is in shared memory
+  kEvenProbsReady = 3,  // WG0's probabilities (rescaled to m1) are in shared memory
+  kOddProbsReady = 4,   // WG1's probabilities are in shared memory
+  kRowSumReady = 5,     // both WGs' row sums are in shared memory (epilogue)
 };
 
 struct Params {
@@ -102,7 +107,7 @@ struct Cta {
   uint8_t* q_tile;            // [64 heads x 576] swizzled
   uint8_t* kv_tiles;          // two [64 rows x 576] swizzled buffers
   uint8_t* probs1_tile;       // [64 x 64] bf16 probabilities of WG1's block, swizzled
-  float (*row_max)[64];       // [wg][row] block row maxes
+  float (*row_max)[64];       // [wg][row] m0 (WG0) and m1 (WG1) of the current pair
   float (*row_sum)[64];       // [wg][row] row sums
   uint64_t* half_ready;       // [buffer * 2 + half] producer -> consumers (cp.async arrivals)
   uint64_t* half_free;        // [buffer * 2 + half] consumers -> producer
@@ -186,14 +191,206 @@ __device__ __forceinline__ void Produce(const Params& p, const Cta& cta, int tid
   asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 
-// Consumer warpgroup kWg (0 or 1): QK^T, mask, optional score store, online softmax and
-// its half of the output for every pair of blocks, then the epilogue. The WG index is a
-// template parameter so that every wgmma sits on a path the compiler knows is uniform.
+// Per-thread helpers of the consumer warpgroups. A thread holds rows frag_row and
+// frag_row + 8 of a 64-column accumulator tile, columns 8*j + frag_col + {0, 1}.
+struct Lane {
+  int frag_row;
+  int frag_col;
+};
+
+// Validity bits of this thread's score columns of `block`: bit 2*j + c for column
+// 8*j + frag_col + c. The pad block (past the end) has none.
+__device__ __forceinline__ uint32_t LoadValidColumns(const Params& p, const Cta& cta,
+                                                     const Lane& lane, int block) {
+  if (block >= cta.num_blocks) return 0;
+  uint32_t bits = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int2 listed = __ldg(reinterpret_cast<const int2*>(
+        cta.row_indices + block * kTopkPerBlock + 8 * j + lane.frag_col));
+    bits |= (IsValidIndex(listed.x, p.s_kv) ? 1u : 0u) << (2 * j);
+    bits |= (IsValidIndex(listed.y, p.s_kv) ? 1u : 0u) << (2 * j + 1);
+  }
+  return bits;
+}
+
+// Issues S (+)= Q K^T over the feature chunks of half kHalf of kv buffer `buffer`, after
+// the producer's copies into that half have landed. The caller commits the batch.
+template <int kHalf>
+__device__ __forceinline__ void IssueQk(const Cta& cta, int buffer, int phase, bool first,
+                                        float (&acc_s)[32]) {
+  ClusterBarrier::wait(cta.ready_barrier(buffer, kHalf), phase);
+  cutlass::arch::fence_view_async_shared();  // cp.async (generic proxy) data -> wgmma
+  cute::warpgroup_arrive();
+  // Descriptors of the first chunk, opaque to the compiler so that it does not hoist all
+  // 36 per-step descriptors out of the kv loop (72 registers); each step adds its offset.
+  uint64_t desc_q = sm90::MakeSwizzle128Desc(cta.q_tile, 16, sm90::kSwizzleAtomBytes);
+  uint64_t desc_k = sm90::MakeSwizzle128Desc(cta.kv_tile(buffer), 16, sm90::kSwizzleAtomBytes);
+  asm volatile("" : "+l"(desc_q), "+l"(desc_k));
+#pragma unroll
+  for (int k = 4 * HalfFirstChunk(kHalf); k < 4 * HalfEndChunk(kHalf); ++k) {
+    const uint64_t offset = ((k / 4) * kChunkBytes + (k % 4) * 32) >> 4;  // 16-byte units
+    sm90::Gmma64x64x16SS(desc_q + offset, desc_k + offset, acc_s,
+                         first && k == 4 * HalfFirstChunk(kHalf) ? sm90::ScaleOut::Zero
+                                                                 : sm90::ScaleOut::One);
+  }
+}
+
+// Invalid indices score -inf.
+__device__ __forceinline__ void MaskScores(uint32_t valid_columns, float (&acc_s)[32]) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      if (!((valid_columns >> (2 * j + c)) & 1u)) {
+        acc_s[4 * j + c] = -INFINITY;
+        acc_s[4 * j + 2 + c] = -INFINITY;
+      }
+    }
+  }
+}
+
+// Raw masked scores straight from the fragments, before the softmax touches them: a
+// warp's float2 stores cover 32 contiguous bytes of each of 8 rows; streaming stores, so
+// the scores do not push the gathered kv rows out of L2.
+__device__ __forceinline__ void StoreScores(const Params& p, const Cta& cta, const Lane& lane,
+                                            int block, const float (&acc_s)[32]) {
+  if (block >= cta.num_blocks) return;  // the pad block
+  float* scores_tile = p.scores + ((cta.batch * p.s_q + cta.s_idx) * p.h_q + cta.head0) * p.topk +
+                       block * kTopkPerBlock;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float* row_ptr =
+        scores_tile + static_cast<int64_t>(lane.frag_row + 8 * half) * p.topk + lane.frag_col;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      __stcs(reinterpret_cast<float2*>(row_ptr + 8 * j),
+             make_float2(acc_s[4 * j + 2 * half], acc_s[4 * j + 2 * half + 1]));
+  }
+}
+
+// Row maxima of the score tile, over the 4 threads that share each row.
+__device__ __forceinline__ void RowMax(const float (&acc_s)[32], float (&block_max)[2]) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float m = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      m = fmaxf(m, fmaxf(acc_s[4 * j + 2 * half], acc_s[4 * j + 2 * half + 1]));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 1));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 2));
+    block_max[half] = m;
+  }
+}
+
+// exp2 shift of a row max in the base-2 softmax; a row that has seen no valid entry
+// (max -inf) shifts by 0 so that exp2 stays 0 instead of NaN.
+__device__ __forceinline__ float Shift(float row_max, float scale_log2) {
+  return row_max == -INFINITY ? 0.f : row_max * scale_log2;
+}
+
+// Rescales the output accumulator and the row sums by a factor per row.
+__device__ __forceinline__ void Rescale(const float (&factor)[2], float (&acc_o)[128],
+                                        float (&row_sum)[2]) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    row_sum[half] *= factor[half];
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      acc_o[4 * j + 2 * half] *= factor[half];
+      acc_o[4 * j + 2 * half + 1] *= factor[half];
+    }
+  }
+}
+
+// P = exp2(S * scale_log2 - shift) in place (float) and as bf16 pairs in the A-operand
+// layout, added to this thread's row sums.
+__device__ __forceinline__ void Exponentiate(const float (&shift)[2], float scale_log2,
+                                             float (&acc_s)[32], uint32_t (&probs)[16],
+                                             float (&row_sum)[2]) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      float& p0 = acc_s[4 * j + 2 * half];
+      float& p1 = acc_s[4 * j + 2 * half + 1];
+      p0 = exp2f(fmaf(p0, scale_log2, -shift[half]));
+      p1 = exp2f(fmaf(p1, scale_log2, -shift[half]));
+      row_sum[half] += p0 + p1;
+      __nv_bfloat162 pair_bf16 = __floats2bfloat162_rn(p0, p1);
+      probs[2 * j + half] = *reinterpret_cast<uint32_t*>(&pair_bf16);
+    }
+  }
+}
+
+// Stores bf16 probabilities (as `factor` x the float ones in acc_s) into a K-major
+// swizzled A tile for the peer's PV, fenced for wgmma.
+__device__ __forceinline__ void PublishProbs(uint8_t* tile, const Lane& lane,
+                                             const float (&acc_s)[32], const float (&factor)[2]) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      __nv_bfloat162 pair_bf16 = __floats2bfloat162_rn(acc_s[4 * j + 2 * half] * factor[half],
+                                                       acc_s[4 * j + 2 * half + 1] * factor[half]);
+      *reinterpret_cast<__nv_bfloat162*>(
+          tile + sm90::Swizzle128Offset(lane.frag_row + 8 * half, j) + lane.frag_col * 2) =
+          pair_bf16;
+    }
+  }
+  cutlass::arch::fence_view_async_shared();
+}
+
+// acc_o += P @ V[:, 256*kWg : 256*kWg + 256] of kv buffer `buffer`, with P from
+// registers (the WG's own block) or from a shared tile (the peer's). V is MN-major: 16
+// topk rows per step, 64-value chunks kChunkBytes apart. The caller commits the batch.
+template <int kWg>
+__device__ __forceinline__ void IssuePvLocal(const Cta& cta, const uint32_t (&probs)[16],
+                                             float (&acc_o)[128]) {
+  const uint8_t* v_tile = cta.kv_tile(kWg) + kWg * kValueChunksPerWg * kChunkBytes;
+  cute::warpgroup_arrive();
+#pragma unroll
+  for (int k = 0; k < kTopkPerBlock / 16; ++k) {
+    const uint32_t a[4] = {probs[4 * k], probs[4 * k + 1], probs[4 * k + 2], probs[4 * k + 3]};
+    sm90::Gmma64x256x16RS(
+        a,
+        sm90::MakeSwizzle128Desc(v_tile + k * 16 * sm90::kSwizzleRowBytes, kChunkBytes,
+                                 sm90::kSwizzleAtomBytes),
+        acc_o);
+  }
+}
+
+template <int kWg>
+__device__ __forceinline__ void IssuePvRemote(const Cta& cta, float (&acc_o)[128]) {
+  constexpr int kPeer = kWg ^ 1;
+  const uint8_t* v_tile = cta.kv_tile(kPeer) + kWg * kValueChunksPerWg * kChunkBytes;
+  const uint8_t* p_tile = cta.probs_tile(kPeer);
+  cute::warpgroup_arrive();
+#pragma unroll
+  for (int k = 0; k < kTopkPerBlock / 16; ++k) {
+    sm90::Gmma64x256x16SS(
+        sm90::MakeSwizzle128Desc(p_tile + k * 32, 16, sm90::kSwizzleAtomBytes),
+        sm90::MakeSwizzle128Desc(v_tile + k * 16 * sm90::kSwizzleRowBytes, kChunkBytes,
+                                 sm90::kSwizzleAtomBytes),
+        acc_o);
+  }
+}
+
+// Consumer warpgroup kWg (0 or 1) over every pair of blocks: WG0 takes the even blocks
+// (buffer 0), WG1 the odd ones (buffer 1), each owns 256 of the 512 output values. The
+// two run staggered rather than in lockstep, so that one WG's softmax overlaps the other
+// WG's wgmma:
+//   WG0: softmax with m0 = max(running, own block) -> publishes m0 -> PV of its own block
+//        -> waits for WG1's m1 -> rescales its probabilities and output from m0 to m1,
+//        publishes the probabilities -> PV of WG1's block, and under it QK^T of its next
+//        block.
+//   WG1: QK^T -> waits for m0 -> softmax with m1 = max(m0, own block) -> publishes m1 ->
+//        PV of its own block -> publishes its probabilities -> PV of WG0's block.
+// m1 is then the common running max of both WGs' outputs and row sums.
 template <int kWg, bool kStoreScores>
 __device__ __forceinline__ void Consume(const Params& p, const Cta& cta, int tid) {
   constexpr int kPeer = kWg ^ 1;
-  const int frag_row = 16 * (tid / 32) + (tid % 32) / 4;  // rows frag_row and frag_row + 8
-  const int frag_col = 2 * (tid % 4);                      // + 8*j + {0, 1}
+  const Lane lane{16 * (tid / 32) + (tid % 32) / 4, 2 * (tid % 4)};
 
   {  // Q tile [64 heads x 576] into 128-byte swizzled shared memory, by both consumer WGs.
     const uint8_t* q_rows = reinterpret_cast<const uint8_t*>(
@@ -210,172 +407,134 @@ __device__ __forceinline__ void Consume(const Params& p, const Cta& cta, int tid
   }
 
   float acc_o[128];          // this WG's 64 x 256 slice of the output
-  float acc_s[32];           // 64 x 64 scores of this WG's block
-  uint32_t probs[16];        // bf16 pairs of exp(scores), A-operand layout
-  float running_max[2] = {-INFINITY, -INFINITY};  // raw-score row max over all blocks so far
-  float row_sum[2] = {0.f, 0.f};                   // this thread's partial sum of this WG's probs
+  float acc_s[32];           // 64 x 64 scores (then probabilities) of this WG's block
+  uint32_t probs[16];        // bf16 pairs of the probabilities, A-operand layout
+  uint32_t valid_columns;    // LoadValidColumns of the block in acc_s
+  float running_max[2] = {-INFINITY, -INFINITY};  // common raw-score row max so far
+  float row_sum[2] = {0.f, 0.f};  // this thread's partial sum of this WG's probabilities
 #pragma unroll
   for (int i = 0; i < 128; ++i) acc_o[i] = 0.f;
 
-  for (int pair = 0; pair < cta.num_pairs; ++pair) {
-    const int block = 2 * pair + kWg;
-    const bool real_block = block < cta.num_blocks;  // false only for WG1's pad block
-    int2 listed[8];  // indices of this thread's columns, for the mask
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      listed[j] = real_block ? __ldg(reinterpret_cast<const int2*>(
-                                   cta.row_indices + block * kTopkPerBlock + 8 * j + frag_col))
-                             : make_int2(-1, -1);
-    }
-
-    // S = Q K^T, starting with the half of this WG's buffer that the producer refilled
-    // first (the local half kWg), then the other one.
-    const uint8_t* k_tile = cta.kv_tile(kWg);
+  if constexpr (kWg == 0) {  // QK^T of block 0; later ones are issued under the last PV
+    valid_columns = LoadValidColumns(p, cta, lane, 0);
     sm90::FenceOperands(acc_s);
-#pragma unroll
-    for (int step = 0; step < 2; ++step) {
-      const int half = step == 0 ? kWg : kPeer;
-      ClusterBarrier::wait(cta.ready_barrier(kWg, half), pair & 1);
-      cutlass::arch::fence_view_async_shared();  // cp.async (generic proxy) data -> wgmma
-      cute::warpgroup_arrive();
-#pragma unroll
-      for (int k = 4 * HalfFirstChunk(half); k < 4 * HalfEndChunk(half); ++k) {
-        const int offset = (k / 4) * kChunkBytes + (k % 4) * 32;  // 16 features = 32 bytes
-        sm90::Gmma64x64x16SS(
-            sm90::MakeSwizzle128Desc(cta.q_tile + offset, 16, sm90::kSwizzleAtomBytes),
-            sm90::MakeSwizzle128Desc(k_tile + offset, 16, sm90::kSwizzleAtomBytes), acc_s,
-            step == 0 && k == 4 * HalfFirstChunk(half) ? sm90::ScaleOut::Zero
-                                                       : sm90::ScaleOut::One);
-      }
-    }
+    IssueQk<0>(cta, 0, 0, true, acc_s);
+    IssueQk<1>(cta, 0, 0, false, acc_s);
     cute::warpgroup_commit_batch();
     cute::warpgroup_wait<0>();
     sm90::FenceOperands(acc_s);
+  }
 
+  for (int pair = 0; pair < cta.num_pairs; ++pair) {
+    const int block = 2 * pair + kWg;
+    const int phase = pair & 1;
+    if constexpr (kWg == 1) {  // starting with the half the producer refilled first
+      valid_columns = LoadValidColumns(p, cta, lane, block);
+      sm90::FenceOperands(acc_s);
+      IssueQk<1>(cta, 1, phase, true, acc_s);
+      IssueQk<0>(cta, 1, phase, false, acc_s);
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<0>();
+      sm90::FenceOperands(acc_s);
+    }
+    MaskScores(valid_columns, acc_s);
+    float block_max[2], new_max[2];
+    RowMax(acc_s, block_max);
+    if constexpr (kWg == 0) {
+      // m0, published before the score store so that WG1 can go on meanwhile.
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const bool valid0 = IsValidIndex(listed[j].x, p.s_kv);
-      const bool valid1 = IsValidIndex(listed[j].y, p.s_kv);
+      for (int half = 0; half < 2; ++half) new_max[half] = fmaxf(running_max[half], block_max[half]);
+      if (tid % 4 == 0) {
+        cta.row_max[0][lane.frag_row] = new_max[0];
+        cta.row_max[0][lane.frag_row + 8] = new_max[1];
+      }
+      NamedBarrier::arrive(kConsumerThreads, kEvenMaxReady);
+      if constexpr (kStoreScores) StoreScores(p, cta, lane, block, acc_s);
+    } else {
+      if constexpr (kStoreScores) StoreScores(p, cta, lane, block, acc_s);
+      NamedBarrier::sync(kConsumerThreads, kEvenMaxReady);
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+        new_max[half] = fmaxf(cta.row_max[0][lane.frag_row + 8 * half], block_max[half]);
+      if (tid % 4 == 0) {
+        cta.row_max[1][lane.frag_row] = new_max[0];
+        cta.row_max[1][lane.frag_row + 8] = new_max[1];
+      }
+      NamedBarrier::arrive(kConsumerThreads, kOddMaxReady);
+    }
+
+    float shift[2], rescale[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      shift[half] = Shift(new_max[half], p.scale_log2);
+      rescale[half] = exp2f(running_max[half] * p.scale_log2 - shift[half]);
+    }
+    Rescale(rescale, acc_o, row_sum);
+    Exponentiate(shift, p.scale_log2, acc_s, probs, row_sum);
+
+    sm90::FenceOperands(acc_o);
+    sm90::FenceOperands(probs);
+    IssuePvLocal<kWg>(cta, probs, acc_o);
+    cute::warpgroup_commit_batch();
+
+    if constexpr (kWg == 0) {
+      cute::warpgroup_wait<0>();
+      sm90::FenceOperands(acc_o);
+      sm90::FenceOperands(probs);
+      ClusterBarrier::arrive(cta.free_barrier(0, 0));
+      // From m0 to WG1's m1, the common max of the pair: the output and sums so far, and
+      // the probabilities WG1 multiplies by its half of the values.
+      NamedBarrier::sync(kConsumerThreads, kOddMaxReady);
+      float to_common[2];
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        if (!valid0) acc_s[4 * j + 2 * half] = -INFINITY;
-        if (!valid1) acc_s[4 * j + 2 * half + 1] = -INFINITY;
+        const float common = cta.row_max[1][lane.frag_row + 8 * half];
+        // While WG0 has seen no valid entry of a row, its output and sums are 0.
+        to_common[half] = new_max[half] == -INFINITY
+                              ? 0.f
+                              : exp2f(shift[half] - Shift(common, p.scale_log2));
+        running_max[half] = common;
       }
-    }
-
-    if constexpr (kStoreScores) {
-      // Raw masked scores straight from the fragments, before the softmax touches them:
-      // a warp's float2 stores cover 32 contiguous bytes of each of 8 rows.
-      if (real_block) {
-        float* scores_tile = p.scores +
-                             ((cta.batch * p.s_q + cta.s_idx) * p.h_q + cta.head0) * p.topk +
-                             block * kTopkPerBlock;
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          float* row_ptr =
-              scores_tile + static_cast<int64_t>(frag_row + 8 * half) * p.topk + frag_col;
-#pragma unroll
-          for (int j = 0; j < 8; ++j)
-            __stcs(reinterpret_cast<float2*>(row_ptr + 8 * j),
-                   make_float2(acc_s[4 * j + 2 * half], acc_s[4 * j + 2 * half + 1]));
-        }
-      }
-    }
-
-    // Online softmax. Both WGs fold the same three maxima (running, own block, peer
-    // block), so they keep identical running maxima without further exchange.
-    float block_max[2];
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float m = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-        m = fmaxf(m, fmaxf(acc_s[4 * j + 2 * half], acc_s[4 * j + 2 * half + 1]));
-      m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 1));  // the 4 threads of a row
-      m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 2));
-      block_max[half] = m;
-    }
-    if (tid % 4 == 0) {
-      cta.row_max[kWg][frag_row] = block_max[0];
-      cta.row_max[kWg][frag_row + 8] = block_max[1];
-    }
-    // Also orders the previous pair's reads of row_max (before kProbsReady) before these
-    // writes being read again.
-    NamedBarrier::sync(kConsumerThreads, kRowMaxReady);
-
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const float peer_max = cta.row_max[kPeer][frag_row + 8 * half];
-      const float new_max = fmaxf(running_max[half], fmaxf(block_max[half], peer_max));
-      // While a row has seen no valid entry its max is -inf; shifting by 0 keeps exp2 at 0.
-      const float shift = new_max == -INFINITY ? 0.f : new_max * p.scale_log2;
-      const float rescale = exp2f(running_max[half] * p.scale_log2 - shift);
-      running_max[half] = new_max;
-      row_sum[half] *= rescale;
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        acc_o[4 * j + 2 * half] *= rescale;
-        acc_o[4 * j + 2 * half + 1] *= rescale;
-      }
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const float p0 = exp2f(fmaf(acc_s[4 * j + 2 * half], p.scale_log2, -shift));
-        const float p1 = exp2f(fmaf(acc_s[4 * j + 2 * half + 1], p.scale_log2, -shift));
-        row_sum[half] += p0 + p1;
-        __nv_bfloat162 pair_bf16 = __floats2bfloat162_rn(p0, p1);
-        probs[2 * j + half] = *reinterpret_cast<uint32_t*>(&pair_bf16);
-      }
-    }
-
-    {  // Publish this WG's probabilities for the peer's PV: a K-major swizzled A tile.
-      uint8_t* tile = cta.probs_tile(kWg);
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int half = 0; half < 2; ++half)
-          *reinterpret_cast<uint32_t*>(tile + sm90::Swizzle128Offset(frag_row + 8 * half, j) +
-                                       frag_col * 2) = probs[2 * j + half];
-      cutlass::arch::fence_view_async_shared();
-    }
-    // Done with the peer half of this WG's buffer: its QK^T is over and, for WG0, the
-    // probabilities stored there are written (WG1 arrives after reading them).
-    ClusterBarrier::arrive(cta.free_barrier(kWg, kPeer));
-    NamedBarrier::sync(kConsumerThreads, kProbsReady);
-
-    // acc_o += P_block @ V_block[:, 256*kWg : 256*kWg + 256] for both blocks of the pair:
-    // first the local block (probabilities in registers, values in half kWg of this WG's
-    // buffer), then the peer's (both from shared memory), one commit group each so the
-    // local half is released while the second group still runs.
-    sm90::FenceOperands(acc_o);
-    sm90::FenceOperands(probs);
-    cute::warpgroup_arrive();
-#pragma unroll
-    for (int step = 0; step < 2; ++step) {
-      const int buffer = step == 0 ? kWg : kPeer;
-      const uint8_t* v_tile = cta.kv_tile(buffer) + kWg * kValueChunksPerWg * kChunkBytes;
-#pragma unroll
-      for (int k = 0; k < kTopkPerBlock / 16; ++k) {
-        // V is MN-major: 16 topk rows per step; 64-value chunks kChunkBytes apart.
-        const uint64_t desc_v = sm90::MakeSwizzle128Desc(
-            v_tile + k * 16 * sm90::kSwizzleRowBytes, kChunkBytes, sm90::kSwizzleAtomBytes);
-        if (step == 0) {
-          const uint32_t a[4] = {probs[4 * k], probs[4 * k + 1], probs[4 * k + 2],
-                                 probs[4 * k + 3]};
-          sm90::Gmma64x256x16RS(a, desc_v, acc_o);
-        } else {
-          const uint64_t desc_p = sm90::MakeSwizzle128Desc(cta.probs_tile(buffer) + k * 32, 16,
-                                                           sm90::kSwizzleAtomBytes);
-          sm90::Gmma64x256x16SS(desc_p, desc_v, acc_o);
-        }
-      }
+      PublishProbs(cta.probs_tile(0), lane, acc_s, to_common);
+      NamedBarrier::arrive(kConsumerThreads, kEvenProbsReady);
+      Rescale(to_common, acc_o, row_sum);
+      NamedBarrier::sync(kConsumerThreads, kOddProbsReady);
+      sm90::FenceOperands(acc_o);
+      IssuePvRemote<0>(cta, acc_o);
       cute::warpgroup_commit_batch();
+      if (pair + 1 < cta.num_pairs) {  // QK^T of the next block under the PV
+        const int next_phase = (pair + 1) & 1;
+        sm90::FenceOperands(acc_s);
+        IssueQk<0>(cta, 0, next_phase, true, acc_s);
+        cute::warpgroup_commit_batch();
+        valid_columns = LoadValidColumns(p, cta, lane, block + 2);
+        cute::warpgroup_wait<1>();
+        ClusterBarrier::arrive(cta.free_barrier(1, 0));
+        IssueQk<1>(cta, 0, next_phase, false, acc_s);
+        cute::warpgroup_commit_batch();
+        cute::warpgroup_wait<0>();
+        sm90::FenceOperands(acc_s);
+      } else {
+        cute::warpgroup_wait<0>();
+        ClusterBarrier::arrive(cta.free_barrier(1, 0));
+      }
+      sm90::FenceOperands(acc_o);
+    } else {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) running_max[half] = new_max[half];
+      const float unscaled[2] = {1.f, 1.f};
+      PublishProbs(cta.probs_tile(1), lane, acc_s, unscaled);
+      NamedBarrier::sync(kConsumerThreads, kEvenProbsReady);
+      IssuePvRemote<1>(cta, acc_o);
+      cute::warpgroup_commit_batch();
+      NamedBarrier::arrive(kConsumerThreads, kOddProbsReady);
+      cute::warpgroup_wait<1>();
+      ClusterBarrier::arrive(cta.free_barrier(1, 1));
+      cute::warpgroup_wait<0>();
+      ClusterBarrier::arrive(cta.free_barrier(0, 1));
+      sm90::FenceOperands(acc_o);
+      sm90::FenceOperands(probs);
     }
-    cute::warpgroup_wait<1>();
-    ClusterBarrier::arrive(cta.free_barrier(kWg, kWg));
-    cute::warpgroup_wait<0>();
-    ClusterBarrier::arrive(cta.free_barrier(kPeer, kWg));
-    sm90::FenceOperands(acc_o);
-    sm90::FenceOperands(probs);
   }
 
   // Epilogue: total row sums over both WGs, normalise, store.
@@ -385,21 +544,21 @@ __device__ __forceinline__ void Consume(const Params& p, const Cta& cta, int tid
     row_sum[half] += __shfl_xor_sync(0xffffffff, row_sum[half], 2);
   }
   if (tid % 4 == 0) {
-    cta.row_sum[kWg][frag_row] = row_sum[0];
-    cta.row_sum[kWg][frag_row + 8] = row_sum[1];
+    cta.row_sum[kWg][lane.frag_row] = row_sum[0];
+    cta.row_sum[kWg][lane.frag_row + 8] = row_sum[1];
   }
   NamedBarrier::sync(kConsumerThreads, kRowSumReady);
   float total[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half)
-    total[half] = row_sum[half] + cta.row_sum[kPeer][frag_row + 8 * half];
+    total[half] = row_sum[half] + cta.row_sum[kPeer][lane.frag_row + 8 * half];
 
   const int64_t row0 = (cta.batch * p.s_q + cta.s_idx) * p.h_q + cta.head0;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const float inv = total[half] > 0.f ? 1.f / total[half] : 0.f;
     __nv_bfloat16* out_row =
-        p.out + (row0 + frag_row + 8 * half) * kDimV + kWg * kValueChunksPerWg * 64 + frag_col;
+        p.out + (row0 + lane.frag_row + 8 * half) * kDimV + kWg * kValueChunksPerWg * 64 + lane.frag_col;
 #pragma unroll
     for (int j = 0; j < 32; ++j)
       *reinterpret_cast<__nv_bfloat162*>(out_row + 8 * j) = __floats2bfloat162_rn(
@@ -408,7 +567,7 @@ __device__ __forceinline__ void Consume(const Params& p, const Cta& cta, int tid
   if (kWg == 0 && tid % 4 == 0) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int64_t row = row0 + frag_row + 8 * half;
+      const int64_t row = row0 + lane.frag_row + 8 * half;
       const bool any_valid = total[half] > 0.f;
       const float max_logit = running_max[half] * p.sm_scale;
       p.max_logits[row] = any_valid ? max_logit : -INFINITY;
@@ -445,9 +604,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int half = 0; half < 2; ++half) {
         // One cp.async arrival per producer thread.
         ClusterBarrier::init(cta.ready_barrier(buffer, half), 128);
-        // A local half (buffer == half) is used by one WG, the others by both.
-        ClusterBarrier::init(cta.free_barrier(buffer, half),
-                             buffer == half ? 128 : kConsumerThreads);
+        // Released by the WG whose PV reads the half last (see Consume).
+        ClusterBarrier::init(cta.free_barrier(buffer, half), 128);
       }
     }
     cutlass::arch::fence_barrier_init();
