@@ -6,6 +6,8 @@ Implementations (``--impls``): ``omni_xla``, ``omni_triton``, ``omni_mosaic``
 ``mha``), ``jax_mgpu`` (JAX's Mosaic ``attention_mgpu``: float16 only, so it
 runs on float16 copies of the inputs) and ``tokamax`` (if importable). An
 implementation that cannot run a case gets a row with its reason in the note.
+The implementations of a case are timed together, their samples interleaved
+(`benchmarks.timing.bench_interleaved`), so clock drift hits them alike.
 
 TFLOP/s count only unmasked work (4 * B * H * D * visible (q, k) pairs for the
 forward, 2.5x that for the backward), so masked cases compare by useful work;
@@ -31,7 +33,7 @@ import jaxlib
 import numpy as np
 
 import omni_jax
-from benchmarks.timing import bench, tflops
+from benchmarks.timing import bench_interleaved, tflops
 
 BASELINE = "cudnn"
 IMPLS = ("omni_xla", "omni_triton", "omni_mosaic", "cudnn", "jax_xla", "jax_pallas_mha",
@@ -314,20 +316,22 @@ def run(args) -> list[dict]:
     rows, dense_ms = [], {}
     for case in _selected_cases(args):
         flops = case_flops(case)
-        case_rows = []
+        notes, fns = {}, {}
         for impl in impls:
             try:
-                attention = BUILDERS[impl](case)
-                fn = _timed_fn(attention, case.backward)
-                ms = bench(fn, _inputs(case, 2), warmup=args.warmup, samples=args.samples,
-                           inner=args.inner)
-            except Unsupported as why:
-                case_rows.append(_row(case, impl, float("nan"), 0.0, f"skipped: {why}"))
-                continue
+                fns[impl] = _timed_fn(BUILDERS[impl](case), case.backward)
             except Exception as error:  # noqa: BLE001 - a peer failing must not stop the table
-                message = str(error).strip().splitlines()[0][:160] if str(error) else ""
-                case_rows.append(_row(case, impl, float("nan"), 0.0,
-                                      f"failed: {type(error).__name__}: {message}"))
+                notes[impl] = _failure_note(error)
+        # Timed together, samples alternating: clock drift hits every implementation alike.
+        timed = bench_interleaved(fns, _inputs(case, 2), warmup=args.warmup,
+                                  samples=args.samples, inner=args.inner)
+        case_rows = []
+        for impl in impls:
+            ms = timed.get(impl)
+            if isinstance(ms, Exception):
+                notes[impl] = _failure_note(ms)
+            if impl in notes:
+                case_rows.append(_row(case, impl, float("nan"), 0.0, notes[impl]))
                 continue
             dense_ms[(case, impl)] = ms
             note = _skip_note(case, dense_ms, impl, ms)
@@ -341,6 +345,14 @@ def run(args) -> list[dict]:
                 row["ratio"] = baseline / row["ms"]
         rows.extend(case_rows)
     return rows
+
+
+def _failure_note(error: Exception) -> str:
+    """The note of an implementation without a time: skipped (`Unsupported`) or failed."""
+    if isinstance(error, Unsupported):
+        return f"skipped: {error}"
+    message = str(error).strip().splitlines()[0][:160] if str(error) else ""
+    return f"failed: {type(error).__name__}: {message}"
 
 
 def _row(case: Case, impl: str, ms: float, throughput: float, note: str) -> dict:

@@ -5,7 +5,7 @@
     python -m benchmarks.matmul --impls mosaic --mosaic-config pingpong=1 stages=3
     python -m benchmarks.matmul --tiny               # CPU smoke test (XLA rows only)
 
-Suites (every row of a case is timed on the same inputs):
+Suites (the rows of a case are timed on the same inputs, their samples interleaved):
   sweep     bf16 (M, N, K) from 1024 to 16384 per side, plain ``C = A @ B``; a
             geometric-mean row per implementation closes the sweep.
   epilogue  ``gelu(A @ B + bias)``: the baseline is ``jnp.dot`` followed by XLA's
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import jaxlib
 
 import omni_jax
-from benchmarks.timing import bench, tflops
+from benchmarks.timing import bench_interleaved, tflops
 from omni_jax.matmul import implementations
 
 BASELINE = "cublas"
@@ -243,26 +243,30 @@ def run(args: argparse.Namespace) -> list[dict]:
         for m, n, k in _shapes(args, suite):
             case = f"{suite} {m}x{n}x{k}"
             arg_sets = [_inputs(suite, m, n, k, seed) for seed in range(2)]
-            case_rows = []
+            notes, fns, failures = {}, {}, {}
             for impl in impls:
                 reason = _skip_reason(impl, suite, m, n, k)
                 if reason is not None:
-                    case_rows.append(dict(case=case, impl=impl, ms=math.nan, tflops=math.nan,
-                                          ratio=None, note=reason))
+                    notes[impl] = reason
                     continue
-                note = _note(impl, suite)
+                notes[impl] = _note(impl, suite)
                 if impl == "mosaic" and args.mosaic_config:
-                    note += f"; {_override_config(suite, arg_sets[0], args.mosaic_config)}"
+                    notes[impl] += f"; {_override_config(suite, arg_sets[0], args.mosaic_config)}"
                 if args.autotune and impl == "mosaic":
-                    note += f"; {_autotune(suite, arg_sets[0])}"
+                    notes[impl] += f"; {_autotune(suite, arg_sets[0])}"
                 try:
-                    ms = bench(jax.jit(_function(impl, suite, m, n, k)), arg_sets, **timing)
+                    fns[impl] = jax.jit(_function(impl, suite, m, n, k))
                 except Exception as error:  # noqa: BLE001 - a failing peer is a row, not a crash
-                    case_rows.append(dict(case=case, impl=impl, ms=math.nan, tflops=math.nan,
-                                          ratio=None, note=f"failed: {error!s:.200}"))
-                    continue
-                case_rows.append(dict(case=case, impl=impl, ms=ms,
-                                      tflops=tflops(2 * m * n * k, ms), ratio=None, note=note))
+                    failures[impl] = error
+            # Timed together, samples alternating: clock drift hits every implementation alike.
+            timed = {**failures, **bench_interleaved(fns, arg_sets, **timing)}
+            case_rows = []
+            for impl in impls:
+                ms = timed.get(impl, math.nan)  # NaN: skipped, the note says why
+                if isinstance(ms, Exception):
+                    notes[impl], ms = f"failed: {ms!s:.200}", math.nan
+                case_rows.append(dict(case=case, impl=impl, ms=ms, tflops=tflops(2 * m * n * k, ms),
+                                      ratio=None, note=notes[impl]))
             baseline = next(r["ms"] for r in case_rows if r["impl"] == BASELINE)
             for row in case_rows:
                 if not math.isnan(row["ms"]):

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 
-from benchmarks.timing import bench, tflops
+from benchmarks.timing import bench_interleaved, tflops
 from omni_jax import sparse_mla_prefill
 from omni_jax.sparse_mla import kernel, kernel_platform_reason
 from omni_jax.sparse_mla.validation import ProblemShape
@@ -77,23 +77,29 @@ def run(args: argparse.Namespace) -> list[dict]:
     if args.tiny:
         timing = dict(warmup=1, samples=2, inner=1)
 
-    rows = []
+    notes, fns = {}, {}
     for impl in args.impls:
         reason = _skip_reason(impl, sizes)
         if reason is not None:
-            rows.append(dict(case=case, impl=impl, ms=math.nan, tflops=math.nan, ratio=None,
-                             note=reason))
+            notes[impl] = reason
             continue
-        fn = jax.jit(lambda q, kv, i, impl=impl: sparse_mla_prefill(
+        fns[impl] = jax.jit(lambda q, kv, i, impl=impl: sparse_mla_prefill(
             q, kv, i, sm_scale=sm_scale, d_v=sizes["d_v"],
             return_scores=impl.endswith("+scores"),
             implementation="ffi" if impl.startswith("ffi") else "xla"))
-        ms = bench(fn, arg_sets, **timing)
-        note = "SM90 CUDA kernel (XLA FFI)" if impl.startswith("ffi") else "blockwise JAX"
+        notes[impl] = "SM90 CUDA kernel (XLA FFI)" if impl.startswith("ffi") else "blockwise JAX"
         if impl.endswith("+scores"):
-            note += ", fp32 scores [s_q, h_q, topk] written"
+            notes[impl] += ", fp32 scores [s_q, h_q, topk] written"
+    # Timed together, samples alternating: clock drift hits every implementation alike.
+    timed = bench_interleaved(fns, arg_sets, **timing)
+
+    rows = []
+    for impl in args.impls:
+        ms = timed.get(impl, math.nan)  # NaN: skipped, the note says why
+        if isinstance(ms, Exception):
+            notes[impl], ms = f"failed: {type(ms).__name__}: {ms!s:.160}", math.nan
         rows.append(dict(case=case, impl=impl, ms=ms, tflops=tflops(flops, ms), ratio=None,
-                         note=note))
+                         note=notes[impl]))
 
     ms_of = {row["impl"]: row["ms"] for row in rows}
     baseline = ms_of.get(BASELINE, math.nan)

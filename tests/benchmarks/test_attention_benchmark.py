@@ -56,3 +56,35 @@ def test_cudnn_documents_form_is_the_document_mask(monkeypatch):
     expected = omni_jax.attention(q, k, v, implementation="xla",
                                   q_segment_ids=jnp.asarray(attention._segment_ids(case)))
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_case_is_timed_together_and_failures_are_rows(monkeypatch, timed_together):
+    """Failures while traced are rows: `Unsupported` a skip, anything else a failure."""
+    groups = timed_together(attention)
+
+    def raising(error):
+        def build(case):
+            def attend(q, k, v):
+                raise error
+
+            return attend
+
+        return build
+
+    monkeypatch.setitem(attention.BUILDERS, "jax_xla",
+                        raising(attention.Unsupported("not for this case")))
+    monkeypatch.setitem(attention.BUILDERS, "tokamax", raising(RuntimeError("exploded")))
+    parser = argparse.ArgumentParser()
+    attention.add_arguments(parser)
+    impls = ["omni_xla", "jax_xla", "tokamax", "cudnn"]
+    args = parser.parse_args(["--tiny", "--cases", "dense b1 s128 h2 d32 fwd", "--impls",
+                              ",".join(impls), "--warmup", "1", "--samples", "2", "--inner", "1"])
+    rows = attention.run(args)
+    runnable = ["omni_xla", "jax_xla", "tokamax"] + (
+        ["cudnn"] if jax.default_backend() == "gpu" else [])
+    assert groups == [runnable] * 2  # fwd and fwd+bwd
+    notes = {(row["case"], row["impl"]): row["note"] for row in rows}
+    for case in {row["case"] for row in rows}:
+        assert notes[case, "jax_xla"] == "skipped: not for this case"
+        assert notes[case, "tokamax"] == "failed: RuntimeError: exploded"
+    assert all(math.isfinite(row["ms"]) for row in rows if row["impl"] == "omni_xla")

@@ -20,3 +20,30 @@ def test_tiny_run_produces_rows():
     assert timed and all(row["ms"] > 0 and math.isfinite(row["ratio"]) for row in timed)
     assert not [row for row in rows if row["note"].startswith("failed")]
     assert any("geomean" in row["case"] for row in rows)
+
+
+def test_a_case_is_timed_together_and_a_failure_is_a_row(monkeypatch, timed_together):
+    groups = timed_together(matmul)
+    ours = matmul._ours
+
+    def xla_breaks(suite, impl):
+        if impl != "xla":
+            return ours(suite, impl)
+
+        def broken(*args):
+            raise RuntimeError("xla kernel exploded")
+
+        return broken
+
+    monkeypatch.setattr(matmul, "_ours", xla_breaks)
+    parser = argparse.ArgumentParser()
+    matmul.add_arguments(parser)
+    rows = matmul.run(parser.parse_args(["--tiny", "--suites", "sweep"]))
+    assert groups == [[matmul.BASELINE, "xla"]] * len(matmul.TINY["sweep"])
+    cases = [row for row in rows if "geomean" not in row["case"]]
+    for row in cases:
+        if row["impl"] == "xla":
+            assert row["note"].startswith("failed: xla kernel exploded"), row
+            assert math.isnan(row["ms"]) and row["ratio"] is None
+        if row["impl"] == matmul.BASELINE:
+            assert row["ms"] > 0 and row["ratio"] == 1.0

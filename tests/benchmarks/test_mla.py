@@ -23,3 +23,25 @@ def test_tiny_run_produces_rows_for_every_impl():
     for row in rows:
         if math.isnan(row["ms"]):
             assert row["ratio"] is None and row["note"].startswith("skipped")
+
+
+def test_implementations_are_timed_together_and_a_failure_is_a_row(monkeypatch,
+                                                                    timed_together):
+    groups = timed_together(mla)
+    prefill = mla.sparse_mla_prefill
+
+    def scores_break(*args, return_scores, **kwargs):
+        if return_scores:
+            raise RuntimeError("scores kernel exploded")
+        return prefill(*args, return_scores=return_scores, **kwargs)
+
+    monkeypatch.setattr(mla, "sparse_mla_prefill", scores_break)
+    parser = argparse.ArgumentParser()
+    mla.add_arguments(parser)
+    rows = {row["impl"]: row for row in mla.run(parser.parse_args(
+        ["--tiny", "--impls", "portable", "portable+scores"]))}
+    assert groups == [["portable", "portable+scores"]]
+    assert rows["portable"]["ratio"] == 1.0
+    failed = rows["portable+scores"]
+    assert failed["note"].startswith("failed: RuntimeError: scores kernel exploded"), failed
+    assert math.isnan(failed["ms"]) and failed["ratio"] is None

@@ -1,0 +1,102 @@
+"""benchmarks.timing: interleaved samples, per-function failures, the single-function bench."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from benchmarks import timing
+
+
+def _recording(name: str, calls: list[str], fail_after: int | None = None):
+    """A plain Python callable that logs its name per call and returns a JAX array."""
+    out = jnp.ones(4)
+
+    def fn(x):
+        if fail_after is not None and calls.count(name) >= fail_after:
+            raise RuntimeError(f"{name} broke")
+        calls.append(name)
+        return out + x
+
+    return fn
+
+
+def test_medians_for_good_functions_and_errors_for_failing_ones():
+    def broken(x):
+        raise RuntimeError("no kernel for this")
+
+    fns = {"double": jax.jit(lambda x: 2 * x), "broken": broken,
+           "sine": jax.jit(jnp.sin)}
+    arg_sets = [(jax.random.normal(jax.random.key(i), (64,)),) for i in range(2)]
+    timed = timing.bench_interleaved(fns, arg_sets, warmup=1, samples=3, inner=1)
+    assert list(timed) == list(fns)
+    assert isinstance(timed["broken"], RuntimeError)
+    assert "no kernel" in str(timed["broken"])
+    for name in ("double", "sine"):
+        assert isinstance(timed[name], float) and 0 < timed[name] < math.inf
+
+
+@pytest.mark.parametrize("samples", [1, 4])
+def test_samples_alternate_between_functions(monkeypatch, samples):
+    monkeypatch.setattr(timing, "MIN_SAMPLE_MS", 0.0)  # every sample: exactly `inner` calls
+    calls: list[str] = []
+    names = ("a", "b", "c")
+    fns = {name: _recording(name, calls) for name in names}
+    warmup, inner = 2, 3
+    timing.bench_interleaved(fns, [(1.0,)], warmup=warmup, samples=samples, inner=inner)
+
+    setup = len(names) * (warmup + inner)  # warm-up and calibration calls of each
+    sampled = calls[setup:]
+    assert len(sampled) == samples * len(names) * inner
+    blocks = [sampled[i:i + inner] for i in range(0, len(sampled), inner)]
+    assert all(len(set(block)) == 1 for block in blocks), "a sample mixes functions"
+    order = [block[0] for block in blocks]
+    rounds = [order[i:i + len(names)] for i in range(0, len(order), len(names))]
+    assert all(sorted(r) == sorted(names) for r in rounds), rounds
+    assert len({r[0] for r in rounds}) == min(samples, len(names)), "one always runs first"
+
+
+def test_a_function_failing_while_sampled_drops_out_alone(monkeypatch):
+    monkeypatch.setattr(timing, "MIN_SAMPLE_MS", 0.0)
+    calls: list[str] = []
+    fns = {"steady": _recording("steady", calls),
+           "flaky": _recording("flaky", calls, fail_after=3)}  # warm-up + calibration pass
+    timed = timing.bench_interleaved(fns, [(1.0,)], warmup=1, samples=5, inner=1)
+    assert isinstance(timed["flaky"], RuntimeError)
+    assert isinstance(timed["steady"], float)
+    assert calls.count("steady") == 1 + 1 + 5
+
+
+def test_bench_is_the_single_function_case():
+    arg_sets = [(jnp.arange(8.0),)]
+    assert timing.bench(jax.jit(jnp.cos), arg_sets, warmup=1, samples=2, inner=1) > 0
+
+    def broken(x):
+        raise ValueError("bad shape")
+
+    with pytest.raises(ValueError, match="bad shape"):
+        timing.bench(broken, arg_sets)
+
+
+def test_inner_grows_so_a_sample_lasts_min_sample_ms(monkeypatch):
+    clock = itertools.count(step=0.001)  # every perf_counter() reading: +1 ms
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    monkeypatch.setattr(timing, "MIN_SAMPLE_MS", 5.0)
+    calls: list[str] = []
+    timing.bench_interleaved({"f": _recording("f", calls)}, [(1.0,)], warmup=0, samples=1,
+                             inner=1)
+    # Calibration reads the clock twice around one call: 1 ms a call, so 5 calls a sample.
+    assert len(calls) == 1 + 5
+
+
+@pytest.mark.parametrize("kwargs", [dict(samples=0), dict(inner=0)])
+def test_rejects_empty_samples(kwargs):
+    with pytest.raises(ValueError, match="at least 1"):
+        timing.bench_interleaved({"f": jnp.sin}, [(1.0,)], **kwargs)
+    with pytest.raises(ValueError, match="one set of arguments"):
+        timing.bench_interleaved({"f": jnp.sin}, [])
