@@ -4,8 +4,9 @@
 // lists, in blocks of 64 listed rows. Blocks go in pairs; an odd last block is paired with
 // an all-invalid one (zero rows, masked), so every wgmma sits on a uniform path. Three
 // warpgroups:
-//   WG2 (producer): gathers the listed kv rows of a block (576 bf16 features each) into
-//       one of two shared buffers with cp.async, zero-filling invalid rows;
+//   WG2 (producer): copies the Q tile, then gathers the listed kv rows of each block (576
+//       bf16 features each) into one of two shared buffers, all with cp.async (invalid
+//       rows zero-filled), so the consumers never wait on a synchronous load;
 //   WG0 / WG1 (consumers): WG0 takes the even block of a pair (buffer 0), WG1 the odd one
 //       (buffer 1). Each computes its 64x64 score tile S = Q K^T with wgmma, masks
 //       invalid entries to -inf, optionally stores the raw scores, and the two agree on
@@ -70,8 +71,8 @@ constexpr int kKvOffset = kTileBytes;                         // two kv tiles
 constexpr int kProbs1Offset = kKvOffset + 2 * kTileBytes;     // WG1's bf16 probabilities
 constexpr int kRowMaxOffset = kProbs1Offset + kChunkBytes;    // float[2][64]
 constexpr int kRowSumOffset = kRowMaxOffset + 2 * 64 * 4;     // float[2][64]
-constexpr int kBarrierOffset = kRowSumOffset + 2 * 64 * 4;    // uint64 ready[4], free[4]
-constexpr int kSmemBytes = kBarrierOffset + 8 * 8 + 1024;     // + slack for base alignment
+constexpr int kBarrierOffset = kRowSumOffset + 2 * 64 * 4;    // uint64 ready[4], free[4], q
+constexpr int kSmemBytes = kBarrierOffset + 9 * 8 + 1024;     // + slack for base alignment
 static_assert(kSmemBytes <= 227 * 1024, "exceeds the sm90 shared memory per block");
 
 // The feature chunks [first, end) of half h of a kv buffer.
@@ -81,12 +82,11 @@ __host__ __device__ constexpr int HalfEndChunk(int half) { return half == 0 ? 4 
 // Named barrier ids (CUTLASS offsets them past its reserved ones), all among the 256
 // consumer threads.
 enum ConsumerBarrier : uint32_t {
-  kQLoaded = 0,         // Q tile stored and fenced for wgmma
-  kEvenMaxReady = 1,    // WG0's row max m0 of the pair is in shared memory
-  kOddMaxReady = 2,     // WG1's row max m1 (the pair's common max) is in shared memory
-  kEvenProbsReady = 3,  // WG0's probabilities (rescaled to m1) are in shared memory
-  kOddProbsReady = 4,   // WG1's probabilities are in shared memory
-  kRowSumReady = 5,     // both WGs' row sums are in shared memory (epilogue)
+  kEvenMaxReady = 0,    // WG0's row max m0 of the pair is in shared memory
+  kOddMaxReady = 1,     // WG1's row max m1 (the pair's common max) is in shared memory
+  kEvenProbsReady = 2,  // WG0's probabilities (rescaled to m1) are in shared memory
+  kOddProbsReady = 3,   // WG1's probabilities are in shared memory
+  kRowSumReady = 4,     // both WGs' row sums are in shared memory (epilogue)
 };
 
 struct Params {
@@ -111,6 +111,7 @@ struct Cta {
   float (*row_sum)[64];       // [wg][row] row sums
   uint64_t* half_ready;       // [buffer * 2 + half] producer -> consumers (cp.async arrivals)
   uint64_t* half_free;        // [buffer * 2 + half] consumers -> producer
+  uint64_t* q_ready;          // producer -> consumers (cp.async arrivals): the Q tile landed
   int64_t batch;
   int s_idx, head0, num_pairs, num_blocks;
   const int32_t* row_indices;  // this query row's topk indices
@@ -151,6 +152,17 @@ __device__ __forceinline__ void Produce(const Params& p, const Cta& cta, int tid
   constexpr int kRowsPerThread = kTopkPerBlock / 16;
   const int group = tid / 8;
   const int lane_in_group = tid % 8;
+  {  // The Q tile [64 heads x 576], ahead of the first kv block: 36 16-byte units a thread.
+    const uint8_t* q_rows = reinterpret_cast<const uint8_t*>(
+        p.q + ((cta.batch * p.s_q + cta.s_idx) * p.h_q + cta.head0) * kDimQK);
+#pragma unroll 4
+    for (int u = tid; u < kHeadsPerCta * kUnitsPerRow; u += 128) {
+      const int row = u / kUnitsPerRow, unit = u % kUnitsPerRow;
+      CpAsync16ZeroFill(cta.q_tile + (unit / 8) * kChunkBytes + sm90::Swizzle128Offset(row, unit % 8),
+                        q_rows + row * kDimQK * 2 + unit * 16, true);
+    }
+    cutlass::arch::cpasync_barrier_arrive_noinc(cta.q_ready);
+  }
   const __nv_bfloat16* kv = p.kv + cta.batch * p.s_kv * kDimQK;
   for (int pair = 0; pair < cta.num_pairs; ++pair) {
     int row_index[2][kRowsPerThread];  // kv row gathered into each of this thread's rows
@@ -392,19 +404,8 @@ __device__ __forceinline__ void Consume(const Params& p, const Cta& cta, int tid
   constexpr int kPeer = kWg ^ 1;
   const Lane lane{16 * (tid / 32) + (tid % 32) / 4, 2 * (tid % 4)};
 
-  {  // Q tile [64 heads x 576] into 128-byte swizzled shared memory, by both consumer WGs.
-    const uint8_t* q_rows = reinterpret_cast<const uint8_t*>(
-        p.q + ((cta.batch * p.s_q + cta.s_idx) * p.h_q + cta.head0) * kDimQK);
-    for (int u = kWg * 128 + tid; u < kHeadsPerCta * kUnitsPerRow; u += kConsumerThreads) {
-      const int row = u / kUnitsPerRow, unit = u % kUnitsPerRow;
-      const uint4 value =
-          __ldg(reinterpret_cast<const uint4*>(q_rows + row * kDimQK * 2 + unit * 16));
-      *reinterpret_cast<uint4*>(cta.q_tile + (unit / 8) * kChunkBytes +
-                                sm90::Swizzle128Offset(row, unit % 8)) = value;
-    }
-    cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> wgmma reads
-    NamedBarrier::sync(kConsumerThreads, kQLoaded);
-  }
+  // The producer's Q copies; the fence before each QK^T (IssueQk) covers them too.
+  ClusterBarrier::wait(cta.q_ready, 0);
 
   float acc_o[128];          // this WG's 64 x 256 slice of the output
   float acc_s[32];           // 64 x 64 scores (then probabilities) of this WG's block
@@ -591,6 +592,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   cta.row_sum = reinterpret_cast<float(*)[64]>(smem + kRowSumOffset);
   cta.half_ready = reinterpret_cast<uint64_t*>(smem + kBarrierOffset);
   cta.half_free = cta.half_ready + 4;
+  cta.q_ready = cta.half_ready + 8;
   const int head_tiles = p.h_q / kHeadsPerCta;
   cta.batch = blockIdx.y;
   cta.s_idx = blockIdx.x / head_tiles;
@@ -608,6 +610,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         ClusterBarrier::init(cta.free_barrier(buffer, half), 128);
       }
     }
+    ClusterBarrier::init(cta.q_ready, 128);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
