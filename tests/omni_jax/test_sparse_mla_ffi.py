@@ -46,12 +46,16 @@ def kernel_inputs(seed, *, s_q=5, h_q=128, s_kv=300, topk=192):
     return make_inputs(seed, s_q=s_q, h_q=h_q, s_kv=s_kv, d_qk=D_QK, topk=topk)
 
 
-@pytest.mark.parametrize("h_q,topk,s_kv", [(64, 64, 300), (128, 192, 300), (64, 256, 300),
-                                            (128, 2048, 4096)])
+@pytest.mark.parametrize("s_q,h_q,topk,s_kv", [
+    (5, 64, 64, 300), (5, 128, 192, 300), (5, 64, 256, 300), (5, 128, 2048, 4096),
+    (400, 64, 64, 300), (300, 128, 192, 300),
+])
 @pytest.mark.parametrize("return_scores", [False, True])
-def test_kernel_matches_float64_reference(h_q, topk, s_kv, return_scores):
-    """1 block (padded pair), 3 blocks (odd), 2 pairs, 16 pairs (barrier phases wrap)."""
-    q, kv, indices = kernel_inputs(seed=topk + h_q, h_q=h_q, topk=topk, s_kv=s_kv)
+def test_kernel_matches_float64_reference(s_q, h_q, topk, s_kv, return_scores):
+    """1 block (padded pair), 3 blocks (odd), 2 pairs, 16 pairs (barrier phases wrap); with
+    s_q in the hundreds, more items than SMs: every persistent CTA runs several."""
+    q, kv, indices = kernel_inputs(seed=topk + h_q + s_q, s_q=s_q, h_q=h_q, topk=topk,
+                                   s_kv=s_kv)
     outputs = jax.jit(lambda q, kv, i: sparse_mla_prefill(
         q, kv, i, sm_scale=SM_SCALE, return_scores=return_scores, implementation="ffi"))(
             q, kv, indices)
