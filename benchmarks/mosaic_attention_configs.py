@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import omni_jax
-from benchmarks.timing import bench, tflops
+from benchmarks.timing import bench_interleaved, tflops
 from omni_jax.masks import BlockGrid, BlockMask, Causal
 from omni_jax.masks.construct import structured_tile_flags
 from pallas_kernels import runtime
@@ -75,28 +75,29 @@ def run(args: argparse.Namespace) -> list[dict]:
     flops = flops / 2 if args.causal else flops
     case = (f"b{batch} s{args.seq} h{args.heads} d{args.head_dim} {args.dtype}"
             f"{' causal' if args.causal else ''}")
-    timed: dict[str, float | None] = {}
-    notes: dict[str, str] = {}
-
-    def measure(name, fn):
-        try:
-            timed[name] = bench(fn, arg_sets, samples=args.samples)
-            notes[name] = ""
-        except Exception as error:  # noqa: BLE001 - reported as a skipped row
-            timed[name], notes[name] = None, f"skipped: {type(error).__name__}: {error}"[:200]
-
-    measure(BASELINE, jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
-        q, k, v, is_causal=args.causal, implementation="cudnn")))
-    measure("xla", jax.jit(lambda q, k, v: omni_jax.attention(
-        q, k, v, is_causal=args.causal, implementation="xla")))
-    if runtime.can_run_mosaic_hopper() and not runtime.interpret_requested():
+    fns = {
+        BASELINE: jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=args.causal, implementation="cudnn")),
+        "xla": jax.jit(lambda q, k, v: omni_jax.attention(
+            q, k, v, is_causal=args.causal, implementation="xla")),
+    }
+    mosaic_skipped = not runtime.can_run_mosaic_hopper() or runtime.interpret_requested()
+    if not mosaic_skipped:
         default = fwd.forward_config(args.head_dim, dtype, args.causal)
-        measure("mosaic", _mosaic_fn(default, args.seq, args.head_dim, args.causal))
+        fns["mosaic"] = _mosaic_fn(default, args.seq, args.head_dim, args.causal)
         for block_kv, stages in itertools.product(args.block_kv, args.stages):
             config = dataclasses.replace(default, block_kv=block_kv, num_stages=stages)
-            measure(f"mosaic[block_kv={block_kv},stages={stages}]",
-                    _mosaic_fn(config, args.seq, args.head_dim, args.causal))
-    else:
+            fns[f"mosaic[block_kv={block_kv},stages={stages}]"] = _mosaic_fn(
+                config, args.seq, args.head_dim, args.causal)
+    # Samples in turn, so that clock drift favours no config.
+    timed: dict[str, float | None] = {}
+    notes: dict[str, str] = {}
+    for name, result in bench_interleaved(fns, arg_sets, samples=args.samples).items():
+        if isinstance(result, Exception):  # reported as a skipped row
+            timed[name], notes[name] = None, f"skipped: {type(result).__name__}: {result}"[:200]
+        else:
+            timed[name], notes[name] = result, ""
+    if mosaic_skipped:
         timed["mosaic"], notes["mosaic"] = None, "skipped: needs an sm90 GPU (compiled)"
 
     base = timed.get(BASELINE)

@@ -20,8 +20,8 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import jax
 
@@ -29,6 +29,8 @@ import jax
 MIN_SAMPLE_MS = 2.0
 # Most calls per sample, however short the call.
 MAX_INNER = 200
+
+Key = TypeVar("Key", bound=Hashable)
 
 
 def bench(fn: Callable[..., Any], arg_sets: Sequence[Sequence[Any]], *, warmup: int = 3,
@@ -45,9 +47,9 @@ def bench(fn: Callable[..., Any], arg_sets: Sequence[Sequence[Any]], *, warmup: 
     return result
 
 
-def bench_interleaved(fns: Mapping[str, Callable[..., Any]], arg_sets: Sequence[Sequence[Any]],
+def bench_interleaved(fns: Mapping[Key, Callable[..., Any]], arg_sets: Sequence[Sequence[Any]],
                       *, warmup: int = 3, samples: int = 10,
-                      inner: int = 5) -> dict[str, float | Exception]:
+                      inner: int = 5) -> dict[Key, float | Exception]:
     """Median milliseconds of one call of each of ``fns``, their samples taken in turn.
 
     Every function runs on the same ``arg_sets`` and gets its own ``inner`` (at
@@ -59,8 +61,8 @@ def bench_interleaved(fns: Mapping[str, Callable[..., Any]], arg_sets: Sequence[
         raise ValueError("bench needs at least one set of arguments")
     if samples < 1 or inner < 1:
         raise ValueError(f"samples and inner must be at least 1, got {samples} and {inner}")
-    failures: dict[str, Exception] = {}
-    inners: dict[str, int] = {}
+    failures: dict[Key, Exception] = {}
+    inners: dict[Key, int] = {}
     for name, fn in fns.items():
         try:
             for i in range(warmup):
@@ -71,7 +73,7 @@ def bench_interleaved(fns: Mapping[str, Callable[..., Any]], arg_sets: Sequence[
             continue
         inners[name] = max(inner, min(MAX_INNER, math.ceil(MIN_SAMPLE_MS / max(call_ms, 1e-3))))
 
-    times: dict[str, list[float]] = {name: [] for name in inners}
+    times: dict[Key, list[float]] = {name: [] for name in inners}
     for sample in range(samples):
         live = [name for name in inners if name not in failures]
         if not live:

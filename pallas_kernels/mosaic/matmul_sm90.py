@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -622,11 +623,13 @@ def autotune(
 
     ``kwargs`` are `matmul`'s keywords. Each candidate's result is first checked
     against XLA's; candidates that fail to build (for example out of shared
-    memory on this device) or compute something else are skipped. Returns the
-    fastest config and the median milliseconds of every candidate kept. Later
-    `matmul` calls with the same sizes, layouts and dtypes use the winner.
+    memory on this device) or compute something else are skipped. The others
+    take their timing samples in turn, so clock drift favours none of them.
+    Returns the fastest config and the median milliseconds of every candidate
+    kept. Later `matmul` calls with the same sizes, layouts and dtypes use the
+    winner.
     """
-    from benchmarks.timing import bench
+    from benchmarks.timing import bench_interleaved
     from omni_jax.matmul import xla
 
     out_dtype = jnp.dtype(kwargs.get("out_dtype") or a.dtype)
@@ -635,16 +638,17 @@ def autotune(
         candidates = config_candidates(a.dtype, out_dtype, vectors)
     expected = xla.matmul(a, b, scale, bias, **{**kwargs, "out_dtype": jnp.float32})
     tolerance = 4 * max(float(jnp.finfo(out_dtype).eps), 1e-3) * float(jnp.linalg.norm(expected))
-    timings: dict[MatmulConfig, float] = {}
+    correct: dict[MatmulConfig, Callable] = {}
     for config in candidates:
         fn = jax.jit(functools.partial(matmul, config=config, **kwargs))
         try:
             out = fn(a, b, scale, bias).astype(jnp.float32)
         except Exception:  # noqa: BLE001 - a config that does not build is no candidate
             continue
-        if not float(jnp.linalg.norm(out - expected)) <= tolerance:
-            continue  # wrong (or NaN) results: never a winner
-        timings[config] = bench(fn, [(a, b, scale, bias)], samples=samples)
+        if float(jnp.linalg.norm(out - expected)) <= tolerance:  # wrong or NaN: never a winner
+            correct[config] = fn
+    timed = bench_interleaved(correct, [(a, b, scale, bias)], samples=samples)
+    timings = {config: ms for config, ms in timed.items() if not isinstance(ms, Exception)}
     if not timings:
         raise ValueError("autotune: no candidate config built and matched XLA for this problem")
     best = min(timings, key=timings.get)
