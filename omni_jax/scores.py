@@ -25,10 +25,16 @@ Array = Any
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ConvertedScoreMod:
-    """A score_mod as ``fn(score, b, h, q_idx, kv_idx, *captured)`` on scalars."""
+    """A score_mod as ``fn(score, b, h, q_idx, kv_idx, *captured)`` on scalars.
+
+    ``jaxpr`` is its trace on scalars: ``constvars`` are the captured arrays (in the
+    order of ``captured``), ``invars`` the five scalars. Kernels that pass captured
+    arrays as refs evaluate it themselves (`pallas_kernels.captured`).
+    """
 
     fn: Callable[..., Array]
     num_captured: int
+    jaxpr: Any = None
 
     def __call__(self, score, b, h, q_idx, kv_idx, captured: Sequence[Array]):
         return self.fn(score, b, h, q_idx, kv_idx, *captured)
@@ -61,17 +67,23 @@ def convert_score_mod(score_mod: Callable) -> tuple[ConvertedScoreMod, list[Arra
         as_fun = jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(jaxpr, list(captured)))
         return as_fun(score, b, h, q_idx, kv_idx)[0]
 
-    return ConvertedScoreMod(fn, len(closed.consts)), list(closed.consts)
+    return ConvertedScoreMod(fn, len(closed.consts), jaxpr), list(closed.consts)
 
 
 def apply_score_mod(score_mod: ConvertedScoreMod, captured: Sequence[Array], scores: Array,
                     b: Array, h: Array, q_idx: Array, kv_idx: Array) -> Array:
-    """``score_mod`` elementwise over ``scores``; indices broadcast against it."""
+    """``score_mod`` elementwise over ``scores``; indices broadcast against it.
+
+    Scalar indices (a kernel tile's batch and head) stay unbatched, so that a captured
+    array indexed by them is read as one dynamic slice rather than gathered per score.
+    """
     shape = scores.shape
+    indices = [jnp.asarray(x, jnp.int32) for x in (b, h, q_idx, kv_idx)]
+    in_axes = (0, *(None if x.ndim == 0 else 0 for x in indices))
+    args = [x if x.ndim == 0 else jnp.broadcast_to(x, shape) for x in indices]
     fn = lambda s, bi, hi, qi, ki: score_mod(s, bi, hi, qi, ki, captured).astype(scores.dtype)
     for _ in shape:
-        fn = jax.vmap(fn)
-    args = [jnp.broadcast_to(jnp.asarray(x, jnp.int32), shape) for x in (b, h, q_idx, kv_idx)]
+        fn = jax.vmap(fn, in_axes=in_axes)
     return fn(scores, *args)
 
 

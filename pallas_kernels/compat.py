@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -63,6 +63,18 @@ def triton_lowerable_primitives() -> frozenset | None:
 
 
 # --------------------------------------------------------------------------- Mosaic GPU
+
+
+def bind_equation(eqn: Any, values: Sequence[Any]) -> list:
+    """Binds a jaxpr equation's primitive to ``values``; its outputs as a list.
+
+    ``Primitive.get_bind_params`` returns the params (current JAX) or, in older
+    releases, a pair (sub-functions, params).
+    """
+    bound = eqn.primitive.get_bind_params(eqn.params)
+    subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
+    outs = eqn.primitive.bind(*subfuns, *values, **params)
+    return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
 def _mosaic_module():

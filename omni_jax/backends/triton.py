@@ -21,6 +21,7 @@ from omni_jax.problem import AttentionProblem
 from omni_jax.scores import primitive_names, transform_scores, zero_cotangent
 from pallas_kernels import compat, runtime
 from pallas_kernels.block_sparse import kernel_mask
+from pallas_kernels.captured import score_mod_on_refs
 from pallas_kernels.triton import configs, tiles
 from pallas_kernels.triton.attention_bwd import BackwardConfig, attention_backward
 from pallas_kernels.triton.attention_fwd import ForwardConfig, attention_forward
@@ -35,25 +36,39 @@ def _largest_power_of_two_divisor(n: int) -> int:
 
 @functools.lru_cache(maxsize=256)
 def _score_mod_reason(problem: AttentionProblem) -> str | None:
-    """Why the compiled kernels cannot apply ``problem``'s softcap/score_mod, or None."""
+    """Why the compiled kernels cannot apply ``problem``'s softcap/score_mod, or None.
+
+    Traces the kernels' score transform of a tile, captured arrays read through refs
+    as the kernels read them, and looks for operations the Triton lowering lacks
+    (a captured array indexed per score by q_idx or kv_idx is a gather).
+    """
     if problem.score_mod is None:
         return None
-    if problem.score_mod.num_captured:
-        return ("score_mod captures arrays; compiled Triton kernels cannot index them "
-                "(gathers do not lower); use implementation='xla' or 'mosaic'")
     lowerable = compat.triton_lowerable_primitives()
     if lowerable is None:
         return None
+    score_mod = problem.score_mod
+    q_idx = jnp.arange(16, dtype=jnp.int32)[:, None]
+    kv_idx = jnp.arange(16, dtype=jnp.int32)[None, :]
 
-    def tile_scores(scores):
-        q_idx = jnp.arange(16, dtype=jnp.int32)[:, None]
-        kv_idx = jnp.arange(16, dtype=jnp.int32)[None, :]
-        return transform_scores(scores, softcap=problem.softcap, score_mod=problem.score_mod,
-                                captured=(), b=jnp.int32(0), h=jnp.int32(0), q_idx=q_idx,
-                                kv_idx=kv_idx)
+    def tile_scores(scores, *captured):
+        def transform(refs):
+            *captured_refs, out_ref = refs
+            mod = (score_mod_on_refs(score_mod, captured_refs, [c.shape for c in captured])
+                   if captured else score_mod)
+            out_ref[...] = transform_scores(scores, softcap=problem.softcap, score_mod=mod,
+                                            captured=(), b=jnp.int32(0), h=jnp.int32(0),
+                                            q_idx=q_idx, kv_idx=kv_idx)
 
-    jaxpr = jax.make_jaxpr(tile_scores)(jax.ShapeDtypeStruct((16, 16), jnp.float32)).jaxpr
-    missing = sorted(name for name in primitive_names(jaxpr)
+        inputs = (*(jnp.atleast_1d(c) for c in captured), jnp.zeros_like(scores))
+        return pl.run_state(transform)(inputs)[-1]
+
+    captured = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+                for v in score_mod.jaxpr.constvars]
+    jaxpr = jax.make_jaxpr(tile_scores)(jax.ShapeDtypeStruct((16, 16), jnp.float32),
+                                        *captured).jaxpr
+    harness = {"run_state", "get", "swap"}  # ref reads and writes lower; run_state is ours
+    missing = sorted(name for name in primitive_names(jaxpr) - harness
                      if name not in {p.name for p in lowerable})
     if missing:
         return f"score_mod uses operations the Triton lowering lacks: {', '.join(missing)}"

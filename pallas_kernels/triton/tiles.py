@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from omni_jax.masks import PARTIAL
 from omni_jax.scores import ConvertedScoreMod, transform_scores
 from pallas_kernels.block_sparse import MaskLayout, batch_head_index, tile_visibility
+from pallas_kernels.captured import score_mod_on_refs
 
 Array = Any
 LOG2E = math.log2(math.e)
@@ -178,12 +179,13 @@ class TileScores:
 
     def transform(self, scaled: Array) -> Array:
         """Softcap and score_mod of already-scaled scores (natural-log domain)."""
-        captured = [ref[...].reshape(shape)
-                    for ref, shape in zip(self.captured_refs, self.spec.captured_shapes,
-                                          strict=True)]
-        return transform_scores(scaled, softcap=self.spec.softcap,
-                                score_mod=self.spec.score_mod, captured=captured, b=self.b,
-                                h=self.h, q_idx=self.q_idx, kv_idx=self.kv_idx)
+        score_mod = self.spec.score_mod
+        if score_mod is not None and score_mod.num_captured:
+            score_mod = score_mod_on_refs(score_mod, self.captured_refs,
+                                          self.spec.captured_shapes)
+        return transform_scores(scaled, softcap=self.spec.softcap, score_mod=score_mod,
+                                captured=(), b=self.b, h=self.h, q_idx=self.q_idx,
+                                kv_idx=self.kv_idx)
 
     def log2_scores(self, qk: Array) -> tuple[Array, Array | None]:
         """(log2-domain scores before masking, d score / d(scale * qk) or None when 1)."""

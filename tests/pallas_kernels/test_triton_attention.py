@@ -18,7 +18,8 @@ from omni_jax.backends import get_backend
 from omni_jax.backends.xla import attention_backward as xla_backward
 from omni_jax.backends.xla import attention_forward as xla_forward
 from omni_jax.problem import AttentionProblem
-from pallas_kernels import runtime
+from omni_jax.scores import convert_score_mod
+from pallas_kernels import compat, runtime
 from pallas_kernels.block_sparse import kernel_mask
 from pallas_kernels.triton.attention_bwd import BackwardConfig, attention_backward
 from pallas_kernels.triton.attention_fwd import ForwardConfig, attention_forward
@@ -99,7 +100,7 @@ def test_rows_that_see_nothing_get_zeros_and_minus_inf_lse():
     assert (np.asarray(dq)[:, 20:] == 0).all()
 
 
-def test_declines_what_it_cannot_serve():
+def test_declines_what_it_cannot_serve(monkeypatch):
     backend = get_backend("triton")
     problem = AttentionProblem(batch=1, q_len=64, kv_len=64, num_q_heads=2, num_kv_heads=2,
                                head_dim=320, head_dim_v=320, dtype=jnp.dtype(jnp.bfloat16),
@@ -108,6 +109,15 @@ def test_declines_what_it_cannot_serve():
     assert "head_dim=320" in backend.unsupported_reason(problem)
     problem = AttentionProblem(**{**problem.__dict__, "head_dim": 64, "head_dim_v": 64})
     assert "block_q=24" in backend.unsupported_reason(problem)
+    # Compiled, a captured table indexed per score (by q_idx - kv_idx) is a gather, which
+    # the Triton lowering lacks.
+    monkeypatch.delenv(runtime.INTERPRET_ENV_VAR, raising=False)
+    table = jnp.arange(128.0)
+    per_score, _ = convert_score_mod(lambda s, b, h, i, j: s + table[jnp.clip(i - j, 0, 127)])
+    problem = AttentionProblem(**{**problem.__dict__, "block_size": (64, 64),
+                                  "score_mod": per_score})
+    if compat.triton_lowerable_primitives() is not None:
+        assert "gather" in backend.unsupported_reason(problem)
 
 
 def test_unavailable_without_gpu_or_interpret(monkeypatch):
@@ -119,6 +129,7 @@ def test_unavailable_without_gpu_or_interpret(monkeypatch):
         assert reason is None
 
 
+_SLOPES = 2.0 ** (-8.0 * (jnp.arange(4) + 1) / 4)  # per query head: read as one slice
 _LOWERING_FEATURES = {
     "dense_fp32": dict(dtype=jnp.float32),
     "causal_gqa_bf16": dict(dtype=jnp.bfloat16, is_causal=True),
@@ -128,6 +139,8 @@ _LOWERING_FEATURES = {
                                      sinks=jnp.zeros(4)),
     "documents_score_mod": dict(dtype=jnp.bfloat16, q_segment_ids=jnp.zeros((2, 128), jnp.int32),
                                 score_mod=lambda s, b, h, i, j: s - 0.1 * jnp.abs(i - j)),
+    "alibi_captured_slopes": dict(dtype=jnp.bfloat16, is_causal=True,
+                                  score_mod=lambda s, b, h, i, j: s - _SLOPES[h] * (i - j)),
     "generic_block_mask": dict(dtype=jnp.bfloat16, mask=omni_jax.create_block_mask(
         lambda b, h, i, j: (i + j) % 3 != 0, None, None, 128, 128, 64)),
     "generic_block_mask_and_causal": dict(dtype=jnp.bfloat16, is_causal=True,
