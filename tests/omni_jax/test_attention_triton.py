@@ -16,7 +16,7 @@ import omni_jax
 from pallas_kernels import runtime
 from tests.omni_jax.attention_suite import CASES, AttentionSuite
 
-_GATHERING_SCORE_MODS = ("alibi", "relative_table")
+_GATHERING_SCORE_MODS = ("relative_table",)  # captured arrays indexed per score
 _ON_GPU = runtime.gpu_compute_capability() is not None
 
 
@@ -57,9 +57,9 @@ class TestTritonAttentionGpu(AttentionSuite):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA GPU")
-def test_compiled_kernels_decline_captured_arrays():
+def test_compiled_kernels_decline_captured_arrays_indexed_per_score():
     q = jnp.ones((1, 32, 2, 32), jnp.bfloat16)
-    slopes = jnp.asarray([0.1, 0.2])
-    with pytest.raises(ValueError, match="captures arrays"):
-        omni_jax.attention(q, q, q, score_mod=lambda s, b, h, i, j: s - slopes[h] * (i - j),
+    table = jnp.linspace(0.0, 1.0, 32)
+    with pytest.raises(ValueError, match="gather"):
+        omni_jax.attention(q, q, q, score_mod=lambda s, b, h, i, j: s + table[jnp.abs(i - j)],
                            implementation="triton")
