@@ -209,10 +209,7 @@ def _staged(staging, value):
 def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *refs):
     cfg = s.config
     rows, stages, consumers = ROWS_PER_CONSUMER, cfg.dkv_stages, cfg.dkv_consumers
-    refs = list(refs)
-    partial_ref = refs.pop(0) if s.has_partial else None
-    q_leaf_ref = refs.pop(0) if s.num_q_leaves else None
-    kv_leaf_ref = refs.pop(0) if s.num_kv_leaves else None
+    partial_ref, q_leaf_ref, kv_leaf_ref, refs = common.split_optional_refs(refs, s)
     dk_ref, dv_ref, smem, barriers = refs
     (k_smem, v_smem, walk_smem, q_ring, do_ring, stats_ring, mask_ring, q_leaf_ring,
      kv_leaf_smem, staging) = smem
@@ -399,22 +396,14 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
 def _dq_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *refs):
     cfg = s.config
     rows, block_kv, stages = ROWS_PER_CONSUMER, cfg.block_kv, cfg.dq_stages
-    refs = list(refs)
-    partial_ref = refs.pop(0) if s.has_partial else None
-    q_leaf_ref = refs.pop(0) if s.num_q_leaves else None
-    kv_leaf_ref = refs.pop(0) if s.num_kv_leaves else None
+    partial_ref, q_leaf_ref, kv_leaf_ref, refs = common.split_optional_refs(refs, s)
     dq_ref, smem, barriers = refs
     (q_smem, do_smem, stats_smem, walk_smem, k_ring, v_ring, mask_ring, q_leaf_smem,
      kv_leaf_ring, staging) = smem
     (walk_barrier, q_leaf_barrier, q_barriers, do_barriers, stats_barriers, k_ready, v_ready,
      mask_ready, kv_leaf_ready, k_consumed, v_consumed) = barriers
 
-    # Last q-blocks first: under causal-like masks they have the most kv-blocks.
-    q_block = s.layout.num_q_blocks - 1 - lax.axis_index("q_block")
-    batch_head = lax.axis_index("batch_head")
-    batch = lax.div(batch_head, s.num_q_heads)
-    head = lax.rem(batch_head, s.num_q_heads)
-    kv_head = lax.div(head, s.group_size)
+    q_block, batch, head, kv_head = common.q_block_program(s)
     wg = lax.axis_index("wg")
     offsets = common.walk_offsets(s.layout.num_kv_blocks)
     index_offset, flags_offset, _ = offsets
@@ -422,16 +411,12 @@ def _dq_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *r
     @pl.when(wg == NUM_DQ_CONSUMERS)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
-        mask_b = batch if s.mask_batch > 1 else 0
-        mask_h = head if s.mask_heads > 1 else 0
-        plgpu.copy_gmem_to_smem(walk_ref.at[mask_b, mask_h, q_block], walk_smem, walk_barrier)
-        if s.num_q_leaves:
-            plgpu.copy_gmem_to_smem(
-                q_leaf_ref.at[batch, :, pl.ds(q_block * BLOCK_Q, BLOCK_Q)], q_leaf_smem,
-                q_leaf_barrier)
-        plgpu.barrier_wait(walk_barrier)
+        count = common.load_q_block_walk(
+            s, walk_ref, walk_smem, walk_barrier,
+            (q_leaf_ref, q_leaf_smem, q_leaf_barrier) if s.num_q_leaves else None,
+            batch=batch, head=head, q_block=q_block, block_q=BLOCK_Q)
         common.produce_kv_blocks(
-            walk_smem, walk_smem[0, 0], stages=stages, block_kv=block_kv, batch=batch,
+            walk_smem, count, stages=stages, block_kv=block_kv, batch=batch,
             kv_head=kv_head, offsets=offsets, k=(k_ref, k_ring, k_ready),
             v=(v_ref, v_ring, v_ready), consumed=(k_consumed, v_consumed),
             kv_leaves=((kv_leaf_ref, kv_leaf_ring, kv_leaf_ready)

@@ -134,23 +134,14 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
     s = statics
     cfg = s.config
     rows, block_kv, stages = ROWS_PER_CONSUMER, cfg.block_kv, cfg.num_stages
-    refs = list(refs)
-    partial_ref = refs.pop(0) if s.has_partial else None
-    q_leaf_ref = refs.pop(0) if s.num_q_leaves else None
-    kv_leaf_ref = refs.pop(0) if s.num_kv_leaves else None
+    partial_ref, q_leaf_ref, kv_leaf_ref, refs = common.split_optional_refs(refs, s)
     out_ref, lse_ref, smem, barriers = refs
     (qo_smem, o_only_smem, lse_smem, walk_smem, k_smem, v_smem, mask_smem, q_leaf_smem,
      kv_leaf_smem, p_staging) = smem
     (walk_barrier, q_leaf_barrier, q_barriers, k_barriers, v_barriers, mask_barriers,
      kv_leaf_barriers, k_consumed, v_consumed, schedule) = barriers
 
-    # Last q-blocks first: under causal-like masks they have the most kv-blocks, and
-    # starting the longest CTAs first shortens the tail of the launch.
-    q_block = s.layout.num_q_blocks - 1 - lax.axis_index("q_block")
-    batch_head = lax.axis_index("batch_head")
-    batch = lax.div(batch_head, s.num_q_heads)
-    head = lax.rem(batch_head, s.num_q_heads)
-    kv_head = lax.div(head, s.group_size)
+    q_block, batch, head, kv_head = common.q_block_program(s)
     wg = lax.axis_index("wg")
     offsets = common.walk_offsets(s.layout.num_kv_blocks)
     index_offset, flags_offset, _ = offsets
@@ -158,15 +149,10 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
     @pl.when(wg == NUM_CONSUMERS)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
-        mask_b = batch if s.mask_batch > 1 else 0
-        mask_h = head if s.mask_heads > 1 else 0
-        plgpu.copy_gmem_to_smem(walk_ref.at[mask_b, mask_h, q_block], walk_smem, walk_barrier)
-        if s.num_q_leaves:
-            plgpu.copy_gmem_to_smem(
-                q_leaf_ref.at[batch, :, pl.ds(q_block * cfg.block_q, cfg.block_q)],
-                q_leaf_smem, q_leaf_barrier)
-        plgpu.barrier_wait(walk_barrier)
-        count = walk_smem[0, 0]
+        count = common.load_q_block_walk(
+            s, walk_ref, walk_smem, walk_barrier,
+            (q_leaf_ref, q_leaf_smem, q_leaf_barrier) if s.num_q_leaves else None,
+            batch=batch, head=head, q_block=q_block, block_q=cfg.block_q)
 
         common.produce_kv_blocks(
             walk_smem, count, stages=stages, block_kv=block_kv, batch=batch, kv_head=kv_head,

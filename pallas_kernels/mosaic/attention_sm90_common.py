@@ -75,6 +75,47 @@ def walk_entry(walk_smem, i):
     return walk_smem[lax.div(i, WALK_LINE), lax.rem(i, WALK_LINE)]
 
 
+def split_optional_refs(refs, statics) -> tuple[Any, Any, Any, list]:
+    """(partial bit-masks, q leaves, kv leaves, the rest) of a kernel's trailing refs.
+
+    The optional operands come first, in that order, each only when ``statics``
+    (``has_partial``, ``num_q_leaves``, ``num_kv_leaves``) says the kernel has it.
+    """
+    refs = list(refs)
+    partial_ref = refs.pop(0) if statics.has_partial else None
+    q_leaf_ref = refs.pop(0) if statics.num_q_leaves else None
+    kv_leaf_ref = refs.pop(0) if statics.num_kv_leaves else None
+    return partial_ref, q_leaf_ref, kv_leaf_ref, refs
+
+
+def q_block_program(statics) -> tuple[Array, Array, Array, Array]:
+    """(q-block, batch, query head, kv head) of a CTA of a q-block-major kernel.
+
+    Last q-blocks first: under causal-like masks they have the most kv-blocks, and
+    starting the longest CTAs first shortens the tail of the launch.
+    """
+    q_block = statics.layout.num_q_blocks - 1 - lax.axis_index("q_block")
+    batch_head = lax.axis_index("batch_head")
+    head = lax.rem(batch_head, statics.num_q_heads)
+    return (q_block, lax.div(batch_head, statics.num_q_heads), head,
+            lax.div(head, statics.group_size))
+
+
+def load_q_block_walk(statics, walk_ref, walk_smem, walk_barrier, q_leaves, *, batch, head,
+                      q_block, block_q: int) -> Array:
+    """Producer: TMA-loads a q-block's kv walk (and its mask_mod q leaves, ``q_leaves`` =
+    (gmem ref, smem, barrier) or None); returns the walk's active count once it landed."""
+    mask_b = batch if statics.mask_batch > 1 else 0
+    mask_h = head if statics.mask_heads > 1 else 0
+    plgpu.copy_gmem_to_smem(walk_ref.at[mask_b, mask_h, q_block], walk_smem, walk_barrier)
+    if q_leaves is not None:
+        leaf_ref, leaf_smem, leaf_barrier = q_leaves
+        plgpu.copy_gmem_to_smem(leaf_ref.at[batch, :, pl.ds(q_block * block_q, block_q)],
+                                leaf_smem, leaf_barrier)
+    plgpu.barrier_wait(walk_barrier)
+    return walk_smem[0, 0]
+
+
 def stacked_leaves(kmask: KernelMask, layout: MaskLayout, batch: int):
     """Mask leaves stacked per kind: q ``[B, Lq, nq*bq]`` and kv ``[B, Lkv, nkv*bkv]``.
 
