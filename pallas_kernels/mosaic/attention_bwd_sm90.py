@@ -140,7 +140,7 @@ def fit_config(config: BackwardConfig, limit: int, *args, **kwargs) -> BackwardC
 
 
 @dataclasses.dataclass(frozen=True)
-class _Statics:
+class _Statics(common.LeafCounts):
     """Everything static the kernel bodies need."""
 
     config: BackwardConfig
@@ -167,14 +167,6 @@ class _Statics:
     def dkv_walk_heads(self) -> int:
         """Walk rows a dK/dV CTA loads: one per query head of its group if the mask has heads."""
         return self.group_size if self.mask_heads > 1 else 1
-
-    @property
-    def num_q_leaves(self) -> int:
-        return sum(kind == "q" for kind, _ in self.leaf_slots)
-
-    @property
-    def num_kv_leaves(self) -> int:
-        return sum(kind == "kv" for kind, _ in self.leaf_slots)
 
 
 def _iota(shape, axis):

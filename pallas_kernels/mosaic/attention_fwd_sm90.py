@@ -102,7 +102,7 @@ def smem_bytes(config: ForwardConfig, head_dim: int, head_dim_v: int, itemsize: 
 
 
 @dataclasses.dataclass(frozen=True)
-class _Statics:
+class _Statics(common.LeafCounts):
     """Everything static the kernel body needs."""
 
     config: ForwardConfig
@@ -120,14 +120,6 @@ class _Statics:
     # For each mask_mod leaf, in leaf order: ("q" | "kv", row in its stacked leaf array).
     leaf_slots: tuple[tuple[str, int], ...]
     interpret: bool
-
-    @property
-    def num_q_leaves(self) -> int:
-        return sum(kind == "q" for kind, _ in self.leaf_slots)
-
-    @property
-    def num_kv_leaves(self) -> int:
-        return sum(kind == "kv" for kind, _ in self.leaf_slots)
 
 
 def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):

@@ -75,6 +75,21 @@ def walk_entry(walk_smem, i):
     return walk_smem[lax.div(i, WALK_LINE), lax.rem(i, WALK_LINE)]
 
 
+class LeafCounts:
+    """``num_q_leaves``/``num_kv_leaves`` of a kernel's statics, from its ``leaf_slots``
+    (per mask_mod leaf: ("q" | "kv", row in its stacked leaf array))."""
+
+    leaf_slots: tuple[tuple[str, int], ...]
+
+    @property
+    def num_q_leaves(self) -> int:
+        return sum(kind == "q" for kind, _ in self.leaf_slots)
+
+    @property
+    def num_kv_leaves(self) -> int:
+        return sum(kind == "kv" for kind, _ in self.leaf_slots)
+
+
 def split_optional_refs(refs, statics) -> tuple[Any, Any, Any, list]:
     """(partial bit-masks, q leaves, kv leaves, the rest) of a kernel's trailing refs.
 
