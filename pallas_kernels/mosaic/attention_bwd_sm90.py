@@ -458,7 +458,6 @@ def _dq_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *r
             plgpu.barrier_wait(v_ready.at[slot])
             scores, dprobs = _products(tile, (q_tile, _transposed(k_block)),
                                        (do_tile, _transposed(v_ring.at[slot])))
-            plgpu.barrier_arrive(v_consumed.at[slot])
             scores, slope = common.log2_scores(s.scores, scores, batch, head,
                                                lambda: indices(kv_block), slope=True)
 
@@ -476,6 +475,8 @@ def _dq_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *r
                            if s.has_partial else None)
                 scores = common.masked_scores(scores, s.layout, flags, *indices(kv_block),
                                               leaves, partial, interpret=s.interpret)
+            # The producer refills the step's mask data together with V.
+            plgpu.barrier_arrive(v_consumed.at[slot])
             probs = jnp.exp2(scores - lax.broadcast_in_dim(lse2, tile, [0]))
 
             dscores = probs * (dprobs - lax.broadcast_in_dim(delta, tile, [0]))

@@ -227,8 +227,8 @@ def produce_kv_blocks(walk_smem, count, *, stages: int, block_kv: int, batch, kv
     """The producer loop of a q-block's CTA: TMA-loads its active kv-blocks into the ring.
 
     ``k`` and ``v`` are (gmem ref, smem ring, "loaded" barriers); ``consumed``
-    the (K, V) "consumed" barriers the consumers arrive on. A slot is refilled
-    only after its previous contents were consumed; at the end the producer
+    the (K, V) "consumed" barriers the consumers arrive on. A slot's K (V) is refilled
+    only after its previous K (V) was consumed; at the end the producer
     waits for the last loads to be consumed too (`drain_ring`). ``kv_leaves`` (stacked kv
     mask leaves) and ``partial`` (stored int8 tiles, loaded for PARTIAL tiles
     only) are optional (ref, ring, barriers) triples.
@@ -239,34 +239,45 @@ def produce_kv_blocks(walk_smem, count, *, stages: int, block_kv: int, batch, kv
     @pl.loop(0, count)
     def _fetch(step):
         slot = lax.rem(step, stages)
-
-        # The slot held step - stages: wait until every consumer is done with it.
-        @pl.when(step >= stages)
-        def _():
-            plgpu.barrier_wait(k_consumed.at[slot])
-            plgpu.barrier_wait(v_consumed.at[slot])
-
         kv_block = walk_entry(walk_smem, index_offset + step)
         rows_kv = pl.ds(kv_block * block_kv, block_kv)
+
+        # K and V are refilled independently, each once every consumer released the
+        # slot's previous contents (step - stages): a consumer that keeps V for its
+        # software-pipelined P @ V then does not hold back the next K. The mask data
+        # of a step is read by the softmax, after K was released: it goes with V.
+        def refill(consumed, copies):
+            @pl.when(step >= stages)
+            def _():
+                plgpu.barrier_wait(consumed.at[slot])
+
+            for copy in copies:
+                copy()
+
         k_ref, k_smem, k_barriers = k
-        plgpu.copy_gmem_to_smem(k_ref.at[batch, rows_kv, kv_head], k_smem.at[slot],
-                                k_barriers.at[slot])
+        refill(k_consumed, [lambda: plgpu.copy_gmem_to_smem(
+            k_ref.at[batch, rows_kv, kv_head], k_smem.at[slot], k_barriers.at[slot])])
+
+        v_copies = []
         if kv_leaves is not None:
             leaf_ref, leaf_smem, leaf_barriers = kv_leaves
-            plgpu.copy_gmem_to_smem(leaf_ref.at[batch, :, rows_kv], leaf_smem.at[slot],
-                                    leaf_barriers.at[slot])
+            v_copies.append(lambda: plgpu.copy_gmem_to_smem(
+                leaf_ref.at[batch, :, rows_kv], leaf_smem.at[slot], leaf_barriers.at[slot]))
         if partial is not None:
             partial_ref, mask_smem, mask_barriers = partial
 
-            @pl.when((walk_entry(walk_smem, flags_offset + step) & PARTIAL) != 0)
-            def _():
-                partial_id = walk_entry(walk_smem, partial_offset + step)
-                plgpu.copy_gmem_to_smem(partial_ref.at[partial_id], mask_smem.at[slot],
-                                        mask_barriers.at[slot])
+            def copy_partial():
+                @pl.when((walk_entry(walk_smem, flags_offset + step) & PARTIAL) != 0)
+                def _():
+                    partial_id = walk_entry(walk_smem, partial_offset + step)
+                    plgpu.copy_gmem_to_smem(partial_ref.at[partial_id], mask_smem.at[slot],
+                                            mask_barriers.at[slot])
 
+            v_copies.append(copy_partial)
         v_ref, v_smem, v_barriers = v
-        plgpu.copy_gmem_to_smem(v_ref.at[batch, rows_kv, kv_head], v_smem.at[slot],
-                                v_barriers.at[slot])
+        v_copies.append(lambda: plgpu.copy_gmem_to_smem(
+            v_ref.at[batch, rows_kv, kv_head], v_smem.at[slot], v_barriers.at[slot]))
+        refill(v_consumed, v_copies)
 
     drain_ring(count, stages, k_consumed, v_consumed)
 
