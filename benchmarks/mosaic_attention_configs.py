@@ -1,10 +1,11 @@
-"""Sweeps the Mosaic-GPU attention forward configs (block_kv, num_stages) on one shape.
+"""Sweeps the Mosaic-GPU attention forward configs (block_kv, num_stages, schedule) on one
+shape.
 
 For tuning `pallas_kernels.mosaic.attention_fwd_sm90._CONFIGS` on an H100:
 
     python -m benchmarks.mosaic_attention_configs --seq 4096 --head-dim 128 --causal
 
-Rows: every config of the sweep ("mosaic[block_kv=..,stages=..]"), the
+Rows: every config of the sweep ("mosaic[block_kv=..,stages=..,pipelined]"), the
 current default config ("mosaic"), cuDNN (the baseline) and the XLA backend.
 Peers that cannot run here are skipped with a note; on a CPU only the XLA row
 runs (use tiny sizes there).
@@ -41,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--block-kv", type=int, nargs="+", default=[64, 128, 192])
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
+    parser.add_argument("--schedules", nargs="+", default=["pipelined", "serial"],
+                        choices=("pipelined", "serial"),
+                        help="consumer schedules (ForwardConfig.pipelined True / False)")
     parser.add_argument("--samples", type=int, default=10)
 
 
@@ -85,9 +89,11 @@ def run(args: argparse.Namespace) -> list[dict]:
     if not mosaic_skipped:
         default = fwd.forward_config(args.head_dim, dtype, args.causal)
         fns["mosaic"] = _mosaic_fn(default, args.seq, args.head_dim, args.causal)
-        for block_kv, stages in itertools.product(args.block_kv, args.stages):
-            config = dataclasses.replace(default, block_kv=block_kv, num_stages=stages)
-            fns[f"mosaic[block_kv={block_kv},stages={stages}]"] = _mosaic_fn(
+        for block_kv, stages, schedule in itertools.product(args.block_kv, args.stages,
+                                                            args.schedules):
+            config = dataclasses.replace(default, block_kv=block_kv, num_stages=stages,
+                                         pipelined=schedule == "pipelined")
+            fns[f"mosaic[block_kv={block_kv},stages={stages},{schedule}]"] = _mosaic_fn(
                 config, args.seq, args.head_dim, args.causal)
     # Samples in turn, so that clock drift favours no config.
     timed: dict[str, float | None] = {}

@@ -7,8 +7,8 @@ with three warpgroups:
   from the shared mask walker (`pallas_kernels.block_sparse`) and TMA-loads K
   and V (plus, when the mask needs them, the kv-block's mask leaves and its
   stored PARTIAL tile) into a ring of ``num_stages`` shared-memory slots. A
-  slot is refilled only after both consumers arrived on its "consumed"
-  barriers, so MASKED tiles are never loaded at all;
+  slot's K (V) is refilled only after both consumers arrived on its K (V)
+  "consumed" barrier. MASKED tiles are never loaded at all;
 * warpgroups 0 and 1 (consumers) each own 64 of the 128 rows: Q once by TMA,
   then per kv-block ``S = Q K^T`` by wgmma, the tile's mask (none for FULL
   tiles, which the walk lists first and a loop without mask code takes;
@@ -16,6 +16,18 @@ with three warpgroups:
   ones), online softmax in registers (base 2, running max kept in
   log2 units) and ``O += P V`` by wgmma. Output goes registers -> smem -> TMA
   store (the hardware clips rows past ``q_len``), lse likewise.
+
+Two consumer schedules (`ForwardConfig.pipelined`):
+
+* pipelined (the default at head dim 256): software-pipelined by one kv step. A consumer
+  issues step i's ``QK^T`` and step i-1's ``P V`` back to back, waits for S
+  only, and runs step i's softmax while its ``P V`` is in flight (FA3's
+  intra-warpgroup overlap); O lives in a wgmma accumulator throughout. The
+  two consumers interleave on the tensor cores without a ping-pong barrier
+  (measured: the barrier costs 4-7% here);
+* serial (the default at head dims 64 and 128): ``QK^T``,
+  softmax, ``P V`` in turn, the consumers ping-ponging on a barrier so that
+  one's softmax runs under the other's matmuls.
 
 K/V are keyed by the kv head ``h // group_size`` (GQA/MQA). Sequence tails
 need no padding: TMA reads past ``kv_len`` as zeros and the ragged last
@@ -28,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -62,6 +75,11 @@ class ForwardConfig:
 
     block_kv: int
     num_stages: int
+    # True: each consumer issues step i's QK^T and step i - 1's P @ V back to back and
+    # runs step i's softmax while that P @ V is in flight (intra-warpgroup overlap).
+    # False: QK^T, softmax, P @ V in turn, the consumers ping-ponging on the tensor
+    # cores (one's softmax under the other's matmuls).
+    pipelined: bool = False
     block_q: int = BLOCK_Q
 
     def __post_init__(self):
@@ -75,13 +93,21 @@ class ForwardConfig:
 
 # Per (padded head_dim, dtype, causal). Shared memory per CTA: Q/O 128 x D plus
 # num_stages x block_kv x (D + Dv), within the 227 KiB of an H100 SM.
+# The schedule per head dim (H100, 2026-11-23, benchmarks/RESULTS.md):
+# * 64: serial. The softmax outweighs the matmuls; pipelined measured 0.86-0.90x
+#   cuDNN against 0.96-0.98x.
+# * 128: serial until measured again. Interleaved A/B runs put pipelined 3-14%
+#   ahead of serial, but in the full benchmark, on another machine, it took 1-23%
+#   longer than the earlier serial figures; `python -m benchmarks.mosaic_attention_configs
+#   --schedules pipelined serial` settles it on one machine.
+# * 256: pipelined, ahead in every run (0.91-0.99x cuDNN dense against 0.78-0.84x).
 _CONFIGS = {
-    (64, False): ForwardConfig(block_kv=128, num_stages=3),
-    (64, True): ForwardConfig(block_kv=128, num_stages=3),
-    (128, False): ForwardConfig(block_kv=128, num_stages=2),
-    (128, True): ForwardConfig(block_kv=128, num_stages=2),
-    (256, False): ForwardConfig(block_kv=64, num_stages=2),
-    (256, True): ForwardConfig(block_kv=64, num_stages=2),
+    (64, False): ForwardConfig(block_kv=128, num_stages=3, pipelined=False),
+    (64, True): ForwardConfig(block_kv=128, num_stages=3, pipelined=False),
+    (128, False): ForwardConfig(block_kv=128, num_stages=2, pipelined=False),
+    (128, True): ForwardConfig(block_kv=128, num_stages=2, pipelined=False),
+    (256, False): ForwardConfig(block_kv=64, num_stages=2, pipelined=True),
+    (256, True): ForwardConfig(block_kv=64, num_stages=2, pipelined=True),
 }
 
 
@@ -183,16 +209,6 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
         count = walk_smem[0, 0]
         plgpu.barrier_wait(q_barriers.at[wg])
 
-        # Ping-pong: the two consumers alternate on the tensor cores, one's softmax
-        # hiding under the other's matmuls. Every pass of `schedule` needs both
-        # consumers; consumer 1 starts one pass behind and consumer 0 catches up
-        # after the loop, so both pass it 2 * count + 1 times.
-        def schedule_sync():
-            plgpu.barrier_arrive(schedule)
-            plgpu.barrier_wait(schedule)
-
-        pl.when(wg == 1)(schedule_sync)
-
         # Plain scores stay raw until the softmax, which folds the scale into the
         # exp2 argument (one FMA per score); the row max is scaled per row.
         fold_scale = s.scores.plain and s.scores.scale > 0
@@ -200,76 +216,47 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
         def to_log2(x):
             return x * (s.scores.scale * LOG2E) if fold_scale else x
 
-        def step_fn(step, carry, full: bool):
-            acc, row_max, row_sum = carry
+        def row_vector(value):
+            return plgpu.layout_cast(jnp.full((rows,), value, jnp.float32), row_layout)
+
+        def softmax(scores, step, row_max, row_sum, full: bool):
+            """(P in float32, alpha, new max, new sum) of the step's raw scores."""
             slot = lax.rem(step, stages)
             kv_block = common.walk_entry(walk_smem, index_offset + step)
-            flags = common.walk_entry(walk_smem, flags_offset + step)
-
-            plgpu.barrier_wait(k_barriers.at[slot])
-
-            def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-                schedule_sync()  # The other consumer's P @ V runs while this QK^T does.
-                return acc_ref[...]
-
-            scores = pl.run_scoped(qk, plgpu.ACC(tile, jnp.float32))
-            plgpu.barrier_arrive(k_consumed.at[slot])
             if not fold_scale:
                 scores = common.log2_scores(s.scores, scores, batch, head,
                                             lambda: indices(kv_block))
-
-            kv_leaf_cols = []
-            if s.num_kv_leaves:
-                plgpu.barrier_wait(kv_leaf_barriers.at[slot])
-                for i in range(s.num_kv_leaves):
-                    kv_leaf_cols.append(compat.mosaic_load(
-                        kv_leaf_smem.at[slot, i], col_layout, interpret=s.interpret))
-
             if not full:
+                kv_leaf_cols = []
+                if s.num_kv_leaves:
+                    plgpu.barrier_wait(kv_leaf_barriers.at[slot])
+                    for i in range(s.num_kv_leaves):
+                        kv_leaf_cols.append(compat.mosaic_load(
+                            kv_leaf_smem.at[slot, i], col_layout, interpret=s.interpret))
                 leaves = common.tile_leaves(s.leaf_slots, q_leaf_rows, kv_leaf_cols, tile,
                                             q_axis=0)
                 partial = ((mask_smem.at[slot, pl.ds(wg * rows, rows)], mask_barriers.at[slot])
                            if s.has_partial else None)
+                flags = common.walk_entry(walk_smem, flags_offset + step)
                 scores = common.masked_scores(scores, s.layout, flags, *indices(kv_block),
                                               leaves, partial, interpret=s.interpret)
-
             new_max = jnp.maximum(row_max, to_log2(scores.max(axis=1)))
             # Rows that have seen no visible key yet keep max -inf: shift by 0 there.
             shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)
             alpha = jnp.exp2(row_max - shift)
             probs = jnp.exp2(to_log2(scores) - lax.broadcast_in_dim(shift, tile, [0]))
             row_sum = row_sum * alpha + probs.sum(axis=1)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            probs = probs.astype(s.dtype)
-            # Pins the softmax's instruction order ahead of the ping-pong hand-over
-            # (measured on the H100: up to 10% faster at head dim 64, neutral at 128).
-            acc, new_max, row_sum, probs = lax.optimization_barrier(
-                (acc, new_max, row_sum, probs))
+            return probs, alpha, new_max, row_sum
 
-            plgpu.barrier_arrive(schedule)  # Softmax done...
-            plgpu.barrier_wait(v_barriers.at[slot])
-            plgpu.barrier_wait(schedule)  # ...and the tensor cores are ours.
-            if p_staging is not None:  # The interpreter takes wgmma operands from smem only.
-                p_staging.at[wg][...] = probs
-                probs = p_staging.at[wg]
-            acc = compat.wgmma_accumulate(acc, probs, v_smem.at[slot], interpret=s.interpret)
-            plgpu.barrier_arrive(v_consumed.at[slot])
-            return acc, new_max, row_sum
-
-        acc = plgpu.layout_cast(jnp.zeros((rows, s.head_dim_v), jnp.float32),
-                                plgpu.Layout.WGMMA)
-        row_max = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), row_layout)
-        row_sum = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), row_layout)
-        # The walk lists FULL tiles first: one loop without mask code, then the rest.
-        num_full = walk_smem[0, 1]
-        carry = lax.fori_loop(0, num_full, functools.partial(step_fn, full=True),
-                              (acc, row_max, row_sum))
-        if common.has_masked_tiles(s.layout, s.has_partial):
-            carry = lax.fori_loop(num_full, count, functools.partial(step_fn, full=False),
-                                  carry)
-        acc, row_max, row_sum = carry
-        pl.when(wg == 0)(schedule_sync)
+        consumer = _Consumer(
+            statics=s, wg=wg, q_smem=q_smem, k_smem=k_smem, v_smem=v_smem,
+            k_barriers=k_barriers, v_barriers=v_barriers, k_consumed=k_consumed,
+            v_consumed=v_consumed, schedule=schedule, p_staging=p_staging, count=count,
+            num_full=walk_smem[0, 1], softmax=softmax, row_vector=row_vector)
+        if cfg.pipelined:
+            acc, row_max, row_sum = _pipelined_steps(consumer)
+        else:
+            acc, row_max, row_sum = _serial_steps(consumer)
 
         seen = row_sum > 0
         safe_sum = jnp.where(seen, row_sum, 1.0)
@@ -284,6 +271,214 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
         plgpu.copy_smem_to_gmem(o_smem, out_ref.at[batch, pl.ds(q_start, rows), head])
         plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(q_start, rows)])
         plgpu.wait_smem_to_gmem(0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Consumer:
+    """What a consumer warpgroup's kv loop needs (refs, its walk, its softmax)."""
+
+    statics: _Statics
+    wg: Array
+    q_smem: Any
+    k_smem: Any
+    v_smem: Any
+    k_barriers: Any
+    v_barriers: Any
+    k_consumed: Any
+    v_consumed: Any
+    schedule: Any  # The serial schedule's ping-pong barrier (None when pipelined).
+    p_staging: Any  # Interpreted only: P staged in smem for the P @ V wgmma.
+    count: Array  # Active kv-blocks of the q-block...
+    num_full: Array  # ...the first num_full of them FULL.
+    # (raw scores, step, row max, row sum, full) -> (P float32, alpha, max, sum).
+    softmax: Callable[..., tuple]
+    row_vector: Callable[[float], Array]
+
+    @property
+    def masked_tiles(self) -> bool:
+        return common.has_masked_tiles(self.statics.layout, self.statics.has_partial)
+
+    @property
+    def tile(self) -> tuple[int, int]:
+        return ROWS_PER_CONSUMER, self.statics.config.block_kv
+
+    def slot(self, step):
+        return lax.rem(step, self.statics.config.num_stages)
+
+    def issue_qk(self, s_ref, step) -> None:
+        plgpu.wgmma(s_ref, self.q_smem,
+                    plgpu.transpose_ref(self.k_smem.at[self.slot(step)], (1, 0)))
+
+    def staged(self, probs):
+        """P as the P @ V wgmma takes it (the interpreter reads operands from smem only)."""
+        if self.p_staging is None:
+            return probs
+        self.p_staging.at[self.wg][...] = probs
+        return self.p_staging.at[self.wg]
+
+    def loop(self, step_fn, carry, start: int = 0):
+        """``step_fn(step, carry, full)`` over the walk: the FULL tiles (listed first) in a
+        loop without mask code, then the rest."""
+        carry = lax.fori_loop(start, self.num_full, functools.partial(step_fn, full=True),
+                              carry)
+        if self.masked_tiles:
+            carry = lax.fori_loop(jnp.maximum(self.num_full, start), self.count,
+                                  functools.partial(step_fn, full=False), carry)
+        return carry
+
+
+def _serial_steps(c: _Consumer):
+    """(O, row max, row sum): per step QK^T, softmax, P @ V, ping-ponging with the other
+    consumer so that one's softmax runs under the other's matmuls."""
+    s = c.statics
+
+    # Every pass of `schedule` needs both consumers. Consumer 1 starts one pass
+    # behind and consumer 0 catches up after the loop, so both pass it
+    # 2 * count + 1 times.
+    def schedule_sync():
+        plgpu.barrier_arrive(c.schedule)
+        plgpu.barrier_wait(c.schedule)
+
+    pl.when(c.wg == 1)(schedule_sync)
+
+    def step_fn(step, carry, full: bool):
+        acc, row_max, row_sum = carry
+        slot = c.slot(step)
+        plgpu.barrier_wait(c.k_barriers.at[slot])
+
+        def qk(s_ref):
+            c.issue_qk(s_ref, step)
+            schedule_sync()  # The other consumer's P @ V runs while this QK^T does.
+            return s_ref[...]
+
+        scores = pl.run_scoped(qk, plgpu.ACC(c.tile, jnp.float32))
+        plgpu.barrier_arrive(c.k_consumed.at[slot])
+        probs, alpha, row_max, row_sum = c.softmax(scores, step, row_max, row_sum, full)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        # Pins the softmax's instruction order ahead of the ping-pong hand-over
+        # (measured on the H100: up to 10% faster at head dim 64).
+        acc, row_max, row_sum, probs = lax.optimization_barrier(
+            (acc, row_max, row_sum, probs.astype(s.dtype)))
+
+        plgpu.barrier_arrive(c.schedule)  # Softmax done...
+        plgpu.barrier_wait(c.v_barriers.at[slot])
+        plgpu.barrier_wait(c.schedule)  # ...and the tensor cores are ours.
+        acc = compat.wgmma_accumulate(acc, c.staged(probs), c.v_smem.at[slot],
+                                      interpret=s.interpret)
+        plgpu.barrier_arrive(c.v_consumed.at[slot])
+        return acc, row_max, row_sum
+
+    acc = plgpu.layout_cast(jnp.zeros((ROWS_PER_CONSUMER, s.head_dim_v), jnp.float32),
+                            plgpu.Layout.WGMMA)
+    carry = c.loop(step_fn, (acc, c.row_vector(-jnp.inf), c.row_vector(0.0)))
+    pl.when(c.wg == 0)(schedule_sync)
+    return carry
+
+
+def _pipelined_steps(c: _Consumer):
+    """(O, row max, row sum), software-pipelined by one step: step i issues its QK^T and
+    step i - 1's P @ V back to back, then runs its softmax while that P @ V is in flight.
+
+    O, the output accumulator, compiled lives in a wgmma accumulator ref, so that
+    P @ V runs asynchronously into it. The interpreter cannot store into
+    accumulator refs: there O is a value threaded through the loop, and its
+    (synchronous) P @ V goes through a staged P in smem.
+    """
+    s = c.statics
+    rows = ROWS_PER_CONSUMER
+
+    def issue_pv(o_ref, o, probs, step):
+        """O += P @ V of ``step``, issued, not awaited; returns the interpreter's O."""
+        slot = c.slot(step)
+        plgpu.barrier_wait(c.v_barriers.at[slot])
+        if o_ref is None:
+            return compat.wgmma_accumulate(o, c.staged(probs), c.v_smem.at[slot],
+                                           interpret=True)
+        plgpu.wgmma(o_ref, probs, c.v_smem.at[slot])
+        return None
+
+    def rescale_output(o_ref, o, alpha):
+        """O *= alpha (per row), once no P @ V is in flight; returns the interpreter's O.
+
+        Rescaling while a wgmma is in flight would make ptxas serialize every wgmma
+        of the kernel (registers of a pending wgmma defined by other code).
+        """
+        alpha = lax.broadcast_in_dim(alpha, (rows, s.head_dim_v), [0])
+        if o_ref is None:
+            return o * alpha
+        o_ref[...] = plgpu.wgmma_accumulator_load(o_ref, wait_n=None) * alpha
+        return None
+
+    def qk(step, previous=None):
+        """(S of ``step``, the interpreter's O); with ``previous`` = (o_ref, o, P,
+        step - 1) also issues that step's P @ V right behind and returns while it runs."""
+        slot = c.slot(step)
+        plgpu.barrier_wait(c.k_barriers.at[slot])
+
+        def issue(s_ref):
+            c.issue_qk(s_ref, step)
+            o = None if previous is None else issue_pv(*previous)
+            # wgmma groups complete in order: waiting for all but the newest (P @ V)
+            # is waiting for S.
+            return plgpu.wgmma_accumulator_load(
+                s_ref, wait_n=0 if previous is None else 1), o
+
+        scores, o = pl.run_scoped(issue, plgpu.ACC(c.tile, jnp.float32))
+        plgpu.barrier_arrive(c.k_consumed.at[slot])
+        return scores, o
+
+    def release_v(step):
+        plgpu.wgmma_wait(0)
+        plgpu.barrier_arrive(c.v_consumed.at[c.slot(step)])
+
+    def step_fn(step, carry, full: bool, o_ref):
+        o, probs, row_max, row_sum = carry
+        scores, o = qk(step, (o_ref, o, probs, step - 1))
+        softmax_out = c.softmax(scores, step, row_max, row_sum, full)
+        # The barriers (ordered side effects for LLVM) pin the softmax before the
+        # wait for P @ V and the conversion of P after it: the new P reuses the
+        # registers that the P @ V in flight reads, and writing them earlier makes
+        # ptxas serialize every wgmma of the kernel.
+        probs, alpha, row_max, row_sum = lax.optimization_barrier(softmax_out)
+        release_v(step - 1)
+        probs = lax.optimization_barrier(probs).astype(s.dtype)
+        return rescale_output(o_ref, o, alpha), probs, row_max, row_sum
+
+    def steps(o_ref):
+        o = (None if o_ref is not None else
+             plgpu.layout_cast(jnp.zeros((rows, s.head_dim_v), jnp.float32),
+                               plgpu.Layout.WGMMA))
+        init = (c.row_vector(-jnp.inf), c.row_vector(0.0))
+
+        def first_step():
+            # Step 0 may be FULL or not: the masked path is exact for FULL tiles too.
+            # O is still zero: it needs no rescaling.
+            probs, _, row_max, row_sum = c.softmax(qk(0)[0], 0, *init,
+                                                   full=not c.masked_tiles)
+            return probs.astype(s.dtype), row_max, row_sum
+
+        def no_step():
+            return plgpu.layout_cast(jnp.zeros(c.tile, s.dtype), plgpu.Layout.WGMMA), *init
+
+        carry = (o, *lax.cond(c.count > 0, first_step, no_step))
+        carry = c.loop(functools.partial(step_fn, o_ref=o_ref), carry, start=1)
+        o, probs, row_max, row_sum = carry
+
+        def last_pv():
+            last_o = issue_pv(o_ref, o, probs, c.count - 1)
+            release_v(c.count - 1)
+            return last_o
+
+        if o_ref is None:
+            o = lax.cond(c.count > 0, last_pv, lambda: o)
+        else:
+            pl.when(c.count > 0)(last_pv)
+            o = o_ref[...]
+        return o, row_max, row_sum
+
+    if s.interpret:
+        return steps(None)
+    return pl.run_scoped(steps, plgpu.ACC((rows, s.head_dim_v), jnp.float32))
 
 
 def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: MaskLayout, *,
@@ -364,7 +559,8 @@ def _scratch(s: _Statics):
         plgpu.Barrier(num_barriers=stages),
         consumed,
         consumed,
-        plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
+        # The serial schedule's ping-pong.
+        None if cfg.pipelined else plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
     )
     return smem, barriers
 

@@ -7,6 +7,7 @@ check that every call took its backward from the Mosaic kernels (not from
 the Triton fallback).
 """
 
+import dataclasses
 import importlib
 
 import jax
@@ -15,6 +16,7 @@ import pytest
 
 import omni_jax
 from pallas_kernels import runtime
+from pallas_kernels.mosaic import attention_fwd_sm90 as fwd
 from tests.mosaic_interpret import interpreted_mosaic
 from tests.omni_jax.attention_suite import CASES, AttentionSuite
 
@@ -44,6 +46,13 @@ def record_backward_backends(monkeypatch) -> list[str]:
 class _MosaicSuite(AttentionSuite):
     implementation = "mosaic"
     mask_block_size = (128, 64)
+
+    @pytest.fixture(autouse=True, params=("pipelined", "serial"))
+    def _forward_schedule(self, request, monkeypatch):
+        """Every case under both consumer schedules of the forward kernel."""
+        default = fwd.forward_config
+        monkeypatch.setattr(fwd, "forward_config", lambda *args: dataclasses.replace(
+            default(*args), pipelined=request.param == "pipelined"))
 
     @pytest.fixture(autouse=True)
     def _mosaic_backward(self, monkeypatch):

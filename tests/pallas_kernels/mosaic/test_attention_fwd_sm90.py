@@ -74,9 +74,11 @@ def test_score_mod_without_captures():
              score_mod=lambda s, b, h, i, j: s - 0.05 * (h + 1) * jnp.abs(i - j))
 
 
-def test_poisoned_outputs_are_all_written():
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_poisoned_outputs_are_all_written(pipelined):
     """Memory the kernel never writes reads as NaN: every output row must be written,
-    the rows of q-blocks with no active kv-block included (zeros, lse -inf)."""
+    the rows of q-blocks with no active kv-block included (zeros, lse -inf), under
+    either consumer schedule."""
     rng = np.random.default_rng()
     q, k, v = _inputs(rng, "bfloat16", 1, 256, 128, 2, 2, 64)
     block_mask = omni_jax.create_block_mask(lambda b, h, i, j: i < 128, None, None, 256, 128,
@@ -85,7 +87,7 @@ def test_poisoned_outputs_are_all_written():
     params = compat.tma_faithful_interpret_params(runtime.mosaic_interpret_params())
     out, lse = fwd.attention_forward(
         q, k, v, kmask, layout, scale=0.125, softcap=None, score_mod=None, has_partial=True,
-        config=fwd.ForwardConfig(block_kv=128, num_stages=2),
+        config=fwd.ForwardConfig(block_kv=128, num_stages=2, pipelined=pipelined),
         interpret_params=dataclasses.replace(params, uninitialized_memory="nan"))
     out, lse = np.asarray(out, np.float32), np.asarray(lse)
     assert not np.isnan(out).any() and not np.isnan(lse).any()
