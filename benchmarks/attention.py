@@ -15,7 +15,7 @@ masked cases also report the fraction of active mask blocks and, when the
 dense case of the same length was measured, time / (dense time x fraction):
 1.0 means skipping is perfect.
 
-    python -m benchmarks.attention                      # all cases, all impls
+    python -m benchmarks.attention                      # all cases, all impls but jax_mgpu
     python -m benchmarks.attention --cases s4096 --impls omni_triton,cudnn
     python -m benchmarks.attention --tiny               # CPU smoke run
 """
@@ -38,6 +38,9 @@ from benchmarks.timing import bench_interleaved, tflops
 BASELINE = "cudnn"
 IMPLS = ("omni_xla", "omni_triton", "omni_mosaic", "cudnn", "jax_xla", "jax_pallas_mha",
          "jax_mgpu", "tokamax")
+# jax_mgpu only when asked for: on the H100 with jax 0.11.2 (2026-11-23) the first case
+# with it among the implementations did not finish within 300 s, so it would stall the run.
+DEFAULT_IMPLS = tuple(impl for impl in IMPLS if impl != "jax_mgpu")
 WINDOW = 1024
 NUM_DOCUMENTS = 8
 
@@ -271,8 +274,9 @@ def _inputs(case: Case, copies: int) -> list[tuple]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--impls", default=",".join(IMPLS),
-                        help=f"comma-separated subset of {', '.join(IMPLS)}")
+    parser.add_argument("--impls", default=",".join(DEFAULT_IMPLS),
+                        help=f"comma-separated subset of {', '.join(IMPLS)} (default: all but "
+                             f"jax_mgpu)")
     parser.add_argument("--cases", default="",
                         help="comma-separated substrings; keep cases whose name contains one "
                              "(e.g. 's4096', 'causal', 'fwd+bwd', 'd64')")
