@@ -1,7 +1,8 @@
 """The attention benchmark: every omni_jax backend beside its peers, in one table.
 
 Implementations (``--impls``): ``omni_xla``, ``omni_triton``, ``omni_mosaic``
-(our backends, where available), ``cudnn`` and ``jax_xla``
+(our backends, where available; ``omni_mosaic_serial``/``omni_mosaic_pipelined`` force
+the Mosaic forward's consumer schedule), ``cudnn`` and ``jax_xla``
 (`jax.nn.dot_product_attention`), ``jax_pallas_mha`` (JAX's Pallas Triton
 ``mha``), ``jax_mgpu`` (JAX's Mosaic ``attention_mgpu``: float16 only, so it
 runs on float16 copies of the inputs) and ``tokamax`` (if importable). An
@@ -15,7 +16,7 @@ masked cases also report the fraction of active mask blocks and, when the
 dense case of the same length was measured, time / (dense time x fraction):
 1.0 means skipping is perfect.
 
-    python -m benchmarks.attention                      # all cases, all impls but jax_mgpu
+    python -m benchmarks.attention                      # all cases, the default impls
     python -m benchmarks.attention --cases s4096 --impls omni_triton,cudnn
     python -m benchmarks.attention --tiny               # CPU smoke run
 """
@@ -26,6 +27,7 @@ import argparse
 import dataclasses
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -36,11 +38,13 @@ import omni_jax
 from benchmarks.timing import bench_interleaved, tflops
 
 BASELINE = "cudnn"
-IMPLS = ("omni_xla", "omni_triton", "omni_mosaic", "cudnn", "jax_xla", "jax_pallas_mha",
-         "jax_mgpu", "tokamax")
-# jax_mgpu only when asked for: on the H100 with jax 0.11.2 (2026-11-23) the first case
-# with it among the implementations did not finish within 300 s, so it would stall the run.
-DEFAULT_IMPLS = tuple(impl for impl in IMPLS if impl != "jax_mgpu")
+IMPLS = ("omni_xla", "omni_triton", "omni_mosaic", "omni_mosaic_serial", "omni_mosaic_pipelined",
+         "cudnn", "jax_xla", "jax_pallas_mha", "jax_mgpu", "tokamax")
+# Only when asked for: the Mosaic forward under each consumer schedule (an A/B of
+# ForwardConfig.pipelined), and jax_mgpu: on the H100 with jax 0.11.2 (2026-11-23) the
+# first case with it among the implementations did not finish within 300 s.
+OPT_IN_IMPLS = ("omni_mosaic_serial", "omni_mosaic_pipelined", "jax_mgpu")
+DEFAULT_IMPLS = tuple(impl for impl in IMPLS if impl not in OPT_IN_IMPLS)
 WINDOW = 1024
 NUM_DOCUMENTS = 8
 
@@ -158,6 +162,27 @@ def _omni(backend: str) -> Callable[[Case], Callable]:
     return build
 
 
+def _mosaic_schedule(pipelined: bool) -> Callable[[Case], Callable]:
+    """``omni_mosaic`` with the forward kernel's consumer schedule forced, for an A/B of
+    `ForwardConfig.pipelined` inside one run (the config is read while tracing)."""
+    def build(case: Case):
+        from pallas_kernels.mosaic import attention_fwd_sm90 as fwd
+
+        attention = _omni("mosaic")(case)
+        default = fwd.forward_config
+
+        def forced(*args, **kwargs):
+            return dataclasses.replace(default(*args, **kwargs), pipelined=pipelined)
+
+        def run(q, k, v):
+            with mock.patch.object(fwd, "forward_config", forced):
+                return attention(q, k, v)
+
+        return run
+
+    return build
+
+
 def _jax_nn(implementation: str) -> Callable[[Case], Callable]:
     def build(case: Case):
         if implementation == "cudnn" and jax.default_backend() != "gpu":
@@ -244,6 +269,8 @@ def _tokamax(case: Case):
 
 BUILDERS: dict[str, Callable[[Case], Callable]] = {
     "omni_xla": _omni("xla"), "omni_triton": _omni("triton"), "omni_mosaic": _omni("mosaic"),
+    "omni_mosaic_serial": _mosaic_schedule(False),
+    "omni_mosaic_pipelined": _mosaic_schedule(True),
     "cudnn": _jax_nn("cudnn"), "jax_xla": _jax_nn("xla"), "jax_pallas_mha": _pallas_mha,
     "jax_mgpu": _mgpu, "tokamax": _tokamax,
 }
@@ -276,7 +303,7 @@ def _inputs(case: Case, copies: int) -> list[tuple]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--impls", default=",".join(DEFAULT_IMPLS),
                         help=f"comma-separated subset of {', '.join(IMPLS)} (default: all but "
-                             f"jax_mgpu)")
+                             f"{', '.join(OPT_IN_IMPLS)})")
     parser.add_argument("--cases", default="",
                         help="comma-separated substrings; keep cases whose name contains one "
                              "(e.g. 's4096', 'causal', 'fwd+bwd', 'd64')")

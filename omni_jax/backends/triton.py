@@ -181,9 +181,9 @@ class TritonBackend(AttentionBackend):
         """Cotangents of the score_mod's captured arrays.
 
         Only float captured arrays have nonzero ones; the kernels do not reduce
-        them, so the XLA backward (whose other outputs XLA then discards as
-        dead code) computes them. Compiled kernels decline captured arrays
-        anyway, so this runs only interpreted.
+        them, so the XLA backward computes them. XLA discards its other outputs
+        as dead code, and all of it when no gradient of these arrays is used
+        (ALiBi slopes held constant, say).
         """
         if not any(jnp.issubdtype(c.dtype, jnp.inexact) for c in captured):
             return tuple(zero_cotangent(c) for c in captured)

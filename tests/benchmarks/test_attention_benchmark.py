@@ -4,9 +4,12 @@ import argparse
 import math
 
 import jax
+import jax.numpy as jnp
+import pytest
 
 from benchmarks import attention
 from pallas_kernels import runtime
+from pallas_kernels.mosaic import attention_fwd_sm90 as fwd
 
 
 def test_tiny_run_produces_rows_for_every_impl(monkeypatch, capsys):
@@ -88,3 +91,22 @@ def test_a_case_is_timed_together_and_failures_are_rows(monkeypatch, timed_toget
         assert notes[case, "jax_xla"] == "skipped: not for this case"
         assert notes[case, "tokamax"] == "failed: RuntimeError: exploded"
     assert all(math.isfinite(row["ms"]) for row in rows if row["impl"] == "omni_xla")
+
+
+@pytest.mark.parametrize("impl,pipelined", [("omni_mosaic_serial", False),
+                                            ("omni_mosaic_pipelined", True)])
+def test_mosaic_schedule_impls_force_the_schedule(impl, pipelined, monkeypatch):
+    monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
+    schedules = []
+    traced = fwd.attention_forward
+
+    def spy(*args, config, **kwargs):
+        schedules.append(config.pipelined)
+        return traced(*args, config=config, **kwargs)
+
+    monkeypatch.setattr(fwd, "attention_forward", spy)
+    case = attention.Case(1, 256, 2, 128, "causal", backward=False)
+    q = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
+    jax.eval_shape(attention.BUILDERS[impl](case), q, q, q)
+    assert schedules == [pipelined]
+    assert impl not in attention.DEFAULT_IMPLS
