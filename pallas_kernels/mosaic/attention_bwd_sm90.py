@@ -426,7 +426,6 @@ def _dq_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *r
         plgpu.copy_gmem_to_smem(stats_ref.at[batch, head, :, q_rows], stats_smem.at[wg],
                                 stats_barriers.at[wg])
         row_layout = compat.wgmma_row_layout()
-        col_layout = compat.wgmma_col_layout()
         tile = (rows, block_kv)
         stage = staging.at[wg] if staging is not None else None
 
@@ -461,20 +460,12 @@ def _dq_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *r
             scores, slope = common.log2_scores(s.scores, scores, batch, head,
                                                lambda: indices(kv_block), slope=True)
 
-            kv_leaf_cols = []
-            if s.num_kv_leaves:
-                plgpu.barrier_wait(kv_leaf_ready.at[slot])
-                for i in range(s.num_kv_leaves):
-                    kv_leaf_cols.append(compat.mosaic_load(
-                        kv_leaf_ring.at[slot, i], col_layout, interpret=s.interpret))
-
+            kv_leaf_columns = common.load_kv_leaf_columns(s, kv_leaf_ring, kv_leaf_ready, slot)
             if not full:
-                leaves = common.tile_leaves(s.leaf_slots, q_leaf_rows, kv_leaf_cols, tile,
-                                            q_axis=0)
                 partial = ((mask_ring.at[slot, pl.ds(wg * rows, rows)], mask_ready.at[slot])
                            if s.has_partial else None)
-                scores = common.masked_scores(scores, s.layout, flags, *indices(kv_block),
-                                              leaves, partial, interpret=s.interpret)
+                scores = common.masked_q_major_scores(s, scores, flags, *indices(kv_block),
+                                                      q_leaf_rows, kv_leaf_columns, partial)
             # The producer refills the step's mask data together with V.
             plgpu.barrier_arrive(v_consumed.at[slot])
             probs = jnp.exp2(scores - lax.broadcast_in_dim(lse2, tile, [0]))

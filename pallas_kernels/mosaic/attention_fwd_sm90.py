@@ -188,7 +188,6 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
         plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, rows), head], q_smem,
                                 q_barriers.at[wg])
         row_layout = compat.wgmma_row_layout()
-        col_layout = compat.wgmma_col_layout()
         tile = (rows, block_kv)
 
         # Index tiles are built where needed, never kept live across the loop: a
@@ -226,20 +225,13 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
             if not fold_scale:
                 scores = common.log2_scores(s.scores, scores, batch, head,
                                             lambda: indices(kv_block))
+            kv_leaf_columns = common.load_kv_leaf_columns(s, kv_leaf_smem, kv_leaf_barriers, slot)
             if not full:
-                kv_leaf_cols = []
-                if s.num_kv_leaves:
-                    plgpu.barrier_wait(kv_leaf_barriers.at[slot])
-                    for i in range(s.num_kv_leaves):
-                        kv_leaf_cols.append(compat.mosaic_load(
-                            kv_leaf_smem.at[slot, i], col_layout, interpret=s.interpret))
-                leaves = common.tile_leaves(s.leaf_slots, q_leaf_rows, kv_leaf_cols, tile,
-                                            q_axis=0)
                 partial = ((mask_smem.at[slot, pl.ds(wg * rows, rows)], mask_barriers.at[slot])
                            if s.has_partial else None)
                 flags = common.walk_entry(walk_smem, flags_offset + step)
-                scores = common.masked_scores(scores, s.layout, flags, *indices(kv_block),
-                                              leaves, partial, interpret=s.interpret)
+                scores = common.masked_q_major_scores(s, scores, flags, *indices(kv_block),
+                                                      q_leaf_rows, kv_leaf_columns, partial)
             new_max = jnp.maximum(row_max, to_log2(scores.max(axis=1)))
             # Rows that have seen no visible key yet keep max -inf: shift by 0 there.
             shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)

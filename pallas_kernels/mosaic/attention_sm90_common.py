@@ -162,6 +162,31 @@ def tile_leaves(leaf_slots, q_values, kv_values, tile: tuple[int, int],
     return [q_values[i] if kind == "q" else kv_values[i] for kind, i in leaf_slots]
 
 
+def load_kv_leaf_columns(statics, ring, ready, slot) -> list:
+    """A walk step's kv mask leaves, from ``ring`` slot ``slot`` (stacked kv leaves, with
+    their "loaded" barriers ``ready``), as columns of a q-major tile.
+
+    Call it at every step, FULL ones included: a skipped wait would put the barrier's
+    tracked parity out of step with its phases.
+    """
+    if not statics.num_kv_leaves:
+        return []
+    plgpu.barrier_wait(ready.at[slot])
+    return [compat.mosaic_load(ring.at[slot, i], compat.wgmma_col_layout(),
+                               interpret=statics.interpret)
+            for i in range(statics.num_kv_leaves)]
+
+
+def masked_q_major_scores(statics, scores: Array, flags, q_idx: Array, kv_idx: Array,
+                          q_leaf_rows, kv_leaf_columns, partial=None) -> Array:
+    """`masked_scores` of a q-major tile (the forward's and the dQ kernel's) from its
+    mask leaves: q leaves as rows, kv leaves as columns."""
+    leaves = tile_leaves(statics.leaf_slots, q_leaf_rows, kv_leaf_columns, scores.shape,
+                         q_axis=0)
+    return masked_scores(scores, statics.layout, flags, q_idx, kv_idx, leaves, partial,
+                         interpret=statics.interpret)
+
+
 def masked_scores(scores: Array, layout: MaskLayout, flags, q_idx: Array, kv_idx: Array,
                   leaf_values, partial=None, *, interpret: bool) -> Array:
     """``scores`` of a tile that is not FULL, with its invisible elements at -inf.

@@ -105,3 +105,18 @@ def test_declines_what_it_cannot_serve():
     with pytest.raises(ValueError, match="block_q=128"):
         omni_jax.attention(q.astype(jnp.bfloat16), q.astype(jnp.bfloat16),
                            q.astype(jnp.bfloat16), mask=mask, implementation="mosaic")
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_kv_leaves_after_full_tiles(pipelined, monkeypatch):
+    """Segment ids make the q-block's first kv-blocks FULL and the later ones COMPUTED:
+    the later ones must read their own kv leaves, not a stale slot's."""
+    default = fwd.forward_config
+    monkeypatch.setattr(fwd, "forward_config", lambda *args: dataclasses.replace(
+        default(*args), pipelined=pipelined))
+    rng = np.random.default_rng()
+    q, k, v = _inputs(rng, "bfloat16", 1, 128, 512, 2, 1, 64)
+    kv_ids = np.zeros((1, 512), np.int32)
+    kv_ids[0, 256:] = rng.integers(0, 2, 256)  # blocks 2 and 3 mixed, 0 and 1 all visible
+    _compare("bfloat16", q, k, v, q_segment_ids=jnp.zeros((1, 128), jnp.int32),
+             kv_segment_ids=jnp.asarray(kv_ids))
