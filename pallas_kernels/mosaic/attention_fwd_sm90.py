@@ -215,9 +215,6 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
         def to_log2(x):
             return x * (s.scores.scale * LOG2E) if fold_scale else x
 
-        def row_vector(value):
-            return plgpu.layout_cast(jnp.full((rows,), value, jnp.float32), row_layout)
-
         def softmax(scores, step, row_max, row_sum, full: bool):
             """(P in float32, alpha, new max, new sum) of the step's raw scores."""
             slot = lax.rem(step, stages)
@@ -244,7 +241,7 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
             statics=s, wg=wg, q_smem=q_smem, k_smem=k_smem, v_smem=v_smem,
             k_barriers=k_barriers, v_barriers=v_barriers, k_consumed=k_consumed,
             v_consumed=v_consumed, schedule=schedule, p_staging=p_staging, count=count,
-            num_full=walk_smem[0, 1], softmax=softmax, row_vector=row_vector)
+            num_full=walk_smem[0, 1], softmax=softmax)
         if cfg.pipelined:
             acc, row_max, row_sum = _pipelined_steps(consumer)
         else:
@@ -284,7 +281,6 @@ class _Consumer:
     num_full: Array  # ...the first num_full of them FULL.
     # (raw scores, step, row max, row sum, full) -> (P float32, alpha, max, sum).
     softmax: Callable[..., tuple]
-    row_vector: Callable[[float], Array]
 
     @property
     def masked_tiles(self) -> bool:
@@ -317,6 +313,12 @@ class _Consumer:
             carry = lax.fori_loop(jnp.maximum(self.num_full, start), self.count,
                                   functools.partial(step_fn, full=False), carry)
         return carry
+
+
+def _row_vector(value: float) -> Array:
+    """A consumer's per-row float32 vector (running max or sum) filled with ``value``."""
+    return plgpu.layout_cast(jnp.full((ROWS_PER_CONSUMER,), value, jnp.float32),
+                             compat.wgmma_row_layout())
 
 
 def _serial_steps(c: _Consumer):
@@ -362,7 +364,7 @@ def _serial_steps(c: _Consumer):
 
     acc = plgpu.layout_cast(jnp.zeros((ROWS_PER_CONSUMER, s.head_dim_v), jnp.float32),
                             plgpu.Layout.WGMMA)
-    carry = c.loop(step_fn, (acc, c.row_vector(-jnp.inf), c.row_vector(0.0)))
+    carry = c.loop(step_fn, (acc, _row_vector(-jnp.inf), _row_vector(0.0)))
     pl.when(c.wg == 0)(schedule_sync)
     return carry
 
@@ -440,7 +442,7 @@ def _pipelined_steps(c: _Consumer):
         o = (None if o_ref is not None else
              plgpu.layout_cast(jnp.zeros((rows, s.head_dim_v), jnp.float32),
                                plgpu.Layout.WGMMA))
-        init = (c.row_vector(-jnp.inf), c.row_vector(0.0))
+        init = (_row_vector(-jnp.inf), _row_vector(0.0))
 
         def first_step():
             # Step 0 may be FULL or not: the masked path is exact for FULL tiles too.

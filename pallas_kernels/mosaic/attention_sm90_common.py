@@ -271,38 +271,32 @@ def produce_kv_blocks(walk_smem, count, *, stages: int, block_kv: int, batch, kv
         # slot's previous contents (step - stages): a consumer that keeps V for its
         # software-pipelined P @ V then does not hold back the next K. The mask data
         # of a step is read by the softmax, after K was released: it goes with V.
-        def refill(consumed, copies):
+        def wait_released(consumed):
             @pl.when(step >= stages)
             def _():
                 plgpu.barrier_wait(consumed.at[slot])
 
-            for copy in copies:
-                copy()
-
         k_ref, k_smem, k_barriers = k
-        refill(k_consumed, [lambda: plgpu.copy_gmem_to_smem(
-            k_ref.at[batch, rows_kv, kv_head], k_smem.at[slot], k_barriers.at[slot])])
-
-        v_copies = []
+        wait_released(k_consumed)
+        plgpu.copy_gmem_to_smem(k_ref.at[batch, rows_kv, kv_head], k_smem.at[slot],
+                                k_barriers.at[slot])
+        wait_released(v_consumed)
         if kv_leaves is not None:
             leaf_ref, leaf_smem, leaf_barriers = kv_leaves
-            v_copies.append(lambda: plgpu.copy_gmem_to_smem(
-                leaf_ref.at[batch, :, rows_kv], leaf_smem.at[slot], leaf_barriers.at[slot]))
+            plgpu.copy_gmem_to_smem(leaf_ref.at[batch, :, rows_kv], leaf_smem.at[slot],
+                                    leaf_barriers.at[slot])
         if partial is not None:
             partial_ref, mask_smem, mask_barriers = partial
 
-            def copy_partial():
-                @pl.when((walk_entry(walk_smem, flags_offset + step) & PARTIAL) != 0)
-                def _():
-                    partial_id = walk_entry(walk_smem, partial_offset + step)
-                    plgpu.copy_gmem_to_smem(partial_ref.at[partial_id], mask_smem.at[slot],
-                                            mask_barriers.at[slot])
+            @pl.when((walk_entry(walk_smem, flags_offset + step) & PARTIAL) != 0)
+            def _():
+                partial_id = walk_entry(walk_smem, partial_offset + step)
+                plgpu.copy_gmem_to_smem(partial_ref.at[partial_id], mask_smem.at[slot],
+                                        mask_barriers.at[slot])
 
-            v_copies.append(copy_partial)
         v_ref, v_smem, v_barriers = v
-        v_copies.append(lambda: plgpu.copy_gmem_to_smem(
-            v_ref.at[batch, rows_kv, kv_head], v_smem.at[slot], v_barriers.at[slot]))
-        refill(v_consumed, v_copies)
+        plgpu.copy_gmem_to_smem(v_ref.at[batch, rows_kv, kv_head], v_smem.at[slot],
+                                v_barriers.at[slot])
 
     drain_ring(count, stages, k_consumed, v_consumed)
 
