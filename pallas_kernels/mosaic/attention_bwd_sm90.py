@@ -549,14 +549,15 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
         functools.partial(_dkv_kernel, statics),
         (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
         scratch_types=_dkv_scratch(statics),
-        grid=(layout.num_kv_blocks, batch * num_kv_heads), grid_names=("kv_block", "batch_head"),
+        # Blocks of one head side by side (the last axis varies fastest), sharing its Q/dO in L2.
+        grid=(batch * num_kv_heads, layout.num_kv_blocks), grid_names=("batch_head", "kv_block"),
         num_threads=config.dkv_consumers + 1, thread_name="wg", compiler_params=params,
         interpret=interpret_params,
     )(*operands(dkv_walk, jnp.swapaxes(partial_masks, 1, 2)))  # kv-major tiles
     dq = compat.mosaic_kernel(
         functools.partial(_dq_kernel, statics), jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch_types=_dq_scratch(statics),
-        grid=(layout.num_q_blocks, batch * num_q_heads), grid_names=("q_block", "batch_head"),
+        grid=(batch * num_q_heads, layout.num_q_blocks), grid_names=("batch_head", "q_block"),
         num_threads=NUM_DQ_CONSUMERS + 1, thread_name="wg", compiler_params=params,
         interpret=interpret_params,
     )(*operands(dq_walk, partial_masks))

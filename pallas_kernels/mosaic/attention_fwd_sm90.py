@@ -93,19 +93,16 @@ class ForwardConfig:
 
 # Per (padded head_dim, dtype, causal). Shared memory per CTA: Q/O 128 x D plus
 # num_stages x block_kv x (D + Dv), within the 227 KiB of an H100 SM.
-# The schedule per head dim (H100, 2026-11-23, benchmarks/RESULTS.md):
-# * 64: serial. The softmax outweighs the matmuls; pipelined measured 0.86-0.90x
-#   cuDNN against 0.96-0.98x.
-# * 128: serial until measured again. Interleaved A/B runs put pipelined 3-14%
-#   ahead of serial, but in the full benchmark, on another machine, it took 1-23%
-#   longer than the earlier serial figures; `python -m benchmarks.mosaic_attention_configs
-#   --schedules pipelined serial` settles it on one machine.
-# * 256: pipelined, ahead in every run (0.91-0.99x cuDNN dense against 0.78-0.84x).
+# The schedule per head dim (H100, benchmarks/RESULTS.md):
+# * 64: serial. The softmax outweighs the matmuls; pipelined measured 0.83-0.90x
+#   cuDNN against 0.89-0.98x.
+# * 128 and 256: pipelined, ahead of serial in every case of the 2026-11-24 A/B run
+#   (d128 1.03-1.08x cuDNN against 0.93-1.02x; d256 1.09-1.10x against 0.93-0.95x).
 _CONFIGS = {
     (64, False): ForwardConfig(block_kv=128, num_stages=3, pipelined=False),
     (64, True): ForwardConfig(block_kv=128, num_stages=3, pipelined=False),
-    (128, False): ForwardConfig(block_kv=128, num_stages=2, pipelined=False),
-    (128, True): ForwardConfig(block_kv=128, num_stages=2, pipelined=False),
+    (128, False): ForwardConfig(block_kv=128, num_stages=2, pipelined=True),
+    (128, True): ForwardConfig(block_kv=128, num_stages=2, pipelined=True),
     (256, False): ForwardConfig(block_kv=64, num_stages=2, pipelined=True),
     (256, True): ForwardConfig(block_kv=64, num_stages=2, pipelined=True),
 }
@@ -516,7 +513,9 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
     out, lse = compat.mosaic_kernel(
         functools.partial(_kernel, statics), out_type,
         scratch_types=_scratch(statics),
-        grid=(layout.num_q_blocks, batch * num_q_heads), grid_names=("q_block", "batch_head"),
+        # The last grid axis varies fastest: the CTAs running at once are q-blocks of one
+        # or a few heads, which then share those heads' K/V in L2.
+        grid=(batch * num_q_heads, layout.num_q_blocks), grid_names=("batch_head", "q_block"),
         num_threads=NUM_CONSUMERS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret_params,
