@@ -32,8 +32,11 @@ a warpgroup; `MosaicBackend` then takes the backward from Triton.
 
 Cost: the dQ kernel recomputes S and dP, so a tile takes 7 matmuls where
 FlashAttention-3 takes 5 (it adds dQ from the dK/dV kernel by TMA
-reduce-add into a float32 buffer). The Mosaic-GPU interpreter cannot run
-reductions in TMA stores, and every kernel here must run interpreted in CI.
+reduce-add into a float32 buffer). That is the whole gap to cuDNN's backward
+(benchmarks/RESULTS.md, 2026-11-24). The fused form needs the float32 buffer
+aliased in and out of the kernel, which compiles (``pl.kernel`` with a
+``jax.new_ref`` argument) but which the Mosaic-GPU interpreter rejects, as it
+rejects reductions in TMA stores; every kernel here must run interpreted in CI.
 """
 
 from __future__ import annotations
