@@ -34,9 +34,9 @@ Cost: the dQ kernel recomputes S and dP, so a tile takes 7 matmuls where
 FlashAttention-3 takes 5 (it adds dQ from the dK/dV kernel by TMA
 reduce-add into a float32 buffer). That is the whole gap to cuDNN's backward
 (benchmarks/RESULTS.md, 2026-11-24). The fused form needs the float32 buffer
-aliased in and out of the kernel, which compiles (``pl.kernel`` with a
-``jax.new_ref`` argument) but which the Mosaic-GPU interpreter rejects, as it
-rejects reductions in TMA stores; every kernel here must run interpreted in CI.
+aliased in and out of the kernel: ``pl.kernel`` with a ``jax.new_ref`` argument
+compiles and runs (also interpreted), but cannot be batched, neither by
+``pl.kernel`` nor inside a ``custom_vmap``, so ``vmap(grad(...))`` would fail.
 """
 
 from __future__ import annotations
