@@ -2,8 +2,7 @@
 
 Implementations (``--impls``): ``omni_xla``, ``omni_triton``, ``omni_mosaic``
 (our backends, where available; ``omni_mosaic_serial``/``omni_mosaic_pipelined`` force
-the Mosaic forward's consumer schedule, ``omni_mosaic_dq_kernel`` its unfused backward),
-``cudnn`` and ``jax_xla``
+the Mosaic forward's consumer schedule), ``cudnn`` and ``jax_xla``
 (`jax.nn.dot_product_attention`), ``jax_pallas_mha`` (JAX's Pallas Triton
 ``mha``), ``jax_mgpu`` (JAX's Mosaic ``attention_mgpu``: float16 only, so it
 runs on float16 copies of the inputs) and ``tokamax`` (if importable). An
@@ -25,9 +24,7 @@ dense case of the same length was measured, time / (dense time x fraction):
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 from unittest import mock
@@ -40,32 +37,13 @@ import numpy as np
 import omni_jax
 from benchmarks.timing import bench_interleaved, tflops
 
-
-def _mosaic_dq_kernel(case: Case) -> Callable:
-    """``omni_mosaic`` with the backward's dQ from the dQ kernel (what `jax.vmap` gets)
-    instead of fused into the dK/dV kernel. The backward is traced after the forward
-    returns, so `_timed_fn` holds ``trace_context`` over the whole trace."""
-    from pallas_kernels.mosaic import attention_bwd_sm90 as bwd
-
-    attention = _omni("mosaic")(case)
-
-    def run(q, k, v):
-        return attention(q, k, v)
-
-    unfused = functools.partial(bwd.attention_backward, fuse_dq=False)
-    run.trace_context = lambda: mock.patch.object(bwd, "attention_backward", unfused)
-    return run
-
-
 BASELINE = "cudnn"
 IMPLS = ("omni_xla", "omni_triton", "omni_mosaic", "omni_mosaic_serial", "omni_mosaic_pipelined",
-         "omni_mosaic_dq_kernel", "cudnn", "jax_xla", "jax_pallas_mha", "jax_mgpu", "tokamax")
+         "cudnn", "jax_xla", "jax_pallas_mha", "jax_mgpu", "tokamax")
 # Only when asked for: the Mosaic forward under each consumer schedule (an A/B of
-# ForwardConfig.pipelined), the unfused Mosaic backward, and jax_mgpu: on the H100 with
-# jax 0.11.2 (2026-11-23) the first case with it among the implementations did not finish
-# within 300 s.
-OPT_IN_IMPLS = ("omni_mosaic_serial", "omni_mosaic_pipelined", "omni_mosaic_dq_kernel",
-                "jax_mgpu")
+# ForwardConfig.pipelined), and jax_mgpu: on the H100 with jax 0.11.2 (2026-11-23) the
+# first case with it among the implementations did not finish within 300 s.
+OPT_IN_IMPLS = ("omni_mosaic_serial", "omni_mosaic_pipelined", "jax_mgpu")
 DEFAULT_IMPLS = tuple(impl for impl in IMPLS if impl not in OPT_IN_IMPLS)
 WINDOW = 1024
 NUM_DOCUMENTS = 8
@@ -293,7 +271,6 @@ BUILDERS: dict[str, Callable[[Case], Callable]] = {
     "omni_xla": _omni("xla"), "omni_triton": _omni("triton"), "omni_mosaic": _omni("mosaic"),
     "omni_mosaic_serial": _mosaic_schedule(False),
     "omni_mosaic_pipelined": _mosaic_schedule(True),
-    "omni_mosaic_dq_kernel": _mosaic_dq_kernel,
     "cudnn": _jax_nn("cudnn"), "jax_xla": _jax_nn("xla"), "jax_pallas_mha": _pallas_mha,
     "jax_mgpu": _mgpu, "tokamax": _tokamax,
 }
@@ -302,12 +279,10 @@ BUILDERS: dict[str, Callable[[Case], Callable]] = {
 def _timed_fn(attention: Callable, backward: bool) -> Callable:
     if not backward:
         return jax.jit(attention)
-    trace_context = getattr(attention, "trace_context", contextlib.nullcontext)
 
     def forward_backward(q, k, v, dout):
-        with trace_context():
-            out, vjp = jax.vjp(attention, q, k, v)
-            return vjp(dout.astype(out.dtype))
+        out, vjp = jax.vjp(attention, q, k, v)
+        return vjp(dout.astype(out.dtype))
 
     return jax.jit(forward_backward)
 

@@ -33,10 +33,10 @@ a warpgroup; `MosaicBackend` then takes the backward from Triton.
 Cost: the dQ kernel recomputes S and dP, so a tile takes 7 matmuls where
 FlashAttention-3 takes 5 (it adds dQ from the dK/dV kernel by TMA
 reduce-add into a float32 buffer). That is the whole gap to cuDNN's backward
-(benchmarks/RESULTS.md, 2026-11-24). The fused form needs the float32 buffer
-aliased in and out of the kernel: ``pl.kernel`` with a ``jax.new_ref`` argument
-compiles and runs (also interpreted), but cannot be batched, neither by
-``pl.kernel`` nor inside a ``custom_vmap``, so ``vmap(grad(...))`` would fail.
+(benchmarks/RESULTS.md, 2026-11-24). A fused dQ (commit 0e02a52: aliased
+float32 buffer through ``pl.kernel`` + ``jax.new_ref``, TMA reduce-add, the dQ
+kernel only under vmap) was correct but no faster dense and 10-25% slower
+masked: per step it serialized what the dQ kernel runs on its own.
 """
 
 from __future__ import annotations
@@ -125,10 +125,6 @@ def smem_bytes(config: BackwardConfig, head_dim: int, head_dim_v: int, itemsize:
         dkv_stage += config.block_kv * Q_STEP
         dq_stage += config.block_q * config.block_kv
     dkv = config.block_kv * width + config.dkv_stages * dkv_stage
-    # The fused dQ's dS^T tiles (two parities) and float32 stages.
-    consumers = config.dkv_consumers
-    dkv += 2 * config.block_kv * Q_STEP * itemsize + consumers * Q_STEP * _dq_columns(
-        head_dim, consumers) * 4
     dq = config.block_q * width + 2 * config.block_q * 4 + config.dq_stages * dq_stage
     return dkv, dq
 
@@ -165,14 +161,6 @@ class _Statics(common.LeafCounts):
     mask_heads: int
     leaf_slots: tuple[tuple[str, int], ...]
     interpret: bool
-    fused_dq: bool  # dQ added from the dK/dV kernel (no dQ kernel); see `attention_backward`
-
-    @property
-    def dq_split(self) -> bool:
-        """Fused dQ of a step split by columns over the consumers (each ``head_dim /
-        consumers`` wide, whole 64-column smem tiles of K), else all by consumer 0."""
-        consumers = self.config.dkv_consumers
-        return _dq_columns(self.head_dim, consumers) < self.head_dim
 
     @property
     def group_size(self) -> int:
@@ -217,12 +205,11 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
     cfg = s.config
     rows, stages, consumers = ROWS_PER_CONSUMER, cfg.dkv_stages, cfg.dkv_consumers
     partial_ref, q_leaf_ref, kv_leaf_ref, refs = common.split_optional_refs(refs, s)
-    dq_acc_ref = refs.pop(0) if s.fused_dq else None
     dk_ref, dv_ref, smem, barriers = refs
     (k_smem, v_smem, walk_smem, q_ring, do_ring, stats_ring, mask_ring, q_leaf_ring,
-     kv_leaf_smem, staging, ds_smem, dq_stage) = smem
+     kv_leaf_smem, staging) = smem
     (walk_barrier, kv_leaf_barrier, k_barriers, v_barriers, q_ready, do_ready, stats_ready,
-     mask_ready, q_leaf_ready, consumed, ds_ready) = barriers
+     mask_ready, q_leaf_ready, consumed) = barriers
 
     kv_block = lax.axis_index("kv_block")
     batch_head = lax.axis_index("batch_head")
@@ -242,14 +229,6 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
 
     def step_position(g, j):
         """(q-block flags, first q row, q half) of step ``j`` of head ``g``'s walk."""
-        if s.fused_dq:
-            # Rotated by the kv-block, within the FULL steps and within the rest: the
-            # CTAs running together then add their dQ to different q rows.
-            num_full = 2 * entry(g, 1)
-            in_rest = lax.convert_element_type(j >= num_full, jnp.int32)
-            first = in_rest * num_full
-            size = num_full + in_rest * (num_steps(g) - 2 * num_full)
-            j = first + lax.rem(j - first + 2 * kv_block, size)
         i, half = lax.div(j, 2), lax.rem(j, 2)
         q_block = entry(g, index_offset + i)
         return entry(g, flags_offset + i), q_block * BLOCK_Q + half * Q_STEP, half, i
@@ -337,34 +316,6 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
         plgpu.barrier_wait(k_barriers.at[wg])
         plgpu.barrier_wait(v_barriers.at[wg])
 
-        cols = _dq_columns(s.head_dim, consumers)
-        # dQ columns [dq_col0, + cols) are this consumer's (all of them unless split).
-        dq_col0 = wg * cols if s.dq_split else 0
-
-        def dq_products(parity):
-            """dS K for this step's q rows over all kv rows of the CTA (dQ columns of
-            this consumer): the dS^T tiles of every consumer, read from smem. The
-            tiles are indexed by traced values (own, then peer's): constant indices
-            would become run_state outputs, which the Mosaic-GPU lowering rejects."""
-            parts = [wg] if consumers == 1 else [wg, consumers - 1 - wg]
-            return [(_transposed(ds_smem.at[parity, c]),
-                     k_smem.at[c, :, pl.ds(dq_col0, cols)] if s.dq_split else k_smem.at[c])
-                    for c in parts]
-
-        def add_dq(dq, head, q_start):
-            dst = dq_acc_ref.at[batch, pl.ds(q_start, Q_STEP), head, pl.ds(dq_col0, cols)]
-            if s.interpret:  # No TMA reductions there; CTAs run one at a time.
-                dst[...] = dst[...] + dq
-            else:
-                # The previous step's reduction has read this consumer's stage.
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                dq_stage.at[wg][...] = dq
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(dq_stage.at[wg], dst, reduction_op="add")
-
-        zeros = lambda dim: plgpu.layout_cast(jnp.zeros((rows, dim), jnp.float32),
-                                              plgpu.Layout.WGMMA)
-
         def head_steps(g, carry):
             head = first_head + g
 
@@ -410,43 +361,10 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                     dscores = dscores * slope
                 dscores = (dscores * s.scores.scale).astype(s.dtype)
                 probs = _staged(p_stage, probs.astype(s.dtype))
-                if not s.fused_dq:
-                    dv, dk = compat.wgmma_accumulate_all(
-                        (dv, dk), ((probs, do_half), (_staged(ds_stage, dscores), q_half)),
-                        interpret=s.interpret)
-                    plgpu.barrier_arrive(consumed.at[slot])
-                    return dk, dv, step + 1
-
-                # Fused dQ: dS^T to smem for every consumer's dQ product. After the
-                # rendezvous both tiles of this parity are there; a consumer rewrites
-                # one only after the peer passed the next rendezvous, so after its
-                # products of this step.
-                parity = lax.rem(step, 2)
-                ds_tile = ds_smem.at[parity, wg]
-                ds_tile[...] = dscores
-                plgpu.commit_smem()
-                if consumers > 1:
-                    plgpu.barrier_arrive(ds_ready)
-                    plgpu.barrier_wait(ds_ready)
-                ds_operand = ds_tile if s.interpret else dscores
-                if s.dq_split or consumers == 1:  # Every consumer has dQ columns.
-                    dv, dk, dq = compat.wgmma_accumulate_all(
-                        (dv, dk, zeros(cols)),
-                        ((probs, do_half), (ds_operand, q_half), dq_products(parity)),
-                        interpret=s.interpret)
-                    plgpu.barrier_arrive(consumed.at[slot])
-                    add_dq(dq, head, q_start)
-                    return dk, dv, step + 1
                 dv, dk = compat.wgmma_accumulate_all(
-                    (dv, dk), ((probs, do_half), (ds_operand, q_half)), interpret=s.interpret)
+                    (dv, dk), ((probs, do_half), (_staged(ds_stage, dscores), q_half)),
+                    interpret=s.interpret)
                 plgpu.barrier_arrive(consumed.at[slot])
-
-                @pl.when(wg == 0)  # Too few columns to split: consumer 0 takes dQ.
-                def _():
-                    dq = compat.wgmma_accumulate_all((zeros(cols),), (dq_products(parity),),
-                                                     interpret=s.interpret)[0]
-                    add_dq(dq, head, q_start)
-
                 return dk, dv, step + 1
 
             # The walk lists FULL tiles first: one loop without mask code, then the rest.
@@ -457,11 +375,10 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                                       functools.partial(step_fn, full=False), carry)
             return carry
 
+        zeros = lambda dim: plgpu.layout_cast(jnp.zeros((rows, dim), jnp.float32),
+                                              plgpu.Layout.WGMMA)
         dk, dv, _ = lax.fori_loop(0, s.group_size, head_steps,
                                   (zeros(s.head_dim), zeros(s.head_dim_v), jnp.int32(0)))
-        if s.fused_dq and consumers > 1:  # The peer's last dQ product has read our K tile.
-            plgpu.barrier_arrive(ds_ready)
-            plgpu.barrier_wait(ds_ready)
         # K and V are no longer read: their buffers stage dK and dV for the TMA store.
         k_tile[...] = dk.astype(s.dtype)
         v_tile[...] = dv.astype(s.dtype)
@@ -582,16 +499,12 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
                        out: Array, lse: Array, dout: Array, dlse: Array, *, scale: float,
                        softcap: float | None, score_mod: ConvertedScoreMod | None,
                        has_partial: bool, config: BackwardConfig,
-                       interpret_params: Any = None,
-                       fuse_dq: bool | None = None) -> tuple[Array, Array, Array, Array]:
+                       interpret_params: Any = None) -> tuple[Array, Array, Array, Array]:
     """``(dq, dk, dv, delta)``; shapes as `attention_forward`'s inputs.
 
     ``lse`` is the forward's (sinks included), ``delta [B, Hq, Sq]`` float32 is
     ``rowsum(dO * O) - dlse``, returned for the sink gradient. ``score_mod``
     must capture no arrays; ``has_partial`` False promises no PARTIAL tile.
-    ``fuse_dq``: dQ from the dK/dV kernel (True) or from the dQ kernel (False);
-    None takes the fused form unless traced under `jax.vmap`, which its aliased
-    accumulator does not support.
     """
     batch, q_len, num_q_heads, head_dim = q.shape
     kv_len, num_kv_heads, head_dim_v = k.shape[1], v.shape[2], v.shape[3]
@@ -620,20 +533,13 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
                                   kmask.q_tile_flags, kmask.q_partial_ids)
     q_leaves, kv_leaves, leaf_slots = common.stacked_leaves(kmask, layout, batch)
     interpret = interpret_params is not None
-    partial_masks = kmask.partial_masks.astype(jnp.int8)
-    batched = compat.is_batched(q, k, v, do, stats, dq_walk, dkv_walk, partial_masks,
-                                *(x for x in (q_leaves, kv_leaves) if x is not None))
-    if fuse_dq and batched:
-        raise ValueError("fuse_dq=True under jax.vmap: the fused dQ's accumulator cannot "
-                         "be batched")
-    fused_dq = not batched if fuse_dq is None else fuse_dq
     statics = _Statics(
         config=config, layout=layout, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
         head_dim=dim, head_dim_v=dim_v, dtype=q.dtype,
         scores=common.ScoreSpec(scale, softcap, score_mod), has_partial=has_partial,
         dq_walk_lines=dq_walk.shape[-2], dkv_walk_lines=dkv_walk.shape[-2],
         mask_batch=dq_walk.shape[0], mask_heads=dq_walk.shape[1], leaf_slots=leaf_slots,
-        interpret=interpret, fused_dq=fused_dq)
+        interpret=interpret)
 
     def operands(walk, partial_tiles):
         extra = [partial_tiles] if has_partial else []
@@ -641,22 +547,16 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
                 *(x for x in (q_leaves, kv_leaves) if x is not None)]
 
     params = plgpu.CompilerParams(approx_math=True)
-    dkv_kernel = functools.partial(
-        compat.mosaic_kernel_accumulating if fused_dq else compat.mosaic_kernel,
+    partial_masks = kmask.partial_masks.astype(jnp.int8)
+    dk, dv = compat.mosaic_kernel(
         functools.partial(_dkv_kernel, statics),
         (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
         scratch_types=_dkv_scratch(statics),
         # Blocks of one head side by side (the last axis varies fastest), sharing its Q/dO in L2.
         grid=(batch * num_kv_heads, layout.num_kv_blocks), grid_names=("batch_head", "kv_block"),
         num_threads=config.dkv_consumers + 1, thread_name="wg", compiler_params=params,
-        interpret=interpret_params)
-    dkv_operands = operands(dkv_walk, jnp.swapaxes(partial_masks, 1, 2))  # kv-major tiles
-    if fused_dq:
-        dq_sum = jnp.zeros((batch, q_padded, num_q_heads, dim), jnp.float32)
-        (dk, dv), dq = dkv_kernel()(*dkv_operands, dq_sum)
-        return (dq[:, :q_len, :, :head_dim].astype(q.dtype), dk[:, :kv_len, :, :head_dim],
-                dv[:, :kv_len, :, :head_dim_v], delta)
-    dk, dv = dkv_kernel()(*dkv_operands)
+        interpret=interpret_params,
+    )(*operands(dkv_walk, jnp.swapaxes(partial_masks, 1, 2)))  # kv-major tiles
     dq = compat.mosaic_kernel(
         functools.partial(_dq_kernel, statics), jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch_types=_dq_scratch(statics),
@@ -683,11 +583,6 @@ def _dkv_scratch(s: _Statics):
         plgpu.SMEM((s.num_kv_leaves, cfg.block_kv), jnp.int32) if s.num_kv_leaves else None,
         # Interpreted only: P^T and dS^T staged in smem for their wgmmas.
         common.swizzled((2, consumers, rows, Q_STEP), s.dtype) if s.interpret else None,
-        # Fused dQ: dS^T of each consumer at two step parities; compiled, each
-        # consumer's dQ columns staged for the TMA reduce-add.
-        common.swizzled((2, consumers, rows, Q_STEP), s.dtype) if s.fused_dq else None,
-        (plgpu.SMEM((consumers, Q_STEP, _dq_columns(s.head_dim, consumers)), jnp.float32)
-         if s.fused_dq and not s.interpret else None),
     )
     ring = lambda: plgpu.Barrier(num_barriers=stages)
     barriers = (
@@ -697,16 +592,8 @@ def _dkv_scratch(s: _Statics):
         plgpu.Barrier(num_barriers=consumers),
         ring(), ring(), ring(), ring(), ring(),
         plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),
-        # Fused dQ: the consumers' per-step rendezvous.
-        (plgpu.Barrier(num_arrivals=consumers, num_barriers=1)
-         if s.fused_dq and consumers > 1 else None),
     )
     return smem, barriers
-
-
-def _dq_columns(head_dim: int, consumers: int) -> int:
-    """Width of one consumer's fused dQ product (see `_Statics.dq_split`)."""
-    return head_dim // consumers if consumers > 1 and head_dim // consumers >= 64 else head_dim
 
 
 def _dq_scratch(s: _Statics):
