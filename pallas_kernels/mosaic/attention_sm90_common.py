@@ -106,8 +106,8 @@ def split_optional_refs(refs, statics) -> tuple[Any, Any, Any, list]:
 def q_block_program(statics) -> tuple[Array, Array, Array, Array]:
     """(q-block, batch, query head, kv head) of a CTA of a q-block-major kernel.
 
-    Within a head, last q-blocks first: under causal-like masks they have the most kv-blocks, and
-    starting the longest CTAs first shortens the tail of the launch.
+    Within a head, last q-blocks first: under causal-like masks they have the most
+    kv-blocks, and starting the longest CTAs first shortens the tail of the launch.
     """
     q_block = statics.layout.num_q_blocks - 1 - lax.axis_index("q_block")
     batch_head = lax.axis_index("batch_head")
