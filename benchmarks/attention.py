@@ -1,8 +1,9 @@
 """The attention benchmark: every omni_jax backend beside its peers, in one table.
 
 Implementations (``--impls``): ``omni_xla``, ``omni_triton``, ``omni_mosaic``
-(our backends, where available; ``omni_mosaic_serial``/``omni_mosaic_pipelined`` force
-the Mosaic forward's consumer schedule), ``cudnn`` and ``jax_xla``
+(our backends, where available; ``omni_mosaic/FIELD=N/...`` forces fields of the Mosaic
+forward's `ForwardConfig`, e.g. ``omni_mosaic/pipelined=0/q_blocks_per_cta=2``, for A/B
+runs of its configs), ``cudnn`` and ``jax_xla``
 (`jax.nn.dot_product_attention`), ``jax_pallas_mha`` (JAX's Pallas Triton
 ``mha``), ``jax_mgpu`` (JAX's Mosaic ``attention_mgpu``: float16 only, so it
 runs on float16 copies of the inputs) and ``tokamax`` (if importable). An
@@ -38,13 +39,14 @@ import omni_jax
 from benchmarks.timing import bench_interleaved, tflops
 
 BASELINE = "cudnn"
-IMPLS = ("omni_xla", "omni_triton", "omni_mosaic", "omni_mosaic_serial", "omni_mosaic_pipelined",
-         "cudnn", "jax_xla", "jax_pallas_mha", "jax_mgpu", "tokamax")
-# Only when asked for: the Mosaic forward under each consumer schedule (an A/B of
-# ForwardConfig.pipelined), and jax_mgpu: on the H100 with jax 0.11.2 (2026-11-23) the
-# first case with it among the implementations did not finish within 300 s.
-OPT_IN_IMPLS = ("omni_mosaic_serial", "omni_mosaic_pipelined", "jax_mgpu")
+IMPLS = ("omni_xla", "omni_triton", "omni_mosaic", "cudnn", "jax_xla", "jax_pallas_mha",
+         "jax_mgpu", "tokamax")
+# Only when asked for: jax_mgpu. On the H100 with jax 0.11.2 (2026-11-23) the first case
+# with it among the implementations did not finish within 300 s.
+OPT_IN_IMPLS = ("jax_mgpu",)
 DEFAULT_IMPLS = tuple(impl for impl in IMPLS if impl not in OPT_IN_IMPLS)
+# "omni_mosaic/FIELD=N/...": the Mosaic backend with those ForwardConfig fields forced.
+FORCED_MOSAIC_PREFIX = "omni_mosaic/"
 WINDOW = 1024
 NUM_DOCUMENTS = 8
 
@@ -162,9 +164,9 @@ def _omni(backend: str) -> Callable[[Case], Callable]:
     return build
 
 
-def _mosaic_schedule(pipelined: bool) -> Callable[[Case], Callable]:
-    """``omni_mosaic`` with the forward kernel's consumer schedule forced, for an A/B of
-    `ForwardConfig.pipelined` inside one run (the config is read while tracing)."""
+def _forced_mosaic(fields: dict[str, int]) -> Callable[[Case], Callable]:
+    """``omni_mosaic`` with fields of the forward kernel's `ForwardConfig` forced (the
+    config is read while tracing), for an A/B of configs inside one run."""
     def build(case: Case):
         from pallas_kernels.mosaic import attention_fwd_sm90 as fwd
 
@@ -172,7 +174,9 @@ def _mosaic_schedule(pipelined: bool) -> Callable[[Case], Callable]:
         default = fwd.forward_config
 
         def forced(*args, **kwargs):
-            return dataclasses.replace(default(*args, **kwargs), pipelined=pipelined)
+            config = default(*args, **kwargs)
+            return dataclasses.replace(config, **{
+                name: type(getattr(config, name))(value) for name, value in fields.items()})
 
         def run(q, k, v):
             with mock.patch.object(fwd, "forward_config", forced):
@@ -181,6 +185,26 @@ def _mosaic_schedule(pipelined: bool) -> Callable[[Case], Callable]:
         return run
 
     return build
+
+
+def builder(impl: str) -> Callable[[Case], Callable]:
+    """The builder of an ``--impls`` name (`IMPLS`, or ``omni_mosaic/FIELD=N/...``)."""
+    if impl in BUILDERS:
+        return BUILDERS[impl]
+    if impl.startswith(FORCED_MOSAIC_PREFIX):
+        from pallas_kernels.mosaic import attention_fwd_sm90 as fwd
+
+        names = {field.name for field in dataclasses.fields(fwd.ForwardConfig)}
+        fields = {}
+        for item in impl[len(FORCED_MOSAIC_PREFIX):].split("/"):
+            name, _, value = item.partition("=")
+            if name not in names or not value.lstrip("-").isdigit():
+                raise ValueError(f"{impl!r}: expected FIELD=N with FIELD one of "
+                                 f"{sorted(names)}, got {item!r}")
+            fields[name] = int(value)
+        return _forced_mosaic(fields)
+    raise ValueError(f"unknown implementation {impl!r}; choose from {IMPLS} or "
+                     f"{FORCED_MOSAIC_PREFIX}FIELD=N/...")
 
 
 def _jax_nn(implementation: str) -> Callable[[Case], Callable]:
@@ -269,8 +293,6 @@ def _tokamax(case: Case):
 
 BUILDERS: dict[str, Callable[[Case], Callable]] = {
     "omni_xla": _omni("xla"), "omni_triton": _omni("triton"), "omni_mosaic": _omni("mosaic"),
-    "omni_mosaic_serial": _mosaic_schedule(False),
-    "omni_mosaic_pipelined": _mosaic_schedule(True),
     "cudnn": _jax_nn("cudnn"), "jax_xla": _jax_nn("xla"), "jax_pallas_mha": _pallas_mha,
     "jax_mgpu": _mgpu, "tokamax": _tokamax,
 }
@@ -302,11 +324,14 @@ def _inputs(case: Case, copies: int) -> list[tuple]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--impls", default=",".join(DEFAULT_IMPLS),
-                        help=f"comma-separated subset of {', '.join(IMPLS)} (default: all but "
-                             f"{', '.join(OPT_IN_IMPLS)})")
+                        help=f"comma-separated subset of {', '.join(IMPLS)}, or "
+                             f"{FORCED_MOSAIC_PREFIX}FIELD=N/... (a Mosaic forward config; "
+                             f"default: all but {', '.join(OPT_IN_IMPLS)})")
     parser.add_argument("--cases", default="",
                         help="comma-separated substrings; keep cases whose name contains one "
                              "(e.g. 's4096', 'causal', 'fwd+bwd', 'd64')")
+    parser.add_argument("--forward-only", action="store_true",
+                        help="leave out the forward+backward cases")
     parser.add_argument("--tiny", action="store_true", help="tiny float32 shapes (CPU smoke run)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--samples", type=int, default=5)
@@ -316,6 +341,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _selected_cases(args) -> list[Case]:
     cases = default_cases(args.tiny)
+    if args.forward_only:
+        cases = [c for c in cases if not c.backward]
     wanted = [w for w in args.cases.split(",") if w]
     return [c for c in cases if not wanted or any(w in c.name for w in wanted)]
 
@@ -339,9 +366,7 @@ def _skip_note(case: Case, dense_ms: dict, impl: str, ms: float) -> str:
 
 def run(args) -> list[dict]:
     impls = [i for i in args.impls.split(",") if i]
-    unknown = sorted(set(impls) - set(IMPLS))
-    if unknown:
-        raise ValueError(f"unknown --impls {unknown}; choose from {IMPLS}")
+    builders = {impl: builder(impl) for impl in impls}
     print(f"jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
           f"device {jax.devices()[0].device_kind} ({jax.default_backend()})")
     rows, dense_ms = [], {}
@@ -350,7 +375,7 @@ def run(args) -> list[dict]:
         notes, fns = {}, {}
         for impl in impls:
             try:
-                fns[impl] = _timed_fn(BUILDERS[impl](case), case.backward)
+                fns[impl] = _timed_fn(builders[impl](case), case.backward)
             except Exception as error:  # noqa: BLE001 - a peer failing must not stop the table
                 notes[impl] = _failure_note(error)
         # Timed together, samples alternating: clock drift hits every implementation alike.

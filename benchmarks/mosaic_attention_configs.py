@@ -1,11 +1,11 @@
-"""Sweeps the Mosaic-GPU attention forward configs (block_kv, num_stages, schedule) on one
-shape.
+"""Sweeps the Mosaic-GPU attention forward configs (block_kv, num_stages, schedule, q-blocks
+per CTA) on one shape.
 
 For tuning `pallas_kernels.mosaic.attention_fwd_sm90._CONFIGS` on an H100:
 
     python -m benchmarks.mosaic_attention_configs --seq 4096 --head-dim 128 --causal
 
-Rows: every config of the sweep ("mosaic[block_kv=..,stages=..,pipelined]"), the
+Rows: every config of the sweep ("mosaic[block_kv=..,stages=..,pipelined,q_blocks=..]"), the
 current default config ("mosaic"), cuDNN (the baseline) and the XLA backend.
 Peers that cannot run here are skipped with a note; on a CPU only the XLA row
 runs (use tiny sizes there).
@@ -45,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--schedules", nargs="+", default=["pipelined", "serial"],
                         choices=("pipelined", "serial"),
                         help="consumer schedules (ForwardConfig.pipelined True / False)")
+    parser.add_argument("--q-blocks-per-cta", type=int, nargs="+", default=[1],
+                        help="ForwardConfig.q_blocks_per_cta values")
     parser.add_argument("--samples", type=int, default=10)
 
 
@@ -89,12 +91,13 @@ def run(args: argparse.Namespace) -> list[dict]:
     if not mosaic_skipped:
         default = fwd.forward_config(args.head_dim, dtype, args.causal)
         fns["mosaic"] = _mosaic_fn(default, args.seq, args.head_dim, args.causal)
-        for block_kv, stages, schedule in itertools.product(args.block_kv, args.stages,
-                                                            args.schedules):
+        for block_kv, stages, schedule, per_cta in itertools.product(
+                args.block_kv, args.stages, args.schedules, args.q_blocks_per_cta):
             config = dataclasses.replace(default, block_kv=block_kv, num_stages=stages,
-                                         pipelined=schedule == "pipelined")
-            fns[f"mosaic[block_kv={block_kv},stages={stages},{schedule}]"] = _mosaic_fn(
-                config, args.seq, args.head_dim, args.causal)
+                                         pipelined=schedule == "pipelined",
+                                         q_blocks_per_cta=per_cta)
+            name = f"mosaic[block_kv={block_kv},stages={stages},{schedule},q_blocks={per_cta}]"
+            fns[name] = _mosaic_fn(config, args.seq, args.head_dim, args.causal)
     # Samples in turn, so that clock drift favours no config.
     timed: dict[str, float | None] = {}
     notes: dict[str, str] = {}

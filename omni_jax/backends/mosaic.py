@@ -29,11 +29,9 @@ from pallas_kernels import compat, runtime
 from pallas_kernels.block_sparse import kernel_mask
 from pallas_kernels.mosaic import attention_bwd_sm90 as bwd
 from pallas_kernels.mosaic import attention_fwd_sm90 as fwd
+from pallas_kernels.mosaic.attention_sm90_common import SMEM_LIMIT
 
 _DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
-# 227 KiB per block on sm90, less what `smem_bytes` does not count (walk, lse,
-# barriers, 1 KiB alignment of swizzled buffers).
-_SMEM_LIMIT = 227 * 1024 - 8 * 1024
 # Primitives a score_mod may use: elementwise math the Mosaic-GPU lowering
 # handles on register tiles (no gathers, no reductions, no control flow).
 _ELEMENTWISE_PRIMITIVES = frozenset({
@@ -90,7 +88,7 @@ class MosaicBackend(AttentionBackend):
             if block_q != fwd.BLOCK_Q or block_kv % 64 or not 64 <= block_kv <= 256:
                 return (f"BlockMask block_size {problem.block_size}: the kernels need "
                         f"block_q={fwd.BLOCK_Q} and block_kv a multiple of 64 up to 256")
-            if self._smem(problem, self._config(problem, causal=False)) > _SMEM_LIMIT:
+            if self._smem(problem, self._config(problem, causal=False)) > SMEM_LIMIT:
                 return f"block_kv={block_kv} with head_dim {problem.head_dim} exceeds smem"
         return score_mod_unsupported_reason(problem)
 
@@ -144,7 +142,7 @@ class MosaicBackend(AttentionBackend):
             return (f"BlockMask block_kv={block_kv}: the Mosaic backward takes "
                     f"{' or '.join(map(str, bwd.SUPPORTED_BLOCK_KV))} (one dK/dV consumer "
                     f"warpgroup per 64 kv rows)")
-        config = bwd.fit_config(dataclasses.replace(config, block_kv=block_kv), _SMEM_LIMIT,
+        config = bwd.fit_config(dataclasses.replace(config, block_kv=block_kv), SMEM_LIMIT,
                                 *dims, np.dtype(problem.dtype).itemsize,
                                 problem.has_user_mask)
         if config is None:

@@ -417,6 +417,7 @@ def _dq_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *r
             kv_leaves=((kv_leaf_ref, kv_leaf_ring, kv_leaf_ready)
                        if s.num_kv_leaves else None),
             partial=(partial_ref, mask_ring, mask_ready) if s.has_partial else None)
+        common.drain_ring(count, stages, k_consumed, v_consumed)
 
     @pl.when(wg < NUM_DQ_CONSUMERS)
     def _consumer():

@@ -1,7 +1,7 @@
 """Block-sparse attention forward for Hopper (sm90) in Pallas Mosaic-GPU.
 
-One CTA computes one ``block_q = 128``-row q-block of one (batch, q head)
-with three warpgroups:
+One CTA computes ``ForwardConfig.q_blocks_per_cta`` ``block_q = 128``-row
+q-blocks of one (batch, q head) in turn, with three warpgroups:
 
 * warpgroup 2 (producer, few registers) walks the q-block's active kv-blocks
   from the shared mask walker (`pallas_kernels.block_sparse`) and TMA-loads K
@@ -16,6 +16,14 @@ with three warpgroups:
   ones), online softmax in registers (base 2, running max kept in
   log2 units) and ``O += P V`` by wgmma. Output goes registers -> smem -> TMA
   store (the hardware clips rows past ``q_len``), lse likewise.
+
+Across the q-blocks of a CTA the kv ring runs on (ring step = the CTA's kv steps
+so far), and each q-block's walk and q leaves have one of two buffers, so the
+producer fetches the next q-block's walk and first K/V blocks while the
+consumers finish the current one; each consumer loads its next Q into a second
+buffer as it starts a q-block (when shared memory has room, else after its
+output store). Within a head the q-blocks go heaviest first (one per CTA) or
+heaviest and lightest alternating (several per CTA: even pairs under causal).
 
 Two consumer schedules (`ForwardConfig.pipelined`):
 
@@ -80,11 +88,19 @@ class ForwardConfig:
     # False: QK^T, softmax, P @ V in turn, the consumers ping-ponging on the tensor
     # cores (one's softmax under the other's matmuls).
     pipelined: bool = False
+    # q-blocks of one head that a CTA computes in turn. While a CTA finishes one,
+    # its producer already fetches the next one's walk and first K/V blocks and
+    # its consumers the next Q, so the fixed costs of a CTA (launch, first
+    # loads, output store) are paid once per q_blocks_per_cta q-blocks; they
+    # weigh most on short walks (causal, windows, documents).
+    q_blocks_per_cta: int = 1
     block_q: int = BLOCK_Q
 
     def __post_init__(self):
         if self.block_q != BLOCK_Q:
             raise ValueError(f"block_q must be {BLOCK_Q}, got {self.block_q}")
+        if self.q_blocks_per_cta < 1:
+            raise ValueError(f"q_blocks_per_cta must be at least 1, got {self.q_blocks_per_cta}")
         if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
             raise ValueError(f"block_kv must be 64, 128, 192 or 256, got {self.block_kv}")
         if self.num_stages < 2:
@@ -95,12 +111,17 @@ class ForwardConfig:
 # num_stages x block_kv x (D + Dv), within the 227 KiB of an H100 SM.
 # The schedule per head dim (H100, benchmarks/RESULTS.md):
 # * 64: serial. The softmax outweighs the matmuls; pipelined measured 0.83-0.90x
-#   cuDNN against 0.89-0.98x.
+#   cuDNN against 0.89-0.98x. Four q-blocks per CTA: a d64 kv step is short, so a
+#   CTA's fixed costs weigh more (causal 0.90-0.92x -> 1.01-1.03x, dense +2-5%).
 # * 128 and 256: pipelined, ahead of serial in every case of the 2026-11-24 A/B run
 #   (d128 1.03-1.08x cuDNN against 0.93-1.02x; d256 1.09-1.10x against 0.93-0.95x).
+#   One q-block per CTA: more measured within the noise at d128 dense and causal,
+#   4% faster on the sliding window and 4-6% slower on documents.
 _CONFIGS = {
-    (64, False): ForwardConfig(block_kv=128, num_stages=3, pipelined=False),
-    (64, True): ForwardConfig(block_kv=128, num_stages=3, pipelined=False),
+    (64, False): ForwardConfig(block_kv=128, num_stages=3, pipelined=False,
+                               q_blocks_per_cta=4),
+    (64, True): ForwardConfig(block_kv=128, num_stages=3, pipelined=False,
+                              q_blocks_per_cta=4),
     (128, False): ForwardConfig(block_kv=128, num_stages=2, pipelined=True),
     (128, True): ForwardConfig(block_kv=128, num_stages=2, pipelined=True),
     (256, False): ForwardConfig(block_kv=64, num_stages=2, pipelined=True),
@@ -114,10 +135,21 @@ def forward_config(head_dim: int, dtype: Any, causal: bool) -> ForwardConfig:
     return _CONFIGS[(padded_head_dim(head_dim), bool(causal))]
 
 
+def q_buffers(config: ForwardConfig, head_dim: int, head_dim_v: int, itemsize: int,
+              has_partial: bool) -> int:
+    """Q buffers per consumer: two (the next q-block's Q loads under the current one)
+    when a CTA computes several q-blocks and shared memory has room, else one."""
+    if config.q_blocks_per_cta > 1 and smem_bytes(config, head_dim, head_dim_v, itemsize,
+                                                  has_partial, 2) <= common.SMEM_LIMIT:
+        return 2
+    return 1
+
+
 def smem_bytes(config: ForwardConfig, head_dim: int, head_dim_v: int, itemsize: int,
-               has_partial: bool) -> int:
+               has_partial: bool, num_q_buffers: int = 1) -> int:
     """Shared memory of one CTA (the producer's ring dominates)."""
-    qo = config.block_q * (head_dim + (head_dim_v if head_dim_v != head_dim else 0)) * itemsize
+    qo = config.block_q * (num_q_buffers * head_dim
+                           + (head_dim_v if head_dim_v != head_dim else 0)) * itemsize
     ring = config.num_stages * config.block_kv * (head_dim + head_dim_v) * itemsize
     if has_partial:
         ring += config.num_stages * config.block_q * config.block_kv  # int8 tiles
@@ -138,6 +170,7 @@ class _Statics(common.LeafCounts):
     scores: common.ScoreSpec
     has_partial: bool
     walk_lines: int
+    num_q_buffers: int
     mask_batch: int
     mask_heads: int
     # For each mask_mod leaf, in leaf order: ("q" | "kv", row in its stacked leaf array).
@@ -151,12 +184,22 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
     rows, block_kv, stages = ROWS_PER_CONSUMER, cfg.block_kv, cfg.num_stages
     partial_ref, q_leaf_ref, kv_leaf_ref, refs = common.split_optional_refs(refs, s)
     out_ref, lse_ref, smem, barriers = refs
-    (qo_smem, o_only_smem, lse_smem, walk_smem, k_smem, v_smem, mask_smem, q_leaf_smem,
+    (q_smem, o_only_smem, lse_smem, walk_smem, k_smem, v_smem, mask_smem, q_leaf_smem,
      kv_leaf_smem, p_staging) = smem
-    (walk_barrier, q_leaf_barrier, q_barriers, k_barriers, v_barriers, mask_barriers,
-     kv_leaf_barriers, k_consumed, v_consumed, schedule) = barriers
+    (walk_barriers, q_leaf_barriers, q_barriers, k_barriers, v_barriers, mask_barriers,
+     kv_leaf_barriers, k_consumed, v_consumed, q_block_done, schedule) = barriers
 
-    q_block, batch, head, kv_head = common.q_block_program(s)
+    # This CTA computes the q-blocks at positions first .. first + num_q_blocks - 1 of
+    # its head's launch order, in turn. Per q-block i, its walk and q leaves sit in
+    # buffer i % 2, released by both consumers on q_block_done[i % 2] when done.
+    batch, head, kv_head = common.head_program(s)
+    per_cta = cfg.q_blocks_per_cta
+    first = lax.axis_index("q_blocks") * per_cta
+    num_q_blocks = jnp.minimum(per_cta, s.layout.num_q_blocks - first)
+
+    def q_block_of(i):
+        return common.q_block_at(s.layout.num_q_blocks, first + i, interleaved=per_cta > 1)
+
     wg = lax.axis_index("wg")
     offsets = common.walk_offsets(s.layout.num_kv_blocks)
     index_offset, flags_offset, _ = offsets
@@ -164,47 +207,43 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
     @pl.when(wg == NUM_CONSUMERS)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
-        count = common.load_q_block_walk(
-            s, walk_ref, walk_smem, walk_barrier,
-            (q_leaf_ref, q_leaf_smem, q_leaf_barrier) if s.num_q_leaves else None,
-            batch=batch, head=head, q_block=q_block, block_q=cfg.block_q)
 
-        common.produce_kv_blocks(
-            walk_smem, count, stages=stages, block_kv=block_kv, batch=batch, kv_head=kv_head,
-            offsets=offsets, k=(k_ref, k_smem, k_barriers), v=(v_ref, v_smem, v_barriers),
-            consumed=(k_consumed, v_consumed),
-            kv_leaves=((kv_leaf_ref, kv_leaf_smem, kv_leaf_barriers)
-                       if s.num_kv_leaves else None),
-            partial=(partial_ref, mask_smem, mask_barriers) if s.has_partial else None)
+        def q_block_loads(i, first_step):
+            buffer = lax.rem(i, 2)
+
+            @pl.when(i >= 2)
+            def _():
+                plgpu.barrier_wait(q_block_done.at[buffer])
+
+            count = common.load_q_block_walk(
+                s, walk_ref, walk_smem.at[buffer], walk_barriers.at[buffer],
+                ((q_leaf_ref, q_leaf_smem.at[buffer], q_leaf_barriers.at[buffer])
+                 if s.num_q_leaves else None),
+                batch=batch, head=head, q_block=q_block_of(i), block_q=cfg.block_q)
+            common.produce_kv_blocks(
+                walk_smem.at[buffer], count, stages=stages, block_kv=block_kv, batch=batch,
+                kv_head=kv_head, offsets=offsets, k=(k_ref, k_smem, k_barriers),
+                v=(v_ref, v_smem, v_barriers), consumed=(k_consumed, v_consumed),
+                kv_leaves=((kv_leaf_ref, kv_leaf_smem, kv_leaf_barriers)
+                           if s.num_kv_leaves else None),
+                partial=(partial_ref, mask_smem, mask_barriers) if s.has_partial else None,
+                first_step=first_step)
+            return first_step + count
+
+        ring_steps = lax.fori_loop(0, num_q_blocks, q_block_loads, jnp.int32(0))
+        common.drain_ring(ring_steps, stages, k_consumed, v_consumed)
+
+        # Observe the consumers' release of the last two buffers too (the interpreter
+        # requires every phase of a barrier to be waited for).
+        @pl.loop(jnp.maximum(num_q_blocks - 2, 0), num_q_blocks)
+        def _(i):
+            plgpu.barrier_wait(q_block_done.at[lax.rem(i, 2)])
 
     @pl.when(wg < NUM_CONSUMERS)
     def _consumer():
         plgpu.set_max_registers(232, action="increase")
-        q_smem = qo_smem.at[wg]
-        q_start = q_block * cfg.block_q + wg * rows
-        plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, rows), head], q_smem,
-                                q_barriers.at[wg])
         row_layout = compat.wgmma_row_layout()
         tile = (rows, block_kv)
-
-        # Index tiles are built where needed, never kept live across the loop: a
-        # [64, block_kv] int32 tile costs block_kv / 2 registers per thread.
-        def indices(kv_block):
-            iota = lambda axis: plgpu.broadcasted_iota(jnp.int32, tile, axis,
-                                                       layout=plgpu.Layout.WGMMA)
-            return q_start + iota(0), kv_block * block_kv + iota(1)
-
-        q_leaf_rows = []
-        if s.num_q_leaves:
-            plgpu.barrier_wait(q_leaf_barrier)
-            for i in range(s.num_q_leaves):
-                q_leaf_rows.append(compat.mosaic_load(
-                    q_leaf_smem.at[i, pl.ds(wg * rows, rows)], row_layout,
-                    interpret=s.interpret))
-        plgpu.barrier_wait(walk_barrier)
-        count = walk_smem[0, 0]
-        plgpu.barrier_wait(q_barriers.at[wg])
-
         # Plain scores stay raw until the softmax, which folds the scale into the
         # exp2 argument (one FMA per score); the row max is scaled per row.
         fold_scale = s.scores.plain and s.scores.scale > 0
@@ -212,50 +251,102 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
         def to_log2(x):
             return x * (s.scores.scale * LOG2E) if fold_scale else x
 
-        def softmax(scores, step, row_max, row_sum, full: bool):
-            """(P in float32, alpha, new max, new sum) of the step's raw scores."""
-            slot = lax.rem(step, stages)
-            kv_block = common.walk_entry(walk_smem, index_offset + step)
-            if not fold_scale:
-                scores = common.log2_scores(s.scores, scores, batch, head,
-                                            lambda: indices(kv_block))
-            kv_leaf_columns = common.load_kv_leaf_columns(s, kv_leaf_smem, kv_leaf_barriers, slot)
-            if not full:
-                partial = ((mask_smem.at[slot, pl.ds(wg * rows, rows)], mask_barriers.at[slot])
-                           if s.has_partial else None)
-                flags = common.walk_entry(walk_smem, flags_offset + step)
-                scores = common.masked_q_major_scores(s, scores, flags, *indices(kv_block),
-                                                      q_leaf_rows, kv_leaf_columns, partial)
-            new_max = jnp.maximum(row_max, to_log2(scores.max(axis=1)))
-            # Rows that have seen no visible key yet keep max -inf: shift by 0 there.
-            shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)
-            alpha = jnp.exp2(row_max - shift)
-            probs = jnp.exp2(to_log2(scores) - lax.broadcast_in_dim(shift, tile, [0]))
-            row_sum = row_sum * alpha + probs.sum(axis=1)
-            return probs, alpha, new_max, row_sum
+        def q_buffer(i):
+            buffer = lax.rem(i, s.num_q_buffers)
+            return q_smem.at[buffer, wg], q_barriers.at[buffer * NUM_CONSUMERS + wg]
 
-        consumer = _Consumer(
-            statics=s, wg=wg, q_smem=q_smem, k_smem=k_smem, v_smem=v_smem,
-            k_barriers=k_barriers, v_barriers=v_barriers, k_consumed=k_consumed,
-            v_consumed=v_consumed, schedule=schedule, p_staging=p_staging, count=count,
-            num_full=walk_smem[0, 1], softmax=softmax)
-        if cfg.pipelined:
-            acc, row_max, row_sum = _pipelined_steps(consumer)
-        else:
-            acc, row_max, row_sum = _serial_steps(consumer)
+        def load_q(i):
+            q_start = q_block_of(i) * cfg.block_q + wg * rows
+            plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, rows), head], *q_buffer(i))
 
-        seen = row_sum > 0
-        safe_sum = jnp.where(seen, row_sum, 1.0)
-        inverse = jnp.where(seen, 1.0 / safe_sum, 0.0)
-        out = acc * lax.broadcast_in_dim(inverse, acc.shape, [0])
-        lse = jnp.where(seen, row_max * LN2 + jnp.log(safe_sum), -jnp.inf)
-        # The output reuses Q's buffer when the head dims agree (Q is no longer read).
-        o_smem = q_smem if o_only_smem is None else o_only_smem.at[wg]
-        o_smem[...] = out.astype(s.dtype)
-        lse_smem.at[wg][...] = lse
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[batch, pl.ds(q_start, rows), head])
-        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(q_start, rows)])
+        def load_next_q(i):
+            @pl.when(i + 1 < num_q_blocks)
+            def _():
+                load_q(i + 1)
+
+        def compute_q_block(i, first_step):
+            buffer = lax.rem(i, 2)
+            walk = walk_smem.at[buffer]
+            q_start = q_block_of(i) * cfg.block_q + wg * rows
+            if s.num_q_buffers == 2:
+                # Its buffer held Q and O of q-block i - 1, whose store has read it.
+                load_next_q(i)
+
+            # Index tiles are built where needed, never kept live across the loop: a
+            # [64, block_kv] int32 tile costs block_kv / 2 registers per thread.
+            def indices(kv_block):
+                iota = lambda axis: plgpu.broadcasted_iota(jnp.int32, tile, axis,
+                                                           layout=plgpu.Layout.WGMMA)
+                return q_start + iota(0), kv_block * block_kv + iota(1)
+
+            q_leaf_rows = []
+            if s.num_q_leaves:
+                plgpu.barrier_wait(q_leaf_barriers.at[buffer])
+                for leaf in range(s.num_q_leaves):
+                    q_leaf_rows.append(compat.mosaic_load(
+                        q_leaf_smem.at[buffer, leaf, pl.ds(wg * rows, rows)], row_layout,
+                        interpret=s.interpret))
+            plgpu.barrier_wait(walk_barriers.at[buffer])
+            count = walk[0, 0]
+            q_tile, q_loaded = q_buffer(i)
+            plgpu.barrier_wait(q_loaded)
+
+            def softmax(scores, step, row_max, row_sum, full: bool):
+                """(P in float32, alpha, new max, new sum) of the step's raw scores."""
+                slot = lax.rem(first_step + step, stages)
+                kv_block = common.walk_entry(walk, index_offset + step)
+                if not fold_scale:
+                    scores = common.log2_scores(s.scores, scores, batch, head,
+                                                lambda: indices(kv_block))
+                kv_leaf_columns = common.load_kv_leaf_columns(s, kv_leaf_smem,
+                                                              kv_leaf_barriers, slot)
+                if not full:
+                    partial = ((mask_smem.at[slot, pl.ds(wg * rows, rows)],
+                                mask_barriers.at[slot]) if s.has_partial else None)
+                    flags = common.walk_entry(walk, flags_offset + step)
+                    scores = common.masked_q_major_scores(s, scores, flags, *indices(kv_block),
+                                                          q_leaf_rows, kv_leaf_columns, partial)
+                new_max = jnp.maximum(row_max, to_log2(scores.max(axis=1)))
+                # Rows that have seen no visible key yet keep max -inf: shift by 0 there.
+                shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)
+                alpha = jnp.exp2(row_max - shift)
+                probs = jnp.exp2(to_log2(scores) - lax.broadcast_in_dim(shift, tile, [0]))
+                row_sum = row_sum * alpha + probs.sum(axis=1)
+                return probs, alpha, new_max, row_sum
+
+            consumer = _Consumer(
+                statics=s, wg=wg, q_smem=q_tile, k_smem=k_smem, v_smem=v_smem,
+                k_barriers=k_barriers, v_barriers=v_barriers, k_consumed=k_consumed,
+                v_consumed=v_consumed, schedule=schedule, p_staging=p_staging,
+                first_step=first_step, count=count, num_full=walk[0, 1], softmax=softmax)
+            if cfg.pipelined:
+                acc, row_max, row_sum = _pipelined_steps(consumer)
+            else:
+                acc, row_max, row_sum = _serial_steps(consumer)
+
+            seen = row_sum > 0
+            safe_sum = jnp.where(seen, row_sum, 1.0)
+            inverse = jnp.where(seen, 1.0 / safe_sum, 0.0)
+            out = acc * lax.broadcast_in_dim(inverse, acc.shape, [0])
+            lse = jnp.where(seen, row_max * LN2 + jnp.log(safe_sum), -jnp.inf)
+            # The output reuses Q's buffer when the head dims agree (Q is no longer read).
+            o_smem = q_tile if o_only_smem is None else o_only_smem.at[wg]
+            o_smem[...] = out.astype(s.dtype)
+            lse_smem.at[wg][...] = lse
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, out_ref.at[batch, pl.ds(q_start, rows), head])
+            plgpu.copy_smem_to_gmem(lse_smem.at[wg],
+                                    lse_ref.at[batch, head, pl.ds(q_start, rows)])
+            # The stores have read O and lse: their buffers (and this q-block's walk and
+            # q leaves) may be refilled.
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            plgpu.barrier_arrive(q_block_done.at[buffer])
+            if s.num_q_buffers == 1:
+                load_next_q(i)
+            return first_step + count
+
+        load_q(0)
+        lax.fori_loop(0, num_q_blocks, compute_q_block, jnp.int32(0))
         plgpu.wait_smem_to_gmem(0)
 
 
@@ -274,6 +365,7 @@ class _Consumer:
     v_consumed: Any
     schedule: Any  # The serial schedule's ping-pong barrier (None when pipelined).
     p_staging: Any  # Interpreted only: P staged in smem for the P @ V wgmma.
+    first_step: Array  # The ring step of the q-block's first kv-block.
     count: Array  # Active kv-blocks of the q-block...
     num_full: Array  # ...the first num_full of them FULL.
     # (raw scores, step, row max, row sum, full) -> (P float32, alpha, max, sum).
@@ -288,7 +380,7 @@ class _Consumer:
         return ROWS_PER_CONSUMER, self.statics.config.block_kv
 
     def slot(self, step):
-        return lax.rem(step, self.statics.config.num_stages)
+        return lax.rem(self.first_step + step, self.statics.config.num_stages)
 
     def issue_qk(self, s_ref, step) -> None:
         plgpu.wgmma(s_ref, self.q_smem,
@@ -500,8 +592,10 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
         config=config, layout=layout, num_q_heads=num_q_heads,
         group_size=num_q_heads // num_kv_heads, head_dim=dim, head_dim_v=dim_v,
         dtype=q.dtype, scores=common.ScoreSpec(scale, softcap, score_mod),
-        has_partial=has_partial, walk_lines=walk.shape[-2], mask_batch=walk.shape[0],
-        mask_heads=walk.shape[1], leaf_slots=leaf_slots, interpret=interpret)
+        has_partial=has_partial, walk_lines=walk.shape[-2],
+        num_q_buffers=q_buffers(config, dim, dim_v, q.dtype.itemsize, has_partial),
+        mask_batch=walk.shape[0], mask_heads=walk.shape[1], leaf_slots=leaf_slots,
+        interpret=interpret)
 
     operands = [q, k, v, walk]
     if has_partial:
@@ -515,7 +609,8 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
         scratch_types=_scratch(statics),
         # The last grid axis varies fastest: the CTAs running at once are q-blocks of one
         # or a few heads, which then share those heads' K/V in L2.
-        grid=(batch * num_q_heads, layout.num_q_blocks), grid_names=("batch_head", "q_block"),
+        grid=(batch * num_q_heads, pl.cdiv(layout.num_q_blocks, config.q_blocks_per_cta)),
+        grid_names=("batch_head", "q_blocks"),
         num_threads=NUM_CONSUMERS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret_params,
@@ -526,16 +621,17 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
 def _scratch(s: _Statics):
     cfg = s.config
     stages, rows = cfg.num_stages, ROWS_PER_CONSUMER
+    # Walks and q leaves of two q-blocks: the next one's load under the current one.
     smem = (
-        common.swizzled((NUM_CONSUMERS, rows, s.head_dim), s.dtype),
+        common.swizzled((s.num_q_buffers, NUM_CONSUMERS, rows, s.head_dim), s.dtype),
         (None if s.head_dim_v == s.head_dim
          else common.swizzled((NUM_CONSUMERS, rows, s.head_dim_v), s.dtype)),
         plgpu.SMEM((NUM_CONSUMERS, rows), jnp.float32),
-        plgpu.SMEM((s.walk_lines, common.WALK_LINE), jnp.int32),
+        plgpu.SMEM((2, s.walk_lines, common.WALK_LINE), jnp.int32),
         common.swizzled((stages, cfg.block_kv, s.head_dim), s.dtype),
         common.swizzled((stages, cfg.block_kv, s.head_dim_v), s.dtype),
         common.swizzled((stages, cfg.block_q, cfg.block_kv), jnp.int8) if s.has_partial else None,
-        plgpu.SMEM((s.num_q_leaves, cfg.block_q), jnp.int32) if s.num_q_leaves else None,
+        plgpu.SMEM((2, s.num_q_leaves, cfg.block_q), jnp.int32) if s.num_q_leaves else None,
         (plgpu.SMEM((stages, s.num_kv_leaves, cfg.block_kv), jnp.int32)
          if s.num_kv_leaves else None),
         # Interpreted only: P staged in smem for the P @ V wgmma.
@@ -543,15 +639,17 @@ def _scratch(s: _Statics):
     )
     consumed = plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages)
     barriers = (
-        plgpu.Barrier(num_barriers=1),
-        plgpu.Barrier(num_barriers=1),
-        plgpu.Barrier(num_barriers=NUM_CONSUMERS),
+        plgpu.Barrier(num_barriers=2),
+        plgpu.Barrier(num_barriers=2),
+        plgpu.Barrier(num_barriers=s.num_q_buffers * NUM_CONSUMERS),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
         consumed,
         consumed,
+        # A q-block's walk and q leaves (and Q, O, lse) are no longer read.
+        plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=2),
         # The serial schedule's ping-pong.
         None if cfg.pipelined else plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
     )

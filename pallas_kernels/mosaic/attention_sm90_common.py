@@ -34,6 +34,9 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 # A walk row is stored as [rows, WALK_LINE]: a TMA box is at most 256 elements per dim.
 WALK_LINE = 128
+# 227 KiB of shared memory per CTA on sm90, less what the kernels' `smem_bytes` do not
+# count (walks, lse, barriers, 1 KiB alignment of swizzled buffers).
+SMEM_LIMIT = 227 * 1024 - 8 * 1024
 
 
 def padded_head_dim(head_dim: int) -> int | None:
@@ -103,17 +106,33 @@ def split_optional_refs(refs, statics) -> tuple[Any, Any, Any, list]:
     return partial_ref, q_leaf_ref, kv_leaf_ref, refs
 
 
-def q_block_program(statics) -> tuple[Array, Array, Array, Array]:
-    """(q-block, batch, query head, kv head) of a CTA of a q-block-major kernel.
-
-    Within a head, last q-blocks first: under causal-like masks they have the most
-    kv-blocks, and starting the longest CTAs first shortens the tail of the launch.
-    """
-    q_block = statics.layout.num_q_blocks - 1 - lax.axis_index("q_block")
+def head_program(statics) -> tuple[Array, Array, Array]:
+    """(batch, query head, kv head) of a CTA of a q-block-major kernel."""
     batch_head = lax.axis_index("batch_head")
     head = lax.rem(batch_head, statics.num_q_heads)
-    return (q_block, lax.div(batch_head, statics.num_q_heads), head,
+    return (lax.div(batch_head, statics.num_q_heads), head,
             lax.div(head, statics.group_size))
+
+
+def q_block_at(num_q_blocks: int, position, *, interleaved: bool):
+    """The q-block at ``position`` of a head's launch order.
+
+    Last (under causal-like masks the longest) q-blocks first, which shortens
+    the tail of the launch; ``interleaved`` alternates the longest and the
+    shortest left (last, first, second to last, ...), so that consecutive
+    pairs have even walks under a causal mask.
+    """
+    if not interleaved:
+        return num_q_blocks - 1 - position
+    half = lax.div(position, 2)
+    return jnp.where(lax.rem(position, 2) == 0, num_q_blocks - 1 - half, half)
+
+
+def q_block_program(statics) -> tuple[Array, Array, Array, Array]:
+    """(q-block, batch, query head, kv head) of a CTA of one q-block (`q_block_at`)."""
+    q_block = q_block_at(statics.layout.num_q_blocks, lax.axis_index("q_block"),
+                         interleaved=False)
+    return (q_block, *head_program(statics))
 
 
 def load_q_block_walk(statics, walk_ref, walk_smem, walk_barrier, q_leaves, *, batch, head,
@@ -248,31 +267,34 @@ def log2_scores(spec: ScoreSpec, qk: Array, batch, head, indices, *, slope: bool
 
 def produce_kv_blocks(walk_smem, count, *, stages: int, block_kv: int, batch, kv_head,
                       offsets: tuple[int, int, int], k, v, consumed, kv_leaves=None,
-                      partial=None) -> None:
-    """The producer loop of a q-block's CTA: TMA-loads its active kv-blocks into the ring.
+                      partial=None, first_step=0) -> None:
+    """The producer loop of one q-block: TMA-loads its active kv-blocks into the ring.
 
     ``k`` and ``v`` are (gmem ref, smem ring, "loaded" barriers); ``consumed``
-    the (K, V) "consumed" barriers the consumers arrive on. A slot's K (V) is refilled
-    only after its previous K (V) was consumed; at the end the producer
-    waits for the last loads to be consumed too (`drain_ring`). ``kv_leaves`` (stacked kv
-    mask leaves) and ``partial`` (stored int8 tiles, loaded for PARTIAL tiles
-    only) are optional (ref, ring, barriers) triples.
+    the (K, V) "consumed" barriers the consumers arrive on. The q-block's steps
+    are the ring's steps ``first_step ...`` (a CTA that computes several
+    q-blocks keeps one ring going across them); a slot's K (V) is refilled
+    only after its previous K (V) was consumed. The caller drains the ring
+    after its last q-block (`drain_ring`). ``kv_leaves`` (stacked kv mask
+    leaves) and ``partial`` (stored int8 tiles, loaded for PARTIAL tiles only)
+    are optional (ref, ring, barriers) triples.
     """
     index_offset, flags_offset, partial_offset = offsets
     k_consumed, v_consumed = consumed
 
     @pl.loop(0, count)
     def _fetch(step):
-        slot = lax.rem(step, stages)
+        ring_step = first_step + step
+        slot = lax.rem(ring_step, stages)
         kv_block = walk_entry(walk_smem, index_offset + step)
         rows_kv = pl.ds(kv_block * block_kv, block_kv)
 
         # K and V are refilled independently, each once every consumer released the
-        # slot's previous contents (step - stages): a consumer that keeps V for its
+        # slot's previous contents (ring_step - stages): a consumer that keeps V for its
         # software-pipelined P @ V then does not hold back the next K. The mask data
         # of a step is read by the softmax, after K was released: it goes with V.
         def wait_released(consumed):
-            @pl.when(step >= stages)
+            @pl.when(ring_step >= stages)
             def _():
                 plgpu.barrier_wait(consumed.at[slot])
 
@@ -297,8 +319,6 @@ def produce_kv_blocks(walk_smem, count, *, stages: int, block_kv: int, batch, kv
         v_ref, v_smem, v_barriers = v
         plgpu.copy_gmem_to_smem(v_ref.at[batch, rows_kv, kv_head], v_smem.at[slot],
                                 v_barriers.at[slot])
-
-    drain_ring(count, stages, k_consumed, v_consumed)
 
 
 def drain_ring(num_steps, stages: int, *consumed) -> None:

@@ -93,20 +93,29 @@ def test_a_case_is_timed_together_and_failures_are_rows(monkeypatch, timed_toget
     assert all(math.isfinite(row["ms"]) for row in rows if row["impl"] == "omni_xla")
 
 
-@pytest.mark.parametrize("impl,pipelined", [("omni_mosaic_serial", False),
-                                            ("omni_mosaic_pipelined", True)])
-def test_mosaic_schedule_impls_force_the_schedule(impl, pipelined, monkeypatch):
+@pytest.mark.parametrize("impl,fields", [
+    ("omni_mosaic/pipelined=0", {"pipelined": False}),
+    ("omni_mosaic/pipelined=1/q_blocks_per_cta=3", {"pipelined": True, "q_blocks_per_cta": 3}),
+])
+def test_forced_mosaic_impls_force_the_config(impl, fields, monkeypatch):
     monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
-    schedules = []
+    configs = []
     traced = fwd.attention_forward
 
     def spy(*args, config, **kwargs):
-        schedules.append(config.pipelined)
+        configs.append(config)
         return traced(*args, config=config, **kwargs)
 
     monkeypatch.setattr(fwd, "attention_forward", spy)
     case = attention.Case(1, 256, 2, 128, "causal", backward=False)
     q = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
-    jax.eval_shape(attention.BUILDERS[impl](case), q, q, q)
-    assert schedules == [pipelined]
-    assert impl not in attention.DEFAULT_IMPLS
+    jax.eval_shape(attention.builder(impl)(case), q, q, q)
+    assert len(configs) == 1
+    assert {name: getattr(configs[0], name) for name in fields} == fields
+
+
+@pytest.mark.parametrize("impl", ["omni_mosaic/stages=2", "omni_mosaic/pipelined=yes",
+                                  "cuDNN"])
+def test_unknown_impls_are_named(impl):
+    with pytest.raises(ValueError, match="expected FIELD=N|unknown implementation"):
+        attention.builder(impl)

@@ -47,12 +47,16 @@ class _MosaicSuite(AttentionSuite):
     implementation = "mosaic"
     mask_block_size = (128, 64)
 
-    @pytest.fixture(autouse=True, params=("pipelined", "serial"))
-    def _forward_schedule(self, request, monkeypatch):
-        """Every case under both consumer schedules of the forward kernel."""
+    @pytest.fixture(autouse=True, params=[(schedule, per_cta) for schedule in
+                                          ("pipelined", "serial") for per_cta in (1, 2)],
+                    ids=lambda param: f"{param[0]}-{param[1]}qblocks")
+    def _forward_config(self, request, monkeypatch):
+        """Every case under both consumer schedules of the forward kernel, with one and
+        with two q-blocks per CTA."""
+        schedule, per_cta = request.param
         default = fwd.forward_config
         monkeypatch.setattr(fwd, "forward_config", lambda *args: dataclasses.replace(
-            default(*args), pipelined=request.param == "pipelined"))
+            default(*args), pipelined=schedule == "pipelined", q_blocks_per_cta=per_cta))
 
     @pytest.fixture(autouse=True)
     def _mosaic_backward(self, monkeypatch):

@@ -120,3 +120,49 @@ def test_kv_leaves_after_full_tiles(pipelined, monkeypatch):
     kv_ids[0, 256:] = rng.integers(0, 2, 256)  # blocks 2 and 3 mixed, 0 and 1 all visible
     _compare("bfloat16", q, k, v, q_segment_ids=jnp.zeros((1, 128), jnp.int32),
              kv_segment_ids=jnp.asarray(kv_ids))
+
+
+@pytest.mark.parametrize("q_blocks_per_cta,pipelined,head_dim,head_dim_v", [
+    (2, True, 64, 64),     # two Q buffers; 5 q-blocks: the last CTA computes one
+    (3, False, 64, 32),    # output buffer apart from Q's (head dims differ)
+    (4, True, 256, 256),   # one Q buffer (two exceed shared memory)
+])
+def test_several_q_blocks_per_cta(q_blocks_per_cta, pipelined, head_dim, head_dim_v,
+                                  monkeypatch):
+    """CTAs computing q-blocks in turn (one kv ring across them; walks, q leaves and Q
+    double-buffered) give what one CTA per q-block gives, under documents (q and kv
+    leaves, FULL and COMPUTED tiles) and with a fully masked q-block and head in it."""
+    default = fwd.forward_config
+    monkeypatch.setattr(fwd, "forward_config", lambda *args: dataclasses.replace(
+        default(*args), pipelined=pipelined, q_blocks_per_cta=q_blocks_per_cta))
+    rng = np.random.default_rng()
+    seq = 5 * 128 - 24
+    q, k, v = _inputs(rng, "bfloat16", 1, seq, seq, 2, 1, head_dim, head_dim_v)
+    ids = np.sort(rng.integers(0, 3, seq)).astype(np.int32)[None]
+    kv_ids = ids.copy()
+    kv_ids[0, 128:256] = 9  # q-block 1 sees no key
+    _compare("bfloat16", q, k, v, is_causal=True, q_segment_ids=jnp.asarray(ids),
+             kv_segment_ids=jnp.asarray(kv_ids))
+
+
+def test_several_q_blocks_per_cta_write_every_row():
+    """Poisoned outputs: every row of every q-block of a multi-q-block CTA is written,
+    with a PARTIAL mask whose second q-block sees nothing."""
+    rng = np.random.default_rng()
+    q, k, v = _inputs(rng, "bfloat16", 1, 384, 256, 2, 2, 64)
+    block_mask = omni_jax.create_block_mask(
+        lambda b, h, i, j: ((i < 128) | (i >= 256)) & ((i + j) % 3 != 0), None, None, 384,
+        256, (128, 128))
+    kmask, layout = kernel_mask(block_mask)
+    params = compat.tma_faithful_interpret_params(runtime.mosaic_interpret_params())
+    out, lse = fwd.attention_forward(
+        q, k, v, kmask, layout, scale=0.125, softcap=None, score_mod=None, has_partial=True,
+        config=fwd.ForwardConfig(block_kv=128, num_stages=2, pipelined=True,
+                                 q_blocks_per_cta=3),
+        interpret_params=dataclasses.replace(params, uninitialized_memory="nan"))
+    out, lse = np.asarray(out, np.float32), np.asarray(lse)
+    assert not np.isnan(out).any() and not np.isnan(lse).any()
+    assert (out[:, 128:256] == 0).all() and np.isneginf(lse[:, :, 128:256]).all()
+    ref = omni_jax.attention(q.astype(jnp.float32), k.astype(jnp.float32),
+                             v.astype(jnp.float32), mask=block_mask, implementation="xla")
+    assert relative_error(out, ref) < TOLERANCE["bfloat16"]
