@@ -57,7 +57,9 @@ class Case:
     seq: int
     heads: int
     head_dim: int
-    mask: str  # "dense", "causal", "documents" or "window" (causal, WINDOW keys back)
+    # "dense", "causal", "documents", "window" (causal, WINDOW keys back) or "alibi"
+    # (causal with ALiBi: a score_mod capturing per-head slopes; cuDNN gets it as a bias).
+    mask: str
     backward: bool
     dtype: str = "bfloat16"
 
@@ -70,7 +72,7 @@ class Case:
 def default_cases(tiny: bool) -> list[Case]:
     if tiny:
         return [Case(1, 128, 2, 32, mask, backward, "float32")
-                for mask in ("dense", "causal", "documents", "window")
+                for mask in ("dense", "causal", "documents", "window", "alibi")
                 for backward in (False, True)]
     cases = []
     for seq in (4096, 16384):
@@ -84,6 +86,8 @@ def default_cases(tiny: bool) -> list[Case]:
     for head_dim in (64, 256):
         for mask in ("dense", "causal"):
             cases.append(Case(4, 4096, 16, head_dim, mask, False))
+    for backward in (False, True):
+        cases.append(Case(4, 4096, 16, 128, "alibi", backward))
     return cases
 
 
@@ -103,7 +107,7 @@ def visible_pairs(case: Case) -> float:
     s = case.seq
     if case.mask == "dense":
         return float(s * s)
-    if case.mask == "causal":
+    if case.mask in ("causal", "alibi"):
         return s * (s + 1) / 2
     if case.mask == "window":
         return float(sum(min(i, WINDOW) + 1 for i in range(s)))
@@ -116,9 +120,17 @@ def case_flops(case: Case) -> float:
     return forward * 3.5 if case.backward else forward
 
 
+def _alibi_slopes(heads: int) -> jax.Array:
+    return 2.0 ** (-8.0 * (jnp.arange(heads, dtype=jnp.float32) + 1) / heads)
+
+
 def _omni_mask_kwargs(case: Case) -> dict[str, Any]:
     if case.mask == "causal":
         return {"is_causal": True}
+    if case.mask == "alibi":
+        slopes = _alibi_slopes(case.heads)
+        return {"is_causal": True,
+                "score_mod": lambda s, b, h, i, j: s - slopes[h] * (i - j).astype(s.dtype)}
     if case.mask == "window":
         return {"local_window_size": (WINDOW, 0)}
     if case.mask == "documents":
@@ -131,7 +143,7 @@ def active_block_fraction(case: Case, block: int = 128) -> float:
     if case.mask == "dense":
         return 1.0
     mask_mods = omni_jax.masks
-    if case.mask == "causal":
+    if case.mask in ("causal", "alibi"):
         mask_mod = mask_mods.mask_mods.Causal()
     elif case.mask == "window":
         mask_mod = mask_mods.sliding_window_mask(WINDOW, 0)
@@ -215,9 +227,14 @@ def _jax_nn(implementation: str) -> Callable[[Case], Callable]:
             if implementation != "cudnn":
                 raise Unsupported("jax.nn.dot_product_attention has no segment ids")
             return _documents_as_padded_batch(case)
-        kwargs = {"is_causal": case.mask in ("causal", "window")}
+        kwargs = {"is_causal": case.mask in ("causal", "window", "alibi")}
         if case.mask == "window":
             kwargs["local_window_size"] = (WINDOW, 0)
+        if case.mask == "alibi":
+            # The ALiBi bias materialized once, outside the timed function ([1, H, S, S]).
+            distance = jnp.arange(case.seq)[:, None] - jnp.arange(case.seq)[None, :]
+            kwargs["bias"] = (-_alibi_slopes(case.heads)[:, None, None]
+                              * distance).astype(case.dtype)[None]
         return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation=implementation,
                                                             **kwargs)
 
@@ -256,6 +273,8 @@ def _pallas_mha(case: Case):
 
     if case.mask == "window":
         raise Unsupported("mha has no sliding window")
+    if case.mask == "alibi":
+        raise Unsupported("mha has no score_mod")
     interpret = jax.default_backend() != "gpu"
     segment_ids = jnp.asarray(_segment_ids(case)) if case.mask == "documents" else None
     scale = case.head_dim ** -0.5
@@ -283,8 +302,8 @@ def _tokamax(case: Case):
         import tokamax
     except ImportError as error:
         raise Unsupported("tokamax is not installed") from error
-    if case.mask == "documents":
-        raise Unsupported("document masks not wired for tokamax")
+    if case.mask in ("documents", "alibi"):
+        raise Unsupported(f"{case.mask} not wired for tokamax")
     kwargs = {"is_causal": case.mask in ("causal", "window")}
     if case.mask == "window":
         kwargs["local_window_size"] = (WINDOW, 0)

@@ -5,10 +5,13 @@ the Mosaic-GPU interpreter (race detection on; TMA bounds as on hardware).
 
 Serves bf16/fp16 inputs with head dims up to 256 (padded to 64/128/256), any
 lengths, GQA/MQA, every BlockMask with ``block_q = 128`` (the kernel's q tile),
-softcap, sinks and score_mods that capture no arrays and use only elementwise
-operations. The backward pass (dK/dV and dQ kernels) serves the same, except:
-head dims above 128 (after padding), BlockMasks with ``block_kv`` other than
-64 or 128, and score_mods whose derivative uses non-elementwise operations.
+softcap, sinks and score_mods that use only elementwise operations and read
+captured float arrays (at most 1024 elements) by element at indices of the
+batch and head alone (ALiBi slopes ``x[h]``, tables ``x[b, h]``, 0-d arrays;
+`pallas_kernels.captured`). The backward pass (dK/dV and dQ kernels) serves
+the same, except: head dims above 128 (after padding), BlockMasks with
+``block_kv`` other than 64 or 128, score_mods that capture arrays, and
+score_mods whose derivative uses non-elementwise operations.
 For those `backward_unsupported_reason` says why and `omni_jax` takes the
 backward from the next backend that can (Triton on GPUs, else XLA).
 """
@@ -20,6 +23,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from omni_jax.backends.base import AttentionBackend, sinks_cotangent
 from omni_jax.masks import And, BlockMask, Causal
@@ -27,6 +31,7 @@ from omni_jax.problem import AttentionProblem
 from omni_jax.scores import primitive_names, zero_cotangent
 from pallas_kernels import compat, runtime
 from pallas_kernels.block_sparse import kernel_mask
+from pallas_kernels.captured import PackedCaptured, scalar_reads_reason, score_mod_on_packed
 from pallas_kernels.mosaic import attention_bwd_sm90 as bwd
 from pallas_kernels.mosaic import attention_fwd_sm90 as fwd
 from pallas_kernels.mosaic.attention_sm90_common import SMEM_LIMIT
@@ -50,8 +55,13 @@ def score_mod_unsupported_reason(problem: AttentionProblem,
     if score_mod is None:
         return None
     if score_mod.num_captured:
-        return ("score_mod captures arrays (the Mosaic kernels take no captured operands "
-                "yet)")
+        reason = scalar_reads_reason(score_mod)
+        if reason is not None:
+            return reason
+        # The kernels read the captured elements from smem; a stand-in ref gives values.
+        layout, _ = PackedCaptured.pack([jnp.zeros(v.aval.shape, v.aval.dtype)
+                                         for v in score_mod.jaxpr.constvars])
+        score_mod = score_mod_on_packed(score_mod, _StandInRef(), layout)
     scalar = jax.ShapeDtypeStruct((), jnp.float32)
     index = jax.ShapeDtypeStruct((), jnp.int32)
     def apply(score, *indices):
@@ -64,6 +74,14 @@ def score_mod_unsupported_reason(problem: AttentionProblem,
     if unsupported:
         return f"score_mod uses operations the Mosaic lowering lacks: {sorted(unsupported)}"
     return None
+
+
+class _StandInRef:
+    """Stands in for the kernels' smem buffer of captured elements when checking what a
+    score_mod lowers to: reading it is the kernels' scalar smem load."""
+
+    def __getitem__(self, index):
+        return lax.convert_element_type(index[0], jnp.float32)
 
 
 class MosaicBackend(AttentionBackend):
@@ -109,7 +127,8 @@ class MosaicBackend(AttentionBackend):
         out, lse = fwd.attention_forward(
             q, k, v, kmask, layout, scale=problem.scale, softcap=problem.softcap,
             score_mod=problem.score_mod, has_partial=problem.has_user_mask,
-            config=self._config(problem, causal), interpret_params=_interpret_params())
+            config=self._config(problem, causal), captured=captured,
+            interpret_params=_interpret_params())
         if sinks is None:
             return out, lse
         return _fold_sinks(out, lse, sinks)
@@ -125,11 +144,15 @@ class MosaicBackend(AttentionBackend):
             has_partial=problem.has_user_mask, config=config,
             interpret_params=_interpret_params())
         dsinks = None if sinks is None else sinks_cotangent(sinks, lse, delta)
-        # Captured score_mod arrays are declined (`score_mod_unsupported_reason`).
+        # Captured score_mod arrays are declined (`_backward_config`).
         return dq, dk, dv, dsinks, tuple(zero_cotangent(c) for c in captured)
 
     def _backward_config(self, problem: AttentionProblem) -> bwd.BackwardConfig | str:
         """The backward kernels' config for ``problem``, or why they cannot serve it."""
+        if problem.score_mod is not None and problem.score_mod.num_captured:
+            return ("score_mod captures arrays: the Mosaic backward kernels do not read them "
+                    "(reading them as the forward does, they spilled registers and ran 1.5x "
+                    "longer than the Triton backward on the H100; benchmarks/RESULTS.md)")
         dims = [fwd.padded_head_dim(problem.head_dim), fwd.padded_head_dim(problem.head_dim_v)]
         config = bwd.backward_config(max(dims), problem.dtype, causal=False)
         if config is None:

@@ -204,7 +204,7 @@ def _staged(staging, value):
 def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *refs):
     cfg = s.config
     rows, stages, consumers = ROWS_PER_CONSUMER, cfg.dkv_stages, cfg.dkv_consumers
-    partial_ref, q_leaf_ref, kv_leaf_ref, refs = common.split_optional_refs(refs, s)
+    partial_ref, q_leaf_ref, kv_leaf_ref, _, refs = common.split_optional_refs(refs, s)
     dk_ref, dv_ref, smem, barriers = refs
     (k_smem, v_smem, walk_smem, q_ring, do_ring, stats_ring, mask_ring, q_leaf_ring,
      kv_leaf_smem, staging) = smem
@@ -391,7 +391,7 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
 def _dq_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *refs):
     cfg = s.config
     rows, block_kv, stages = ROWS_PER_CONSUMER, cfg.block_kv, cfg.dq_stages
-    partial_ref, q_leaf_ref, kv_leaf_ref, refs = common.split_optional_refs(refs, s)
+    partial_ref, q_leaf_ref, kv_leaf_ref, _, refs = common.split_optional_refs(refs, s)
     dq_ref, smem, barriers = refs
     (q_smem, do_smem, stats_smem, walk_smem, k_ring, v_ring, mask_ring, q_leaf_smem,
      kv_leaf_ring, staging) = smem

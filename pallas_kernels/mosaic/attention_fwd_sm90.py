@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -182,12 +182,14 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
     s = statics
     cfg = s.config
     rows, block_kv, stages = ROWS_PER_CONSUMER, cfg.block_kv, cfg.num_stages
-    partial_ref, q_leaf_ref, kv_leaf_ref, refs = common.split_optional_refs(refs, s)
+    partial_ref, q_leaf_ref, kv_leaf_ref, captured_ref, refs = common.split_optional_refs(
+        refs, s)
     out_ref, lse_ref, smem, barriers = refs
     (q_smem, o_only_smem, lse_smem, walk_smem, k_smem, v_smem, mask_smem, q_leaf_smem,
-     kv_leaf_smem, p_staging) = smem
+     kv_leaf_smem, p_staging, captured_smem) = smem
     (walk_barriers, q_leaf_barriers, q_barriers, k_barriers, v_barriers, mask_barriers,
-     kv_leaf_barriers, k_consumed, v_consumed, q_block_done, schedule) = barriers
+     kv_leaf_barriers, k_consumed, v_consumed, q_block_done, schedule,
+     captured_barrier) = barriers
 
     # This CTA computes the q-blocks at positions first .. first + num_q_blocks - 1 of
     # its head's launch order, in turn. Per q-block i, its walk and q leaves sit in
@@ -207,6 +209,7 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
     @pl.when(wg == NUM_CONSUMERS)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
+        common.load_captured(s, captured_ref, captured_smem, captured_barrier)
 
         def q_block_loads(i, first_step):
             buffer = lax.rem(i, 2)
@@ -297,7 +300,8 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
                 kv_block = common.walk_entry(walk, index_offset + step)
                 if not fold_scale:
                     scores = common.log2_scores(s.scores, scores, batch, head,
-                                                lambda: indices(kv_block))
+                                                lambda: indices(kv_block),
+                                                captured_smem=captured_smem)
                 kv_leaf_columns = common.load_kv_leaf_columns(s, kv_leaf_smem,
                                                               kv_leaf_barriers, slot)
                 if not full:
@@ -346,6 +350,7 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
             return first_step + count
 
         load_q(0)
+        common.wait_captured(s, captured_barrier)
         lax.fori_loop(0, num_q_blocks, compute_q_block, jnp.int32(0))
         plgpu.wait_smem_to_gmem(0)
 
@@ -567,12 +572,14 @@ def _pipelined_steps(c: _Consumer):
 def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: MaskLayout, *,
                       scale: float, softcap: float | None,
                       score_mod: ConvertedScoreMod | None, has_partial: bool,
-                      config: ForwardConfig, interpret_params: Any = None,
-                      ) -> tuple[Array, Array]:
+                      config: ForwardConfig, captured: Sequence[Array] = (),
+                      interpret_params: Any = None) -> tuple[Array, Array]:
     """``(out [B, Sq, Hq, Dv], lse [B, Hq, Sq] float32)``; sinks are the caller's.
 
-    ``layout`` must tile by ``(config.block_q, config.block_kv)``; ``score_mod``
-    must capture no arrays; ``has_partial`` False promises no PARTIAL tile.
+    ``layout`` must tile by ``(config.block_q, config.block_kv)``; ``captured``
+    are ``score_mod``'s captured arrays, which it may read only by element
+    (`pallas_kernels.captured.scalar_reads_reason`); ``has_partial`` False
+    promises no PARTIAL tile.
     """
     batch, q_len, num_q_heads, head_dim = q.shape
     num_kv_heads, head_dim_v = v.shape[2], v.shape[3]
@@ -588,19 +595,18 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
                               kmask.kv_tile_flags, kmask.kv_partial_ids)
     q_leaves, kv_leaves, leaf_slots = common.stacked_leaves(kmask, layout, batch)
     interpret = interpret_params is not None
+    scores, packed_captured = common.score_spec(scale, softcap, score_mod, captured)
     statics = _Statics(
         config=config, layout=layout, num_q_heads=num_q_heads,
         group_size=num_q_heads // num_kv_heads, head_dim=dim, head_dim_v=dim_v,
-        dtype=q.dtype, scores=common.ScoreSpec(scale, softcap, score_mod),
+        dtype=q.dtype, scores=scores,
         has_partial=has_partial, walk_lines=walk.shape[-2],
         num_q_buffers=q_buffers(config, dim, dim_v, q.dtype.itemsize, has_partial),
         mask_batch=walk.shape[0], mask_heads=walk.shape[1], leaf_slots=leaf_slots,
         interpret=interpret)
 
-    operands = [q, k, v, walk]
-    if has_partial:
-        operands.append(kmask.partial_masks.astype(jnp.int8))
-    operands += [x for x in (q_leaves, kv_leaves) if x is not None]
+    operands = [q, k, v, walk, *common.optional_operands(kmask, has_partial, q_leaves,
+                                                          kv_leaves, packed_captured)]
     q_padded = layout.num_q_blocks * config.block_q
     out_type = (jax.ShapeDtypeStruct((batch, q.shape[1], num_q_heads, dim_v), q.dtype),
                 jax.ShapeDtypeStruct((batch, num_q_heads, q_padded), jnp.float32))
@@ -620,6 +626,7 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
 
 def _scratch(s: _Statics):
     cfg = s.config
+    captured_smem, captured_barrier = common.captured_scratch(s)
     stages, rows = cfg.num_stages, ROWS_PER_CONSUMER
     # Walks and q leaves of two q-blocks: the next one's load under the current one.
     smem = (
@@ -636,6 +643,7 @@ def _scratch(s: _Statics):
          if s.num_kv_leaves else None),
         # Interpreted only: P staged in smem for the P @ V wgmma.
         common.swizzled((NUM_CONSUMERS, rows, cfg.block_kv), s.dtype) if s.interpret else None,
+        captured_smem,
     )
     consumed = plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages)
     barriers = (
@@ -652,6 +660,7 @@ def _scratch(s: _Statics):
         plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=2),
         # The serial schedule's ping-pong.
         None if cfg.pipelined else plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
+        captured_barrier,
     )
     return smem, barriers
 

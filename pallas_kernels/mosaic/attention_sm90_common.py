@@ -24,6 +24,7 @@ from omni_jax.masks import PARTIAL
 from omni_jax.scores import ConvertedScoreMod, apply_score_mod
 from pallas_kernels import compat
 from pallas_kernels.block_sparse import KernelMask, MaskLayout, tile_visibility
+from pallas_kernels.captured import PackedCaptured, score_mod_on_packed
 
 Array = Any
 
@@ -93,17 +94,47 @@ class LeafCounts:
         return sum(kind == "kv" for kind, _ in self.leaf_slots)
 
 
-def split_optional_refs(refs, statics) -> tuple[Any, Any, Any, list]:
-    """(partial bit-masks, q leaves, kv leaves, the rest) of a kernel's trailing refs.
+def split_optional_refs(refs, statics) -> tuple[Any, Any, Any, Any, list]:
+    """(partial bit-masks, q leaves, kv leaves, packed captured arrays, the rest) of a
+    kernel's trailing refs.
 
     The optional operands come first, in that order, each only when ``statics``
-    (``has_partial``, ``num_q_leaves``, ``num_kv_leaves``) says the kernel has it.
+    (``has_partial``, ``num_q_leaves``, ``num_kv_leaves``, ``scores.captured``) says
+    the kernel has it (`optional_operands` lists them in that order).
     """
     refs = list(refs)
     partial_ref = refs.pop(0) if statics.has_partial else None
     q_leaf_ref = refs.pop(0) if statics.num_q_leaves else None
     kv_leaf_ref = refs.pop(0) if statics.num_kv_leaves else None
-    return partial_ref, q_leaf_ref, kv_leaf_ref, refs
+    captured_ref = refs.pop(0) if statics.scores.captured is not None else None
+    return partial_ref, q_leaf_ref, kv_leaf_ref, captured_ref, refs
+
+
+def optional_operands(kmask: KernelMask, has_partial: bool, q_leaves, kv_leaves,
+                      packed_captured) -> list:
+    """The optional kernel operands that are present, in `split_optional_refs` order."""
+    operands = [kmask.partial_masks.astype(jnp.int8)] if has_partial else []
+    return operands + [x for x in (q_leaves, kv_leaves, packed_captured) if x is not None]
+
+
+def load_captured(statics, captured_ref, captured_smem, captured_barrier) -> None:
+    """Producer: TMA-loads the packed captured arrays (if any) into smem at CTA start."""
+    if statics.scores.captured is not None:
+        plgpu.copy_gmem_to_smem(captured_ref, captured_smem, captured_barrier)
+
+
+def wait_captured(statics, captured_barrier) -> None:
+    """Consumer: waits once for the captured arrays (if any) before its first scores."""
+    if statics.scores.captured is not None:
+        plgpu.barrier_wait(captured_barrier)
+
+
+def captured_scratch(statics) -> tuple[Any, Any]:
+    """(smem, barrier) scratch of the packed captured arrays, or (None, None)."""
+    layout = statics.scores.captured
+    if layout is None:
+        return None, None
+    return plgpu.SMEM((layout.rows, layout.cols), jnp.float32), plgpu.Barrier(num_barriers=1)
 
 
 def head_program(statics) -> tuple[Array, Array, Array]:
@@ -229,33 +260,49 @@ def masked_scores(scores: Array, layout: MaskLayout, flags, q_idx: Array, kv_idx
 
 @dataclasses.dataclass(frozen=True)
 class ScoreSpec:
-    """How a kernel turns ``q . k`` into scores: scale, softcap, score_mod."""
+    """How a kernel turns ``q . k`` into scores: scale, softcap, score_mod (whose captured
+    arrays, if any, the kernel reads from a packed smem buffer laid out as ``captured``)."""
 
     scale: float
     softcap: float | None
     score_mod: ConvertedScoreMod | None
+    captured: PackedCaptured | None = None
 
     @property
     def plain(self) -> bool:
         return self.softcap is None and self.score_mod is None
 
 
-def log2_scores(spec: ScoreSpec, qk: Array, batch, head, indices, *, slope: bool = False):
+def score_spec(scale: float, softcap: float | None, score_mod: ConvertedScoreMod | None,
+               captured) -> tuple[ScoreSpec, Array | None]:
+    """A kernel's `ScoreSpec` and its packed captured-array operand (None without any)."""
+    if score_mod is None or not score_mod.num_captured:
+        return ScoreSpec(scale, softcap, score_mod), None
+    layout, packed = PackedCaptured.pack(captured)
+    return ScoreSpec(scale, softcap, score_mod, layout), packed
+
+
+def log2_scores(spec: ScoreSpec, qk: Array, batch, head, indices, *, slope: bool = False,
+                captured_smem=None):
     """Scale, softcap and score_mod of ``qk``, in log2 units (the softmax runs on exp2).
 
-    ``indices()`` builds the (q_idx, kv_idx) tiles a score_mod needs. With
+    ``indices()`` builds the (q_idx, kv_idx) tiles a score_mod needs;
+    ``captured_smem`` holds its packed captured arrays, if it has any. With
     ``slope`` returns ``(scores, d score / d(scale * qk) or None when 1)``: the
     backward's chain rule through softcap and score_mod.
     """
     if spec.plain:
         scores = qk * (spec.scale * LOG2E)
         return (scores, None) if slope else scores
+    score_mod = spec.score_mod
+    if spec.captured is not None:
+        score_mod = score_mod_on_packed(score_mod, captured_smem, spec.captured)
 
     def transform(scaled):
         if spec.softcap is not None:
             scaled = spec.softcap * jnp.tanh(scaled * (1.0 / spec.softcap))
-        if spec.score_mod is not None:
-            scaled = apply_score_mod(spec.score_mod, (), scaled, batch, head, *indices())
+        if score_mod is not None:
+            scaled = apply_score_mod(score_mod, (), scaled, batch, head, *indices())
         return scaled
 
     scaled = qk * spec.scale

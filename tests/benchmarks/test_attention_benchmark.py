@@ -17,14 +17,15 @@ def test_tiny_run_produces_rows_for_every_impl(monkeypatch, capsys):
     parser = argparse.ArgumentParser()
     attention.add_arguments(parser)
     impls = ["omni_xla", "omni_triton", "cudnn", "jax_pallas_mha"]
-    args = parser.parse_args(["--tiny", "--cases", "dense,window b1 s128 h2 d32 fwd+bwd",
+    args = parser.parse_args(["--tiny", "--cases",
+                              "dense,window b1 s128 h2 d32 fwd+bwd,alibi b1 s128 h2 d32 fwd",
                               "--impls", ",".join(impls), "--warmup", "1", "--samples", "1",
                               "--inner", "1"])
     rows = attention.run(args)
     attention.print_table(rows)
     assert "jax " in capsys.readouterr().out
     cases = {row["case"] for row in rows}
-    assert len(cases) == 3
+    assert len(cases) == 5
     assert len(rows) == len(cases) * len(impls)
     for row in rows:
         assert set(row) == {"case", "impl", "ms", "tflops", "ratio", "note"}

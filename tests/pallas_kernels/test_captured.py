@@ -1,4 +1,6 @@
-"""score_mod_on_refs: captured arrays read through refs give what the plain score_mod gives."""
+"""Captured arrays read inside kernels give what the plain score_mod gives: through refs
+(`score_mod_on_refs`, Triton) and by element from a packed buffer (`score_mod_on_packed`,
+Mosaic), which `scalar_reads_reason` admits only for element reads by batch and head."""
 
 from __future__ import annotations
 
@@ -9,7 +11,13 @@ import pytest
 from jax.experimental import pallas as pl
 
 from omni_jax.scores import apply_score_mod, convert_score_mod, primitive_names
-from pallas_kernels.captured import score_mod_on_refs
+from pallas_kernels.captured import (
+    MAX_PACKED_ELEMENTS,
+    PackedCaptured,
+    scalar_reads_reason,
+    score_mod_on_packed,
+    score_mod_on_refs,
+)
 
 _RNG = np.random.default_rng(0)
 _SLOPES = jnp.asarray(_RNG.standard_normal(4), jnp.float32)
@@ -62,3 +70,63 @@ def test_only_per_score_indexing_gathers(name, gathers):
     names = primitive_names(jaxpr)
     assert ("gather" in names) == gathers
     assert "dynamic_slice" not in names or gathers
+
+
+_ELEMENT_READS = ("alibi", "batch_head_table", "negative_head_index", "clamped_head_index",
+                  "scalar_capture")
+
+
+@pytest.mark.parametrize("name", sorted(SCORE_MODS))
+def test_scalar_reads_reason(name):
+    score_mod, _ = convert_score_mod(SCORE_MODS[name])
+    reason = scalar_reads_reason(score_mod)
+    assert (reason is None) == (name in _ELEMENT_READS), reason
+
+
+@pytest.mark.parametrize("name", _ELEMENT_READS)
+@pytest.mark.parametrize("b,h", [(0, 0), (1, 3)])
+def test_packed_elements_give_the_plain_score_mod(name, b, h):
+    score_mod, captured = convert_score_mod(SCORE_MODS[name])
+    layout, packed = PackedCaptured.pack(captured)
+    assert packed.shape == (layout.rows, layout.cols) and layout.cols % 32 == 0
+    scores = jnp.asarray(_RNG.standard_normal((16, 16)), jnp.float32)
+    q_idx = jnp.arange(16, dtype=jnp.int32)[:, None] + 5
+    kv_idx = jnp.arange(16, dtype=jnp.int32)[None, :]
+    args = (scores, jnp.int32(b), jnp.int32(h), q_idx, kv_idx)
+    expected = apply_score_mod(score_mod, captured, *args)
+
+    def body(refs):
+        packed_ref, out_ref = refs
+        mod = score_mod_on_packed(score_mod, packed_ref, layout)
+        out_ref[...] = apply_score_mod(mod, (), *args)
+
+    np.testing.assert_array_equal(pl.run_state(body)((packed, jnp.zeros_like(scores)))[-1],
+                                  expected)
+
+
+def test_packing_spans_rows_and_keeps_dtypes():
+    """Arrays past one 256-wide row, bf16 among them, are read back exactly."""
+    big = jnp.asarray(_RNG.standard_normal((3, 100)), jnp.bfloat16)
+    small = jnp.asarray(_RNG.standard_normal(7), jnp.float32)
+    score_mod, captured = convert_score_mod(
+        lambda s, b, h, q, k: s + big[b, h].astype(jnp.float32) * small[h])
+    assert scalar_reads_reason(score_mod) is None
+    layout, packed = PackedCaptured.pack(captured)
+    assert layout.rows == 2 and layout.cols == 256
+    for b, h in [(0, 0), (2, 99), (1, 6)]:
+        args = (jnp.ones((4, 4), jnp.float32), jnp.int32(b), jnp.int32(h),
+                jnp.zeros((4, 1), jnp.int32), jnp.zeros((1, 4), jnp.int32))
+
+        def body(refs, args=args):
+            packed_ref, out_ref = refs
+            mod = score_mod_on_packed(score_mod, packed_ref, layout)
+            out_ref[...] = apply_score_mod(mod, (), *args)
+
+        got = pl.run_state(body)((packed, jnp.zeros((4, 4), jnp.float32)))[-1]
+        np.testing.assert_array_equal(got, apply_score_mod(score_mod, captured, *args))
+
+
+def test_too_many_captured_elements_are_declined():
+    table = jnp.zeros((MAX_PACKED_ELEMENTS + 1,), jnp.float32)
+    score_mod, _ = convert_score_mod(lambda s, b, h, q, k: s + table[h])
+    assert "elements" in scalar_reads_reason(score_mod)

@@ -166,3 +166,16 @@ def test_several_q_blocks_per_cta_write_every_row():
     ref = omni_jax.attention(q.astype(jnp.float32), k.astype(jnp.float32),
                              v.astype(jnp.float32), mask=block_mask, implementation="xla")
     assert relative_error(out, ref) < TOLERANCE["bfloat16"]
+
+
+def test_captured_arrays_read_by_element():
+    """A score_mod capturing slopes (by head), a bf16 table (by batch and head) and a 0-d
+    temperature: the kernel reads their elements from the packed smem buffer."""
+    rng = np.random.default_rng()
+    q, k, v = _inputs(rng, "bfloat16", 2, 130, 130, 4, 2, 64)
+    slopes = jnp.asarray(rng.uniform(0.01, 0.1, 4), jnp.float32)
+    table = jnp.asarray(rng.standard_normal((2, 4)), jnp.bfloat16)
+    temperature = jnp.float32(rng.uniform(0.5, 1.5))
+    _compare("bfloat16", q, k, v, is_causal=True,
+             score_mod=lambda s, b, h, i, j: (s - slopes[h] * (i - j) + table[b, h])
+             * temperature)

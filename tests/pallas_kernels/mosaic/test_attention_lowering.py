@@ -13,6 +13,9 @@ import omni_jax
 from pallas_kernels import runtime
 
 _MASK_CACHE = {}
+_SLOPES = 2.0 ** -jnp.arange(1, 5, dtype=jnp.float32)
+_TABLE = jnp.arange(8, dtype=jnp.bfloat16).reshape(2, 4) / 8
+_TEMPERATURE = jnp.float32(0.9)
 
 
 def _generic_mask(length, block_kv, heads=None):
@@ -42,11 +45,18 @@ VARIANTS = {
     "hd256_value_dim_64": dict(shape=(1, 256, 2, 256), kv_heads=1, head_dim_v=64,
                                is_causal=True),
     "long_walk": dict(shape=(1, 16384, 1, 128), kv_heads=1, is_causal=True),
+    # Captured arrays read by element from smem: ALiBi slopes by head, a bf16 table by
+    # (batch, head) and a 0-d temperature.
+    "captured_arrays_hd64": dict(
+        shape=(2, 200, 4, 64), kv_heads=2, is_causal=True,
+        score_mod=lambda s, b, h, i, j: (s - _SLOPES[h] * (i - j) + _TABLE[b, h]) * _TEMPERATURE),
 }
 
 
-# Head dim 256 has no Mosaic backward (Triton serves it): see test_backward_fallbacks.
-BACKWARD_VARIANTS = sorted(name for name in VARIANTS if not name.startswith("hd256"))
+# Head dim 256 and captured score_mod arrays have no Mosaic backward (Triton serves them):
+# see tests/omni_jax/test_attention_mosaic.py.
+BACKWARD_VARIANTS = sorted(name for name in VARIANTS
+                           if not name.startswith(("hd256", "captured")))
 
 
 def _arguments(name):
