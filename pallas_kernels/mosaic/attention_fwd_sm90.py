@@ -209,7 +209,8 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
     @pl.when(wg == NUM_CONSUMERS)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
-        common.load_captured(s, captured_ref, captured_smem, captured_barrier)
+        if s.scores.captured is not None:
+            plgpu.copy_gmem_to_smem(captured_ref, captured_smem, captured_barrier)
 
         def q_block_loads(i, first_step):
             buffer = lax.rem(i, 2)
@@ -350,7 +351,8 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
             return first_step + count
 
         load_q(0)
-        common.wait_captured(s, captured_barrier)
+        if s.scores.captured is not None:
+            plgpu.barrier_wait(captured_barrier)
         lax.fori_loop(0, num_q_blocks, compute_q_block, jnp.int32(0))
         plgpu.wait_smem_to_gmem(0)
 
@@ -605,8 +607,10 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
         mask_batch=walk.shape[0], mask_heads=walk.shape[1], leaf_slots=leaf_slots,
         interpret=interpret)
 
-    operands = [q, k, v, walk, *common.optional_operands(kmask, has_partial, q_leaves,
-                                                          kv_leaves, packed_captured)]
+    operands = [q, k, v, walk]
+    if has_partial:
+        operands.append(kmask.partial_masks.astype(jnp.int8))
+    operands += [x for x in (q_leaves, kv_leaves, packed_captured) if x is not None]
     q_padded = layout.num_q_blocks * config.block_q
     out_type = (jax.ShapeDtypeStruct((batch, q.shape[1], num_q_heads, dim_v), q.dtype),
                 jax.ShapeDtypeStruct((batch, num_q_heads, q_padded), jnp.float32))
@@ -626,7 +630,7 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
 
 def _scratch(s: _Statics):
     cfg = s.config
-    captured_smem, captured_barrier = common.captured_scratch(s)
+    captured = s.scores.captured
     stages, rows = cfg.num_stages, ROWS_PER_CONSUMER
     # Walks and q leaves of two q-blocks: the next one's load under the current one.
     smem = (
@@ -643,7 +647,8 @@ def _scratch(s: _Statics):
          if s.num_kv_leaves else None),
         # Interpreted only: P staged in smem for the P @ V wgmma.
         common.swizzled((NUM_CONSUMERS, rows, cfg.block_kv), s.dtype) if s.interpret else None,
-        captured_smem,
+        # The score_mod's captured arrays, packed (`pallas_kernels.captured`).
+        None if captured is None else plgpu.SMEM((captured.rows, captured.cols), jnp.float32),
     )
     consumed = plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages)
     barriers = (
@@ -660,7 +665,7 @@ def _scratch(s: _Statics):
         plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=2),
         # The serial schedule's ping-pong.
         None if cfg.pipelined else plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
-        captured_barrier,
+        None if captured is None else plgpu.Barrier(num_barriers=1),
     )
     return smem, barriers
 

@@ -100,7 +100,7 @@ def split_optional_refs(refs, statics) -> tuple[Any, Any, Any, Any, list]:
 
     The optional operands come first, in that order, each only when ``statics``
     (``has_partial``, ``num_q_leaves``, ``num_kv_leaves``, ``scores.captured``) says
-    the kernel has it (`optional_operands` lists them in that order).
+    the kernel has it.
     """
     refs = list(refs)
     partial_ref = refs.pop(0) if statics.has_partial else None
@@ -108,33 +108,6 @@ def split_optional_refs(refs, statics) -> tuple[Any, Any, Any, Any, list]:
     kv_leaf_ref = refs.pop(0) if statics.num_kv_leaves else None
     captured_ref = refs.pop(0) if statics.scores.captured is not None else None
     return partial_ref, q_leaf_ref, kv_leaf_ref, captured_ref, refs
-
-
-def optional_operands(kmask: KernelMask, has_partial: bool, q_leaves, kv_leaves,
-                      packed_captured) -> list:
-    """The optional kernel operands that are present, in `split_optional_refs` order."""
-    operands = [kmask.partial_masks.astype(jnp.int8)] if has_partial else []
-    return operands + [x for x in (q_leaves, kv_leaves, packed_captured) if x is not None]
-
-
-def load_captured(statics, captured_ref, captured_smem, captured_barrier) -> None:
-    """Producer: TMA-loads the packed captured arrays (if any) into smem at CTA start."""
-    if statics.scores.captured is not None:
-        plgpu.copy_gmem_to_smem(captured_ref, captured_smem, captured_barrier)
-
-
-def wait_captured(statics, captured_barrier) -> None:
-    """Consumer: waits once for the captured arrays (if any) before its first scores."""
-    if statics.scores.captured is not None:
-        plgpu.barrier_wait(captured_barrier)
-
-
-def captured_scratch(statics) -> tuple[Any, Any]:
-    """(smem, barrier) scratch of the packed captured arrays, or (None, None)."""
-    layout = statics.scores.captured
-    if layout is None:
-        return None, None
-    return plgpu.SMEM((layout.rows, layout.cols), jnp.float32), plgpu.Barrier(num_barriers=1)
 
 
 def head_program(statics) -> tuple[Array, Array, Array]:
