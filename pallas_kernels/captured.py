@@ -73,14 +73,17 @@ class _ScalarRef(_CapturedRef):
         return self._read(self.offset + index)
 
 
-def _evaluate(jaxpr: Any, captured: Sequence[_CapturedRef], *args: Any) -> list[Any]:
+def _evaluate(jaxpr: Any, captured: Sequence[_CapturedRef], *args: Any,
+              known: dict | None = None, invariant_only: bool = False) -> Any:
     """Evaluates ``jaxpr`` on (score, b, h, q_idx, kv_idx); b and h are a tile's scalars.
 
     A dynamic slice of a captured array at starts that depend on b and h only
     becomes a load of that slice; starts that vary per score (q_idx, kv_idx) need
-    the whole array, and the slice becomes a gather.
+    the whole array, and the slice becomes a gather. ``invariant_only`` evaluates
+    just the equations that do not depend on the score or its position and returns
+    their values, which a later call takes as ``known`` (they are not evaluated again).
     """
-    env: dict[Any, Any] = {}
+    env: dict[Any, Any] = dict(known or {})
     varying = {jaxpr.invars[i] for i in (0, 3, 4)}  # score, q_idx, kv_idx
     scalar_reads: set[Any] = set()  # Slices of ones read as scalars from a _ScalarRef.
 
@@ -93,9 +96,13 @@ def _evaluate(jaxpr: Any, captured: Sequence[_CapturedRef], *args: Any) -> list[
     env.update(zip(jaxpr.constvars, captured, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
     for eqn in jaxpr.eqns:
-        values = [read(var) for var in eqn.invars]
+        if known and all(var in known for var in eqn.outvars):
+            continue
         if varies(eqn.invars):
             varying.update(eqn.outvars)
+            if invariant_only:
+                continue
+        values = [read(var) for var in eqn.invars]
         if (eqn.primitive is lax.dynamic_slice_p and isinstance(values[0], _CapturedRef)
                 and not varies(eqn.invars[1:])):
             outs = [values[0].load_slice(values[1:], eqn.params["slice_sizes"])]
@@ -107,6 +114,8 @@ def _evaluate(jaxpr: Any, captured: Sequence[_CapturedRef], *args: Any) -> list[
             outs = compat.bind_equation(
                 eqn, [v.load() if isinstance(v, _CapturedRef) else v for v in values])
         env.update(zip(eqn.outvars, outs, strict=True))
+    if invariant_only:
+        return env
     return [read(var) for var in jaxpr.outvars]
 
 
@@ -199,17 +208,23 @@ def scalar_reads_reason(score_mod: ConvertedScoreMod) -> str | None:
     return None
 
 
-def score_mod_on_packed(score_mod: ConvertedScoreMod, ref: Any,
-                        layout: PackedCaptured) -> ConvertedScoreMod:
-    """``score_mod`` reading its captured arrays as scalars from the packed ``ref``.
+def score_mod_on_packed(score_mod: ConvertedScoreMod, ref: Any, layout: PackedCaptured,
+                        b: Any, h: Any) -> ConvertedScoreMod:
+    """``score_mod`` for batch ``b`` and head ``h``, its captured arrays read as scalars
+    from the packed ``ref``.
 
-    The result captures nothing: call it with ``captured=()``.
+    What depends on ``b`` and ``h`` alone (the element reads among it) is evaluated
+    here, once, not per score tile: a kernel calls this ahead of its kv loop. The
+    result captures nothing and must be called with the same ``b`` and ``h`` and
+    ``captured=()``.
     """
     captured = [_ScalarRef(ref, shape, dtype, offset, layout.cols) for shape, dtype, offset
                 in zip(layout.shapes, layout.dtypes, layout.offsets, strict=True)]
+    known = _evaluate(score_mod.jaxpr, captured, None, b, h, None, None, invariant_only=True)
 
     def fn(score, b, h, q_idx, kv_idx):
-        return _evaluate(score_mod.jaxpr, captured, score, b, h, q_idx, kv_idx)[0]
+        return _evaluate(score_mod.jaxpr, captured, score, b, h, q_idx, kv_idx,
+                         known=known)[0]
 
     return ConvertedScoreMod(fn, 0)
 

@@ -54,20 +54,23 @@ def score_mod_unsupported_reason(problem: AttentionProblem,
     score_mod = problem.score_mod
     if score_mod is None:
         return None
+    layout = None
     if score_mod.num_captured:
         reason = scalar_reads_reason(score_mod)
         if reason is not None:
             return reason
-        # The kernels read the captured elements from smem; a stand-in ref gives values.
         layout, _ = PackedCaptured.pack([jnp.zeros(v.aval.shape, v.aval.dtype)
                                          for v in score_mod.jaxpr.constvars])
-        score_mod = score_mod_on_packed(score_mod, _StandInRef(), layout)
     scalar = jax.ShapeDtypeStruct((), jnp.float32)
     index = jax.ShapeDtypeStruct((), jnp.int32)
-    def apply(score, *indices):
+    def apply(score, b, h, *indices):
+        mod = score_mod
+        if layout is not None:
+            # The kernels read the captured elements from smem; a stand-in gives values.
+            mod = score_mod_on_packed(score_mod, _StandInRef(), layout, b, h)
         if not derivative:
-            return score_mod(score, *indices, ())
-        return jax.jvp(lambda x: score_mod(x, *indices, ()), (score,), (jnp.ones_like(score),))
+            return mod(score, b, h, *indices, ())
+        return jax.jvp(lambda x: mod(x, b, h, *indices, ()), (score,), (jnp.ones_like(score),))
 
     closed = jax.make_jaxpr(apply)(scalar, index, index, index, index)
     unsupported = primitive_names(closed.jaxpr) - _ELEMENTWISE_PRIMITIVES

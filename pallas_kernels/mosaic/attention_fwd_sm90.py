@@ -300,9 +300,8 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
                 slot = lax.rem(first_step + step, stages)
                 kv_block = common.walk_entry(walk, index_offset + step)
                 if not fold_scale:
-                    scores = common.log2_scores(s.scores, scores, batch, head,
-                                                lambda: indices(kv_block),
-                                                captured_smem=captured_smem)
+                    scores = common.log2_scores(score_spec, scores, batch, head,
+                                                lambda: indices(kv_block))
                 kv_leaf_columns = common.load_kv_leaf_columns(s, kv_leaf_smem,
                                                               kv_leaf_barriers, slot)
                 if not full:
@@ -353,6 +352,7 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
         load_q(0)
         if s.scores.captured is not None:
             plgpu.barrier_wait(captured_barrier)
+        score_spec = common.with_captured_read(s.scores, captured_smem, batch, head)
         lax.fori_loop(0, num_q_blocks, compute_q_block, jnp.int32(0))
         plgpu.wait_smem_to_gmem(0)
 

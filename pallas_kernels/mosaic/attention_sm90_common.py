@@ -255,21 +255,27 @@ def score_spec(scale: float, softcap: float | None, score_mod: ConvertedScoreMod
     return ScoreSpec(scale, softcap, score_mod, layout), packed
 
 
-def log2_scores(spec: ScoreSpec, qk: Array, batch, head, indices, *, slope: bool = False,
-                captured_smem=None):
+def with_captured_read(spec: ScoreSpec, captured_smem, batch, head) -> ScoreSpec:
+    """``spec`` for one (batch, head), its score_mod reading its captured arrays from
+    ``captured_smem``, the element reads done now (call it ahead of the kv loop)."""
+    if spec.captured is None:
+        return spec
+    score_mod = score_mod_on_packed(spec.score_mod, captured_smem, spec.captured, batch, head)
+    return dataclasses.replace(spec, score_mod=score_mod, captured=None)
+
+
+def log2_scores(spec: ScoreSpec, qk: Array, batch, head, indices, *, slope: bool = False):
     """Scale, softcap and score_mod of ``qk``, in log2 units (the softmax runs on exp2).
 
-    ``indices()`` builds the (q_idx, kv_idx) tiles a score_mod needs;
-    ``captured_smem`` holds its packed captured arrays, if it has any. With
-    ``slope`` returns ``(scores, d score / d(scale * qk) or None when 1)``: the
-    backward's chain rule through softcap and score_mod.
+    ``indices()`` builds the (q_idx, kv_idx) tiles a score_mod needs; a score_mod
+    with captured arrays must come through `with_captured_read`. With ``slope``
+    returns ``(scores, d score / d(scale * qk) or None when 1)``: the backward's
+    chain rule through softcap and score_mod.
     """
     if spec.plain:
         scores = qk * (spec.scale * LOG2E)
         return (scores, None) if slope else scores
     score_mod = spec.score_mod
-    if spec.captured is not None:
-        score_mod = score_mod_on_packed(score_mod, captured_smem, spec.captured)
 
     def transform(scaled):
         if spec.softcap is not None:

@@ -97,7 +97,7 @@ def test_packed_elements_give_the_plain_score_mod(name, b, h):
 
     def body(refs):
         packed_ref, out_ref = refs
-        mod = score_mod_on_packed(score_mod, packed_ref, layout)
+        mod = score_mod_on_packed(score_mod, packed_ref, layout, *args[1:3])
         out_ref[...] = apply_score_mod(mod, (), *args)
 
     np.testing.assert_array_equal(pl.run_state(body)((packed, jnp.zeros_like(scores)))[-1],
@@ -119,7 +119,7 @@ def test_packing_spans_rows_and_keeps_dtypes():
 
         def body(refs, args=args):
             packed_ref, out_ref = refs
-            mod = score_mod_on_packed(score_mod, packed_ref, layout)
+            mod = score_mod_on_packed(score_mod, packed_ref, layout, *args[1:3])
             out_ref[...] = apply_score_mod(mod, (), *args)
 
         got = pl.run_state(body)((packed, jnp.zeros((4, 4), jnp.float32)))[-1]
