@@ -8,9 +8,9 @@ lengths, GQA/MQA, every BlockMask with ``block_q = 128`` (the kernel's q tile),
 softcap, sinks and score_mods that use only elementwise operations and read
 captured float arrays (at most 1024 elements) by element at indices of the
 batch and head alone (ALiBi slopes ``x[h]``, tables ``x[b, h]``, 0-d arrays;
-`pallas_kernels.captured`). The backward pass (dK/dV and dQ kernels) serves
-the same, except: head dims above 128 (after padding), BlockMasks with
-``block_kv`` other than 64 or 128, score_mods that capture arrays, and
+`pallas_kernels.captured`; their gradients come from the XLA backward). The
+backward pass (dK/dV and dQ kernels) serves the same, except: head dims above
+128 (after padding), BlockMasks with ``block_kv`` other than 64 or 128, and
 score_mods whose derivative uses non-elementwise operations.
 For those `backward_unsupported_reason` says why and `omni_jax` takes the
 backward from the next backend that can (Triton on GPUs, else XLA).
@@ -25,10 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from omni_jax.backends import xla
 from omni_jax.backends.base import AttentionBackend, sinks_cotangent
 from omni_jax.masks import And, BlockMask, Causal
 from omni_jax.problem import AttentionProblem
-from omni_jax.scores import primitive_names, zero_cotangent
+from omni_jax.scores import primitive_names
 from pallas_kernels import compat, runtime
 from pallas_kernels.block_sparse import kernel_mask
 from pallas_kernels.captured import PackedCaptured, scalar_reads_reason, score_mod_on_packed
@@ -144,18 +145,14 @@ class MosaicBackend(AttentionBackend):
         dq, dk, dv, delta = bwd.attention_backward(
             q, k, v, kmask, layout, out, lse, dout, dlse, scale=problem.scale,
             softcap=problem.softcap, score_mod=problem.score_mod,
-            has_partial=problem.has_user_mask, config=config,
+            has_partial=problem.has_user_mask, config=config, captured=captured,
             interpret_params=_interpret_params())
         dsinks = None if sinks is None else sinks_cotangent(sinks, lse, delta)
-        # Captured score_mod arrays are declined (`_backward_config`).
-        return dq, dk, dv, dsinks, tuple(zero_cotangent(c) for c in captured)
+        return dq, dk, dv, dsinks, xla.captured_cotangents(
+            problem, q, k, v, block_mask, sinks, captured, out, lse, dout, dlse)
 
     def _backward_config(self, problem: AttentionProblem) -> bwd.BackwardConfig | str:
         """The backward kernels' config for ``problem``, or why they cannot serve it."""
-        if problem.score_mod is not None and problem.score_mod.num_captured:
-            return ("score_mod captures arrays: the Mosaic backward kernels do not read them "
-                    "(reading them as the forward does, they spilled registers and ran 1.5x "
-                    "longer than the Triton backward on the H100; benchmarks/RESULTS.md)")
         dims = [fwd.padded_head_dim(problem.head_dim), fwd.padded_head_dim(problem.head_dim_v)]
         config = bwd.backward_config(max(dims), problem.dtype, causal=False)
         if config is None:

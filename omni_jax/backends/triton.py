@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 from omni_jax.backends import xla
 from omni_jax.backends.base import AttentionBackend, sinks_cotangent
 from omni_jax.problem import AttentionProblem
-from omni_jax.scores import primitive_names, transform_scores, zero_cotangent
+from omni_jax.scores import primitive_names, transform_scores
 from pallas_kernels import compat, runtime
 from pallas_kernels.block_sparse import kernel_mask
 from pallas_kernels.captured import score_mod_on_refs
@@ -172,20 +172,5 @@ class TritonBackend(AttentionBackend):
             softcap=problem.softcap, score_mod=problem.score_mod, config=config,
             interpret=runtime.interpret_requested(), partial_tiles=problem.has_user_mask)
         dsinks = None if sinks is None else sinks_cotangent(sinks, lse, delta)
-        return dq, dk, dv, dsinks, self._captured_cotangents(
+        return dq, dk, dv, dsinks, xla.captured_cotangents(
             problem, q, k, v, block_mask, sinks, captured, out, lse, dout, dlse)
-
-    @staticmethod
-    def _captured_cotangents(problem, q, k, v, block_mask, sinks, captured, out, lse, dout,
-                             dlse) -> tuple:
-        """Cotangents of the score_mod's captured arrays.
-
-        Only float captured arrays have nonzero ones; the kernels do not reduce
-        them, so the XLA backward computes them. XLA discards its other outputs
-        as dead code, and all of it when no gradient of these arrays is used
-        (ALiBi slopes held constant, say).
-        """
-        if not any(jnp.issubdtype(c.dtype, jnp.inexact) for c in captured):
-            return tuple(zero_cotangent(c) for c in captured)
-        return xla.attention_backward(problem, q, k, v, block_mask, sinks, captured, out, lse,
-                                      dout, dlse)[4]

@@ -264,3 +264,19 @@ class XlaBackend(AttentionBackend):
     def backward(self, problem, q, k, v, block_mask, sinks, captured, out, lse, dout, dlse):
         return attention_backward(problem, q, k, v, block_mask, sinks, captured, out, lse,
                                   dout, dlse)
+
+
+def captured_cotangents(problem: AttentionProblem, q: Array, k: Array, v: Array,
+                        block_mask: BlockMask, sinks: Array | None, captured: Sequence[Array],
+                        out: Array, lse: Array, dout: Array, dlse: Array) -> tuple:
+    """Cotangents of the score_mod's captured arrays, for kernels that compute the rest.
+
+    Only float captured arrays have nonzero ones; the kernels do not reduce them,
+    so this backward computes them. XLA discards its other outputs as dead code,
+    and all of it when no gradient of these arrays is used (ALiBi slopes held
+    constant, say).
+    """
+    if not any(jnp.issubdtype(c.dtype, jnp.inexact) for c in captured):
+        return tuple(zero_cotangent(c) for c in captured)
+    return attention_backward(problem, q, k, v, block_mask, sinks, captured, out, lse, dout,
+                              dlse)[4]

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -204,12 +205,13 @@ def _staged(staging, value):
 def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *refs):
     cfg = s.config
     rows, stages, consumers = ROWS_PER_CONSUMER, cfg.dkv_stages, cfg.dkv_consumers
-    partial_ref, q_leaf_ref, kv_leaf_ref, _, refs = common.split_optional_refs(refs, s)
+    partial_ref, q_leaf_ref, kv_leaf_ref, captured_ref, refs = common.split_optional_refs(
+        refs, s)
     dk_ref, dv_ref, smem, barriers = refs
     (k_smem, v_smem, walk_smem, q_ring, do_ring, stats_ring, mask_ring, q_leaf_ring,
-     kv_leaf_smem, staging) = smem
+     kv_leaf_smem, staging, captured_smem) = smem
     (walk_barrier, kv_leaf_barrier, k_barriers, v_barriers, q_ready, do_ready, stats_ready,
-     mask_ready, q_leaf_ready, consumed) = barriers
+     mask_ready, q_leaf_ready, consumed, captured_barrier) = barriers
 
     kv_block = lax.axis_index("kv_block")
     batch_head = lax.axis_index("batch_head")
@@ -241,6 +243,7 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
     def _producer():
         if rebalance:
             plgpu.set_max_registers(40, action="decrease")
+        common.load_captured(s, captured_ref, captured_smem, captured_barrier)
         mask_b = batch if s.mask_batch > 1 else 0
         mask_h = first_head if s.dkv_walk_heads > 1 else 0
         plgpu.copy_gmem_to_smem(walk_ref.at[mask_b, pl.ds(mask_h, s.dkv_walk_heads), kv_block],
@@ -315,9 +318,11 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
         plgpu.barrier_wait(walk_barrier)
         plgpu.barrier_wait(k_barriers.at[wg])
         plgpu.barrier_wait(v_barriers.at[wg])
+        common.wait_captured(s, captured_barrier)
 
         def head_steps(g, carry):
             head = first_head + g
+            score_spec = common.with_captured_read(s.scores, captured_smem, batch, head)
 
             def step_fn(j, carry, full: bool):
                 dk, dv, step = carry
@@ -329,7 +334,7 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                 plgpu.barrier_wait(do_ready.at[slot])
                 scores, dprobs = _products(tile, (k_tile, _transposed(q_half)),
                                            (v_tile, _transposed(do_half)))
-                scores, slope = common.log2_scores(s.scores, scores, batch, head,
+                scores, slope = common.log2_scores(score_spec, scores, batch, head,
                                                    lambda: indices(q_start), slope=True)
 
                 def masked(scores):
@@ -391,12 +396,13 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
 def _dq_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *refs):
     cfg = s.config
     rows, block_kv, stages = ROWS_PER_CONSUMER, cfg.block_kv, cfg.dq_stages
-    partial_ref, q_leaf_ref, kv_leaf_ref, _, refs = common.split_optional_refs(refs, s)
+    partial_ref, q_leaf_ref, kv_leaf_ref, captured_ref, refs = common.split_optional_refs(
+        refs, s)
     dq_ref, smem, barriers = refs
     (q_smem, do_smem, stats_smem, walk_smem, k_ring, v_ring, mask_ring, q_leaf_smem,
-     kv_leaf_ring, staging) = smem
+     kv_leaf_ring, staging, captured_smem) = smem
     (walk_barrier, q_leaf_barrier, q_barriers, do_barriers, stats_barriers, k_ready, v_ready,
-     mask_ready, kv_leaf_ready, k_consumed, v_consumed) = barriers
+     mask_ready, kv_leaf_ready, k_consumed, v_consumed, captured_barrier) = barriers
 
     q_block, batch, head, kv_head = common.q_block_program(s)
     wg = lax.axis_index("wg")
@@ -406,6 +412,7 @@ def _dq_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *r
     @pl.when(wg == NUM_DQ_CONSUMERS)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
+        common.load_captured(s, captured_ref, captured_smem, captured_barrier)
         count = common.load_q_block_walk(
             s, walk_ref, walk_smem, walk_barrier,
             (q_leaf_ref, q_leaf_smem, q_leaf_barrier) if s.num_q_leaves else None,
@@ -450,6 +457,8 @@ def _dq_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *r
         count = walk_smem[0, 0]
         plgpu.barrier_wait(q_barriers.at[wg])
         plgpu.barrier_wait(do_barriers.at[wg])
+        common.wait_captured(s, captured_barrier)
+        score_spec = common.with_captured_read(s.scores, captured_smem, batch, head)
 
         def step_fn(step, dq, full: bool):
             slot = lax.rem(step, stages)
@@ -461,7 +470,7 @@ def _dq_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *r
             plgpu.barrier_wait(v_ready.at[slot])
             scores, dprobs = _products(tile, (q_tile, _transposed(k_block)),
                                        (do_tile, _transposed(v_ring.at[slot])))
-            scores, slope = common.log2_scores(s.scores, scores, batch, head,
+            scores, slope = common.log2_scores(score_spec, scores, batch, head,
                                                lambda: indices(kv_block), slope=True)
 
             kv_leaf_columns = common.load_kv_leaf_columns(s, kv_leaf_ring, kv_leaf_ready, slot)
@@ -500,12 +509,14 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
                        out: Array, lse: Array, dout: Array, dlse: Array, *, scale: float,
                        softcap: float | None, score_mod: ConvertedScoreMod | None,
                        has_partial: bool, config: BackwardConfig,
+                       captured: Sequence[Array] = (),
                        interpret_params: Any = None) -> tuple[Array, Array, Array, Array]:
     """``(dq, dk, dv, delta)``; shapes as `attention_forward`'s inputs.
 
     ``lse`` is the forward's (sinks included), ``delta [B, Hq, Sq]`` float32 is
-    ``rowsum(dO * O) - dlse``, returned for the sink gradient. ``score_mod``
-    must capture no arrays; ``has_partial`` False promises no PARTIAL tile.
+    ``rowsum(dO * O) - dlse``, returned for the sink gradient. ``captured`` are
+    ``score_mod``'s captured arrays (read by element, as in the forward; their
+    own gradients are the caller's); ``has_partial`` False promises no PARTIAL tile.
     """
     batch, q_len, num_q_heads, head_dim = q.shape
     kv_len, num_kv_heads, head_dim_v = k.shape[1], v.shape[2], v.shape[3]
@@ -534,10 +545,10 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
                                   kmask.q_tile_flags, kmask.q_partial_ids)
     q_leaves, kv_leaves, leaf_slots = common.stacked_leaves(kmask, layout, batch)
     interpret = interpret_params is not None
+    scores, packed_captured = common.score_spec(scale, softcap, score_mod, captured)
     statics = _Statics(
         config=config, layout=layout, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-        head_dim=dim, head_dim_v=dim_v, dtype=q.dtype,
-        scores=common.ScoreSpec(scale, softcap, score_mod), has_partial=has_partial,
+        head_dim=dim, head_dim_v=dim_v, dtype=q.dtype, scores=scores, has_partial=has_partial,
         dq_walk_lines=dq_walk.shape[-2], dkv_walk_lines=dkv_walk.shape[-2],
         mask_batch=dq_walk.shape[0], mask_heads=dq_walk.shape[1], leaf_slots=leaf_slots,
         interpret=interpret)
@@ -545,7 +556,7 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
     def operands(walk, partial_tiles):
         extra = [partial_tiles] if has_partial else []
         return [q, k, v, do, stats, walk, *extra,
-                *(x for x in (q_leaves, kv_leaves) if x is not None)]
+                *(x for x in (q_leaves, kv_leaves, packed_captured) if x is not None)]
 
     params = plgpu.CompilerParams(approx_math=True)
     partial_masks = kmask.partial_masks.astype(jnp.int8)
@@ -571,6 +582,7 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
 
 def _dkv_scratch(s: _Statics):
     cfg = s.config
+    captured_smem, captured_barrier = common.captured_scratch(s)
     stages, rows, consumers = cfg.dkv_stages, ROWS_PER_CONSUMER, cfg.dkv_consumers
     smem = (
         common.swizzled((consumers, rows, s.head_dim), s.dtype),
@@ -584,6 +596,7 @@ def _dkv_scratch(s: _Statics):
         plgpu.SMEM((s.num_kv_leaves, cfg.block_kv), jnp.int32) if s.num_kv_leaves else None,
         # Interpreted only: P^T and dS^T staged in smem for their wgmmas.
         common.swizzled((2, consumers, rows, Q_STEP), s.dtype) if s.interpret else None,
+        captured_smem,
     )
     ring = lambda: plgpu.Barrier(num_barriers=stages)
     barriers = (
@@ -593,12 +606,14 @@ def _dkv_scratch(s: _Statics):
         plgpu.Barrier(num_barriers=consumers),
         ring(), ring(), ring(), ring(), ring(),
         plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),
+        captured_barrier,
     )
     return smem, barriers
 
 
 def _dq_scratch(s: _Statics):
     cfg = s.config
+    captured_smem, captured_barrier = common.captured_scratch(s)
     stages, rows, consumers = cfg.dq_stages, ROWS_PER_CONSUMER, NUM_DQ_CONSUMERS
     smem = (
         common.swizzled((consumers, rows, s.head_dim), s.dtype),
@@ -613,6 +628,7 @@ def _dq_scratch(s: _Statics):
          if s.num_kv_leaves else None),
         # Interpreted only: dS staged in smem for the dS @ K wgmma.
         common.swizzled((consumers, rows, cfg.block_kv), s.dtype) if s.interpret else None,
+        captured_smem,
     )
     ring = lambda: plgpu.Barrier(num_barriers=stages)
     consumed = plgpu.Barrier(num_arrivals=consumers, num_barriers=stages)
@@ -624,5 +640,6 @@ def _dq_scratch(s: _Statics):
         plgpu.Barrier(num_barriers=consumers),
         ring(), ring(), ring(), ring(),
         consumed, consumed,
+        captured_barrier,
     )
     return smem, barriers

@@ -209,8 +209,7 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
     @pl.when(wg == NUM_CONSUMERS)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
-        if s.scores.captured is not None:
-            plgpu.copy_gmem_to_smem(captured_ref, captured_smem, captured_barrier)
+        common.load_captured(s, captured_ref, captured_smem, captured_barrier)
 
         def q_block_loads(i, first_step):
             buffer = lax.rem(i, 2)
@@ -350,8 +349,7 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
             return first_step + count
 
         load_q(0)
-        if s.scores.captured is not None:
-            plgpu.barrier_wait(captured_barrier)
+        common.wait_captured(s, captured_barrier)
         score_spec = common.with_captured_read(s.scores, captured_smem, batch, head)
         lax.fori_loop(0, num_q_blocks, compute_q_block, jnp.int32(0))
         plgpu.wait_smem_to_gmem(0)
@@ -630,7 +628,7 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
 
 def _scratch(s: _Statics):
     cfg = s.config
-    captured = s.scores.captured
+    captured_smem, captured_barrier = common.captured_scratch(s)
     stages, rows = cfg.num_stages, ROWS_PER_CONSUMER
     # Walks and q leaves of two q-blocks: the next one's load under the current one.
     smem = (
@@ -647,8 +645,7 @@ def _scratch(s: _Statics):
          if s.num_kv_leaves else None),
         # Interpreted only: P staged in smem for the P @ V wgmma.
         common.swizzled((NUM_CONSUMERS, rows, cfg.block_kv), s.dtype) if s.interpret else None,
-        # The score_mod's captured arrays, packed (`pallas_kernels.captured`).
-        None if captured is None else plgpu.SMEM((captured.rows, captured.cols), jnp.float32),
+        captured_smem,
     )
     consumed = plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages)
     barriers = (
@@ -665,7 +662,7 @@ def _scratch(s: _Statics):
         plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=2),
         # The serial schedule's ping-pong.
         None if cfg.pipelined else plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
-        None if captured is None else plgpu.Barrier(num_barriers=1),
+        captured_barrier,
     )
     return smem, barriers
 

@@ -110,6 +110,26 @@ def split_optional_refs(refs, statics) -> tuple[Any, Any, Any, Any, list]:
     return partial_ref, q_leaf_ref, kv_leaf_ref, captured_ref, refs
 
 
+def load_captured(statics, captured_ref, captured_smem, captured_barrier) -> None:
+    """Producer: TMA-loads the packed captured arrays (if any) into smem at CTA start."""
+    if statics.scores.captured is not None:
+        plgpu.copy_gmem_to_smem(captured_ref, captured_smem, captured_barrier)
+
+
+def wait_captured(statics, captured_barrier) -> None:
+    """Consumer: waits once for the captured arrays (if any) before its first scores."""
+    if statics.scores.captured is not None:
+        plgpu.barrier_wait(captured_barrier)
+
+
+def captured_scratch(statics) -> tuple[Any, Any]:
+    """(smem, barrier) scratch of the packed captured arrays, or (None, None)."""
+    layout = statics.scores.captured
+    if layout is None:
+        return None, None
+    return plgpu.SMEM((layout.rows, layout.cols), jnp.float32), plgpu.Barrier(num_barriers=1)
+
+
 def head_program(statics) -> tuple[Array, Array, Array]:
     """(batch, query head, kv head) of a CTA of a q-block-major kernel."""
     batch_head = lax.axis_index("batch_head")

@@ -60,14 +60,10 @@ class _MosaicSuite(AttentionSuite):
             default(*args), pipelined=schedule == "pipelined", q_blocks_per_cta=per_cta))
 
     @pytest.fixture(autouse=True)
-    def _mosaic_backward(self, request, monkeypatch):
-        """The backward comes from the Mosaic kernels, except for score_mods capturing
-        arrays, whose backward the Triton kernels serve (on CPU: XLA)."""
+    def _mosaic_backward(self, monkeypatch):
         names = record_backward_backends(monkeypatch)
         yield
-        case = getattr(request.node, "callspec", None) and request.node.callspec.params.get("case")
-        expected = {"mosaic"} if case is None or case.score_mod is None else {"triton", "xla"}
-        assert names and set(names) <= expected, names
+        assert names and set(names) == {"mosaic"}, names
 
 
 class TestMosaicAttentionInterpreted(_MosaicSuite):
@@ -110,7 +106,7 @@ _SLOPES = jnp.ones((2,), jnp.float32)
     (256, None, None, False),  # 64-row float32 accumulators of 256 columns exceed registers.
     (64, 64, None, True),
     (64, None, lambda s, b, h, i, j: s - 0.1 * (i - j), True),
-    (64, None, lambda s, b, h, i, j: s - _SLOPES[h] * (i - j), False),  # captures an array
+    (64, None, lambda s, b, h, i, j: s - _SLOPES[h] * (i - j), True),  # captures an array
 ])
 def test_backward_falls_back_where_mosaic_has_none(head_dim, block_kv, score_mod,
                                                    mosaic_backward, monkeypatch):
