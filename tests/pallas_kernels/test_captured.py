@@ -4,10 +4,14 @@ Mosaic), which `scalar_reads_reason` admits only for element reads by batch and 
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.experimental import pallas as pl
 
 from omni_jax.scores import apply_score_mod, convert_score_mod, primitive_names
@@ -130,3 +134,42 @@ def test_too_many_captured_elements_are_declined():
     table = jnp.zeros((MAX_PACKED_ELEMENTS + 1,), jnp.float32)
     score_mod, _ = convert_score_mod(lambda s, b, h, q, k: s + table[h])
     assert "elements" in scalar_reads_reason(score_mod)
+
+
+_CAPTURED_SHAPES = st.lists(
+    st.tuples(st.lists(st.integers(1, 40), min_size=0, max_size=2),
+              st.sampled_from(["float32", "bfloat16", "float16"])),
+    min_size=1, max_size=3)
+
+
+@settings(max_examples=25, deadline=None)
+@given(_CAPTURED_SHAPES, st.integers(0, 50), st.integers(-3, 50))
+def test_packed_reads_match_indexing_for_any_shapes(specs, b, h):
+    """Arrays of any rank up to 2, shape and float dtype, indexed by batch and head (with
+    jnp's clamping of out-of-range and negative indices): the packed reads match."""
+    rng = np.random.default_rng()
+    arrays = [jnp.asarray(rng.standard_normal(shape), dtype) for shape, dtype in specs]
+    total = sum(math.prod(shape) for shape, _ in specs)
+
+    def read(array, b, h):
+        if array.ndim == 0:
+            return array
+        return array[h] if array.ndim == 1 else array[b, h]
+
+    score_mod, captured = convert_score_mod(
+        lambda s, b, h, q, k: s + sum(read(a, b, h).astype(jnp.float32) for a in arrays))
+    if total > MAX_PACKED_ELEMENTS:
+        assert "elements" in scalar_reads_reason(score_mod)
+        return
+    assert scalar_reads_reason(score_mod) is None
+    layout, packed = PackedCaptured.pack(captured)
+    args = (jnp.zeros((2, 2), jnp.float32), jnp.int32(b), jnp.int32(h),
+            jnp.zeros((2, 1), jnp.int32), jnp.zeros((1, 2), jnp.int32))
+
+    def body(refs):
+        packed_ref, out_ref = refs
+        mod = score_mod_on_packed(score_mod, packed_ref, layout, *args[1:3])
+        out_ref[...] = apply_score_mod(mod, (), *args)
+
+    got = pl.run_state(body)((packed, jnp.zeros((2, 2), jnp.float32)))[-1]
+    np.testing.assert_array_equal(got, apply_score_mod(score_mod, captured, *args))
