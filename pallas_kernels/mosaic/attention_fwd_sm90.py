@@ -115,7 +115,7 @@ class ForwardConfig:
 #   CTA's fixed costs weigh more (causal 0.90-0.92x -> 1.01-1.03x, dense +2-5%).
 # * 128 and 256: pipelined, ahead of serial in every case of the 2026-11-24 A/B run
 #   (d128 1.03-1.08x cuDNN against 0.93-1.02x; d256 1.09-1.10x against 0.93-0.95x).
-#   One q-block per CTA: more measured within the noise at d128 dense and causal,
+#   One q-block per CTA: several measured within the noise at d128 dense and causal,
 #   4% faster on the sliding window and 4-6% slower on documents.
 _CONFIGS = {
     (64, False): ForwardConfig(block_kv=128, num_stages=3, pipelined=False,
