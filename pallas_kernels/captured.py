@@ -150,19 +150,25 @@ class PackedCaptured:
     cols: int
 
     @staticmethod
-    def pack(captured: Sequence[Any]) -> tuple[PackedCaptured, Any]:
-        """The layout and the packed ``[rows, cols]`` float32 buffer of ``captured``."""
-        flat = [jnp.ravel(c).astype(jnp.float32) for c in captured]
-        sizes = [int(f.shape[0]) for f in flat]
+    def layout_of(captured: Sequence[Any]) -> PackedCaptured:
+        """The layout of arrays (or avals) ``captured``, without packing them."""
+        sizes = [math.prod(c.shape) for c in captured]
         offsets = tuple(int(o) for o in np.cumsum([0, *sizes[:-1]]))
         total = max(1, sum(sizes))
         # Rows of 128-byte multiples (a warpgroup's TMA copies), at most _PACKED_COLS wide.
         cols = min(_PACKED_COLS, -(-total // 32) * 32)
-        rows = -(-total // cols)
-        buffer = jnp.concatenate([*flat, jnp.zeros((rows * cols - sum(sizes),), jnp.float32)])
-        layout = PackedCaptured(tuple(tuple(c.shape) for c in captured),
-                                tuple(jnp.dtype(c.dtype) for c in captured), offsets, rows, cols)
-        return layout, buffer.reshape(rows, cols)
+        return PackedCaptured(tuple(tuple(c.shape) for c in captured),
+                              tuple(jnp.dtype(c.dtype) for c in captured), offsets,
+                              -(-total // cols), cols)
+
+    @staticmethod
+    def pack(captured: Sequence[Any]) -> tuple[PackedCaptured, Any]:
+        """The layout and the packed ``[rows, cols]`` float32 buffer of ``captured``."""
+        layout = PackedCaptured.layout_of(captured)
+        flat = [jnp.ravel(c).astype(jnp.float32) for c in captured]
+        padding = layout.rows * layout.cols - sum(f.shape[0] for f in flat)
+        buffer = jnp.concatenate([*flat, jnp.zeros((padding,), jnp.float32)])
+        return layout, buffer.reshape(layout.rows, layout.cols)
 
 
 def scalar_reads_reason(score_mod: ConvertedScoreMod) -> str | None:

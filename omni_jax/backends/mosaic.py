@@ -60,8 +60,7 @@ def score_mod_unsupported_reason(problem: AttentionProblem,
         reason = scalar_reads_reason(score_mod)
         if reason is not None:
             return reason
-        layout, _ = PackedCaptured.pack([jnp.zeros(v.aval.shape, v.aval.dtype)
-                                         for v in score_mod.jaxpr.constvars])
+        layout = PackedCaptured.layout_of([v.aval for v in score_mod.jaxpr.constvars])
     scalar = jax.ShapeDtypeStruct((), jnp.float32)
     index = jax.ShapeDtypeStruct((), jnp.int32)
     def apply(score, b, h, *indices):
