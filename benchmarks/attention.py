@@ -2,8 +2,9 @@
 
 Implementations (``--impls``): ``omni_xla``, ``omni_triton``, ``omni_mosaic``
 (our backends, where available; ``omni_mosaic/FIELD=N/...`` forces fields of the Mosaic
-forward's `ForwardConfig`, e.g. ``omni_mosaic/pipelined=0/q_blocks_per_cta=2``, for A/B
-runs of its configs), ``cudnn`` and ``jax_xla``
+forward's `ForwardConfig`, e.g. ``omni_mosaic/pipelined=0/q_blocks_per_cta=2``, and
+``bwd.FIELD=N`` those of its backward's `BackwardConfig`, e.g.
+``omni_mosaic/bwd.dkv_stages=2``, for A/B runs of its configs), ``cudnn`` and ``jax_xla``
 (`jax.nn.dot_product_attention`), ``jax_pallas_mha`` (JAX's Pallas Triton
 ``mha``), ``jax_mgpu`` (JAX's Mosaic ``attention_mgpu``: float16 only, so it
 runs on float16 copies of the inputs) and ``tokamax`` (if importable). An
@@ -25,6 +26,7 @@ dense case of the same length was measured, time / (dense time x fraction):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -45,8 +47,10 @@ IMPLS = ("omni_xla", "omni_triton", "omni_mosaic", "cudnn", "jax_xla", "jax_pall
 # with it among the implementations did not finish within 300 s.
 OPT_IN_IMPLS = ("jax_mgpu",)
 DEFAULT_IMPLS = tuple(impl for impl in IMPLS if impl not in OPT_IN_IMPLS)
-# "omni_mosaic/FIELD=N/...": the Mosaic backend with those ForwardConfig fields forced.
+# "omni_mosaic/FIELD=N/...": the Mosaic backend with those ForwardConfig fields (and
+# BackwardConfig fields, as "bwd.FIELD=N") forced.
 FORCED_MOSAIC_PREFIX = "omni_mosaic/"
+BACKWARD_FIELD_PREFIX = "bwd."
 WINDOW = 1024
 NUM_DOCUMENTS = 8
 
@@ -176,24 +180,43 @@ def _omni(backend: str) -> Callable[[Case], Callable]:
     return build
 
 
-def _forced_mosaic(fields: dict[str, int]) -> Callable[[Case], Callable]:
-    """``omni_mosaic`` with fields of the forward kernel's `ForwardConfig` forced (the
-    config is read while tracing), for an A/B of configs inside one run."""
+def _forced_mosaic(fields: dict[str, int], backward_fields: dict[str, int]
+                   ) -> Callable[[Case], Callable]:
+    """``omni_mosaic`` with fields of the forward kernel's `ForwardConfig` and the backward
+    kernels' `BackwardConfig` forced (the configs are read while tracing), for an A/B of
+    configs inside one run."""
     def build(case: Case):
+        from pallas_kernels.mosaic import attention_bwd_sm90 as bwd
         from pallas_kernels.mosaic import attention_fwd_sm90 as fwd
 
         attention = _omni("mosaic")(case)
-        default = fwd.forward_config
 
-        def forced(*args, **kwargs):
-            config = default(*args, **kwargs)
-            return dataclasses.replace(config, **{
-                name: type(getattr(config, name))(value) for name, value in fields.items()})
+        def forcing(module, name, forced_fields):
+            default = getattr(module, name)
+
+            def forced(*args, **kwargs):
+                config = default(*args, **kwargs)
+                if config is None:
+                    return None
+                return dataclasses.replace(config, **{
+                    field: type(getattr(config, field))(value)
+                    for field, value in forced_fields.items()})
+
+            return mock.patch.object(module, name, forced)
+
+        @contextlib.contextmanager
+        def forced_configs():
+            with forcing(fwd, "forward_config", fields), \
+                    forcing(bwd, "backward_config", backward_fields):
+                yield
 
         def run(q, k, v):
-            with mock.patch.object(fwd, "forward_config", forced):
+            with forced_configs():
                 return attention(q, k, v)
 
+        # The backward is traced after `run` returns: `_timed_fn` keeps the configs
+        # forced while it traces the whole timed function.
+        run.tracing_context = forced_configs
         return run
 
     return build
@@ -204,17 +227,23 @@ def builder(impl: str) -> Callable[[Case], Callable]:
     if impl in BUILDERS:
         return BUILDERS[impl]
     if impl.startswith(FORCED_MOSAIC_PREFIX):
+        from pallas_kernels.mosaic import attention_bwd_sm90 as bwd
         from pallas_kernels.mosaic import attention_fwd_sm90 as fwd
 
         names = {field.name for field in dataclasses.fields(fwd.ForwardConfig)}
-        fields = {}
+        backward_names = {BACKWARD_FIELD_PREFIX + field.name
+                          for field in dataclasses.fields(bwd.BackwardConfig)}
+        fields, backward_fields = {}, {}
         for item in impl[len(FORCED_MOSAIC_PREFIX):].split("/"):
             name, _, value = item.partition("=")
-            if name not in names or not value.lstrip("-").isdigit():
+            if name not in names | backward_names or not value.lstrip("-").isdigit():
                 raise ValueError(f"{impl!r}: expected FIELD=N with FIELD one of "
-                                 f"{sorted(names)}, got {item!r}")
-            fields[name] = int(value)
-        return _forced_mosaic(fields)
+                                 f"{sorted(names | backward_names)}, got {item!r}")
+            if name in backward_names:
+                backward_fields[name[len(BACKWARD_FIELD_PREFIX):]] = int(value)
+            else:
+                fields[name] = int(value)
+        return _forced_mosaic(fields, backward_fields)
     raise ValueError(f"unknown implementation {impl!r}; choose from {IMPLS} or "
                      f"{FORCED_MOSAIC_PREFIX}FIELD=N/...")
 
@@ -318,14 +347,20 @@ BUILDERS: dict[str, Callable[[Case], Callable]] = {
 
 
 def _timed_fn(attention: Callable, backward: bool) -> Callable:
-    if not backward:
-        return jax.jit(attention)
+    """The jitted timed function; traced inside ``attention.tracing_context()`` if the
+    builder set one (forced configs)."""
+    context = getattr(attention, "tracing_context", contextlib.nullcontext)
+
+    def forward(q, k, v):
+        with context():
+            return attention(q, k, v)
 
     def forward_backward(q, k, v, dout):
-        out, vjp = jax.vjp(attention, q, k, v)
-        return vjp(dout.astype(out.dtype))
+        with context():
+            out, vjp = jax.vjp(attention, q, k, v)
+            return vjp(dout.astype(out.dtype))
 
-    return jax.jit(forward_backward)
+    return jax.jit(forward_backward if backward else forward)
 
 
 def _inputs(case: Case, copies: int) -> list[tuple]:

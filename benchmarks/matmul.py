@@ -2,7 +2,7 @@
 
     python -m benchmarks.matmul                      # H100: bf16 sweep, fused epilogue, fp8
     python -m benchmarks.matmul --suites sweep --autotune   # tune each shape first
-    python -m benchmarks.matmul --impls mosaic --mosaic-config pingpong=1 stages=3
+    python -m benchmarks.matmul --impls mosaic mosaic/pingpong=1/stages=3   # A/B of configs
     python -m benchmarks.matmul --tiny               # CPU smoke test (XLA rows only)
 
 Suites (the rows of a case are timed on the same inputs, their samples interleaved):
@@ -12,6 +12,10 @@ Suites (the rows of a case are timed on the same inputs, their samples interleav
             fused bias + gelu; ours fuse it into the GEMM's epilogue.
   fp8       e4m3 operands (A as (M, K), B as (N, K)) with per-tensor scales, bf16
             out; the baseline is XLA's scaled fp8 dot (cuBLASLt).
+
+``mosaic/FIELD=N/...`` is the Mosaic kernel with those fields of its default
+`MatmulConfig` changed (the ring the deepest that fits, unless ``stages`` is given), so
+several configs are timed side by side in one run.
 
 ``ratio`` = the baseline's ms / this row's ms (above 1: faster than the baseline).
 TFLOP/s counts 2 * M * N * K.
@@ -23,6 +27,7 @@ import argparse
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +41,8 @@ BASELINE = "cublas"
 OURS = ("mosaic", "triton", "xla")
 PEERS = ("cublas", "jax_hopper_mgpu")
 SUITES = ("sweep", "epilogue", "fp8")
+# "mosaic/FIELD=N/...": the Mosaic kernel with those MatmulConfig fields changed.
+FORCED_MOSAIC_PREFIX = "mosaic/"
 
 SWEEP = (
     (1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192),
@@ -54,21 +61,46 @@ TINY = {"sweep": ((64, 64, 64), (96, 128, 64)), "epilogue": ((64, 128, 64),),
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suites", nargs="+", choices=SUITES, default=list(SUITES))
-    parser.add_argument("--impls", nargs="+", choices=OURS + PEERS,
-                        default=["mosaic", "triton", *PEERS])
+    parser.add_argument("--impls", nargs="+", type=_impl_name,
+                        default=["mosaic", "triton", *PEERS],
+                        help=f"of {OURS + PEERS}, or {FORCED_MOSAIC_PREFIX}FIELD=N/...")
     parser.add_argument("--shapes", nargs="+", metavar="M,N,K",
                         help="replace every suite's shapes by these")
     parser.add_argument("--autotune", action="store_true",
                         help="autotune the Mosaic kernel on each shape before timing it")
-    parser.add_argument("--mosaic-config", nargs="+", metavar="FIELD=VALUE", default=[],
-                        help="override fields of the Mosaic kernel's default config, e.g."
-                             " pingpong=1 stages=3 tile_m=64 tile_n=256")
     parser.add_argument("--tiny", action="store_true",
                         help="tiny shapes for a CPU smoke test")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--samples", type=int, default=10)
     parser.add_argument("--inner", type=int, default=5)
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
+
+
+def _impl_name(impl: str) -> str:
+    """Checks an ``--impls`` name: one of `OURS` / `PEERS`, or a forced Mosaic config."""
+    if impl in OURS + PEERS:
+        return impl
+    if impl.startswith(FORCED_MOSAIC_PREFIX):
+        _forced_fields(impl)
+        return impl
+    raise argparse.ArgumentTypeError(
+        f"unknown implementation {impl!r}; choose from {OURS + PEERS} or "
+        f"{FORCED_MOSAIC_PREFIX}FIELD=N/...")
+
+
+def _forced_fields(impl: str) -> dict[str, int]:
+    """The MatmulConfig fields ``mosaic/FIELD=N/...`` forces."""
+    from pallas_kernels.mosaic import matmul_sm90
+
+    names = {field.name for field in dataclasses.fields(matmul_sm90.MatmulConfig)}
+    fields = {}
+    for item in impl[len(FORCED_MOSAIC_PREFIX):].split("/"):
+        name, _, value = item.partition("=")
+        if name not in names or not value.isdigit():
+            raise argparse.ArgumentTypeError(
+                f"{impl!r}: expected FIELD=N with FIELD one of {sorted(names)}, got {item!r}")
+        fields[name] = int(value)
+    return fields
 
 
 # ---------------------------------------------------------------------------------- inputs
@@ -145,8 +177,9 @@ def _skip_reason(impl: str, suite: str, m: int, n: int, k: int) -> str | None:
         if m % 256 or n % 128 or k % 64:
             return "skipped: needs M % 256, N % 128, K % 64 == 0"
         return None
-    reason = implementations.unavailable_reason(impl)
-    if reason is None and impl != "xla" and jax.default_backend() != "gpu":
+    backend = impl.split("/")[0]  # a forced config's backend: "mosaic"
+    reason = implementations.unavailable_reason(backend)
+    if reason is None and backend != "xla" and jax.default_backend() != "gpu":
         reason = "runs interpreted here: too slow to time"
     return None if reason is None else f"skipped: {reason}"
 
@@ -185,8 +218,9 @@ def _mosaic_kwargs(suite: str, args_set: tuple) -> tuple:
     return a, b, scale, bias, kwargs
 
 
-def _override_config(suite: str, args_set: tuple, fields: list[str]) -> str:
-    """Installs the default config with ``fields`` changed as this shape's tuned config."""
+def _forced(impl: str, suite: str, args_set: tuple) -> tuple[Callable, str]:
+    """The Mosaic kernel with the default config's fields changed as ``impl`` says, and
+    the config for the row's note."""
     from pallas_kernels.matmul_common import problem_of
     from pallas_kernels.mosaic import matmul_sm90
 
@@ -197,17 +231,18 @@ def _override_config(suite: str, args_set: tuple, fields: list[str]) -> str:
                    activation=kwargs.get("activation"), out_dtype=out_dtype)
     vectors = int(p.has_scale) + int(p.has_bias)
     config = matmul_sm90.default_config(p.m, p.n, p.k, p.in_dtype, p.out_dtype, vectors=vectors)
-    changes = {}
-    for field in fields:
-        name, value = field.split("=")
-        current = getattr(config, name)
-        changes[name] = bool(int(value)) if isinstance(current, bool) else int(value)
+    changes = {name: type(getattr(config, name))(value)
+               for name, value in _forced_fields(impl).items()}
     config = dataclasses.replace(config, **changes)
     while ("stages" not in changes and config.stages > 2
            and config.smem_bytes(p.in_dtype, p.out_dtype, vectors) > matmul_sm90.SMEM_BYTES):
         config = dataclasses.replace(config, stages=config.stages - 1)  # deepest that fits
-    matmul_sm90._TUNED[matmul_sm90.tuning_key(p)] = config
-    return f"config {config}"
+
+    def forced(a, b, bias, sa, sb):
+        a, b, scale, bias, kwargs = _mosaic_kwargs(suite, (a, b, bias, sa, sb))
+        return matmul_sm90.matmul(a, b, scale, bias, config=config, **kwargs)
+
+    return forced, f"config {config}"
 
 
 def _autotune(suite: str, args_set: tuple) -> str:
@@ -252,13 +287,16 @@ def run(args: argparse.Namespace) -> list[dict]:
                 if reason is not None:
                     notes[impl] = reason
                     continue
-                notes[impl] = _note(impl, suite)
-                if impl == "mosaic" and args.mosaic_config:
-                    notes[impl] += f"; {_override_config(suite, arg_sets[0], args.mosaic_config)}"
+                notes[impl] = _note(impl.split("/")[0], suite)
                 if args.autotune and impl == "mosaic":
                     notes[impl] += f"; {_autotune(suite, arg_sets[0])}"
                 try:
-                    fns[impl] = jax.jit(_function(impl, suite, m, n, k))
+                    if impl.startswith(FORCED_MOSAIC_PREFIX):
+                        function, config = _forced(impl, suite, arg_sets[0])
+                        notes[impl] += f"; {config}"
+                    else:
+                        function = _function(impl, suite, m, n, k)
+                    fns[impl] = jax.jit(function)
                 except Exception as error:  # noqa: BLE001 - a failing peer is a row, not a crash
                     failures[impl] = error
             # Timed together, samples alternating: clock drift hits every implementation alike.

@@ -9,6 +9,7 @@ import pytest
 
 from benchmarks import attention
 from pallas_kernels import runtime
+from pallas_kernels.mosaic import attention_bwd_sm90 as bwd
 from pallas_kernels.mosaic import attention_fwd_sm90 as fwd
 
 
@@ -115,8 +116,25 @@ def test_forced_mosaic_impls_force_the_config(impl, fields, monkeypatch):
     assert {name: getattr(configs[0], name) for name in fields} == fields
 
 
+def test_forced_mosaic_impls_force_the_backward_config(monkeypatch):
+    monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
+    configs = []
+    traced = bwd.attention_backward
+
+    def spy(*args, config, **kwargs):
+        configs.append(config)
+        return traced(*args, config=config, **kwargs)
+
+    monkeypatch.setattr(bwd, "attention_backward", spy)
+    case = attention.Case(1, 256, 2, 128, "causal", backward=True)
+    run = attention.builder("omni_mosaic/bwd.dkv_stages=2/bwd.dq_stages=1")(case)
+    q = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
+    jax.eval_shape(attention._timed_fn(run, backward=True), q, q, q, q)
+    assert [(config.dkv_stages, config.dq_stages) for config in configs] == [(2, 1)]
+
+
 @pytest.mark.parametrize("impl", ["omni_mosaic/stages=2", "omni_mosaic/pipelined=yes",
-                                  "cuDNN"])
+                                  "omni_mosaic/bwd.block_q=x", "cuDNN"])
 def test_unknown_impls_are_named(impl):
     with pytest.raises(ValueError, match="expected FIELD=N|unknown implementation"):
         attention.builder(impl)

@@ -3,6 +3,8 @@
 import argparse
 import math
 
+import pytest
+
 from benchmarks import matmul
 
 
@@ -47,3 +49,13 @@ def test_a_case_is_timed_together_and_a_failure_is_a_row(monkeypatch, timed_toge
             assert math.isnan(row["ms"]) and row["ratio"] is None
         if row["impl"] == matmul.BASELINE:
             assert row["ms"] > 0 and row["ratio"] == 1.0
+
+
+def test_forced_mosaic_impls_change_the_default_config():
+    assert matmul._impl_name("mosaic/cluster_n=2/group_m=16") == "mosaic/cluster_n=2/group_m=16"
+    args = matmul._inputs("epilogue", 256, 512, 128, seed=0)
+    _, note = matmul._forced("mosaic/cluster_n=2/pingpong=1", "epilogue", args)
+    assert "cluster_n=2" in note and "pingpong=True" in note
+    for bad in ("mosaic/foo=2", "mosaic/stages=x", "cublass"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            matmul._impl_name(bad)
