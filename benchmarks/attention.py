@@ -20,6 +20,7 @@ dense case of the same length was measured, time / (dense time x fraction):
 
     python -m benchmarks.attention                      # all cases, the default impls
     python -m benchmarks.attention --cases s4096 --impls omni_triton,cudnn
+    python -m benchmarks.attention --seqs 1024 4096 32768 --forward-only   # walk lengths
     python -m benchmarks.attention --tiny               # CPU smoke run
 """
 
@@ -384,6 +385,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cases", default="",
                         help="comma-separated substrings; keep cases whose name contains one "
                              "(e.g. 's4096', 'causal', 'fwd+bwd', 'd64')")
+    parser.add_argument("--seqs", type=int, nargs="+", default=[],
+                        help="instead of the default cases: dense and causal d128 at these "
+                             "sequence lengths, 16k tokens each (see `length_sweep`)")
     parser.add_argument("--forward-only", action="store_true",
                         help="leave out the forward+backward cases")
     parser.add_argument("--tiny", action="store_true", help="tiny float32 shapes (CPU smoke run)")
@@ -393,8 +397,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", default="", help="save a TFLOP/s bar chart to this path")
 
 
+def length_sweep(seqs: list[int]) -> list[Case]:
+    """Dense and causal head-dim-128 cases at each length, 16k tokens (batch x seq; one
+    sequence when longer), forward and forward+backward: how the walk length matters."""
+    return [Case(max(1, 16384 // seq), seq, 16, 128, mask, backward)
+            for seq in seqs for mask in ("dense", "causal") for backward in (False, True)]
+
+
 def _selected_cases(args) -> list[Case]:
-    cases = default_cases(args.tiny)
+    cases = length_sweep(args.seqs) if args.seqs else default_cases(args.tiny)
     if args.forward_only:
         cases = [c for c in cases if not c.backward]
     wanted = [w for w in args.cases.split(",") if w]

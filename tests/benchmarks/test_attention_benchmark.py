@@ -138,3 +138,12 @@ def test_forced_mosaic_impls_force_the_backward_config(monkeypatch):
 def test_unknown_impls_are_named(impl):
     with pytest.raises(ValueError, match="expected FIELD=N|unknown implementation"):
         attention.builder(impl)
+
+
+def test_seqs_replace_the_default_cases():
+    parser = argparse.ArgumentParser()
+    attention.add_arguments(parser)
+    cases = attention._selected_cases(parser.parse_args(
+        ["--seqs", "1024", "32768", "--forward-only", "--cases", "causal"]))
+    assert [(c.batch, c.seq, c.mask, c.backward) for c in cases] == [
+        (16, 1024, "causal", False), (1, 32768, "causal", False)]
