@@ -27,13 +27,15 @@ heaviest and lightest alternating (several per CTA: even pairs under causal).
 
 Two consumer schedules (`ForwardConfig.pipelined`):
 
-* pipelined (the default at head dim 256): software-pipelined by one kv step. A consumer
-  issues step i's ``QK^T`` and step i-1's ``P V`` back to back, waits for S
-  only, and runs step i's softmax while its ``P V`` is in flight (FA3's
-  intra-warpgroup overlap); O lives in a wgmma accumulator throughout. The
-  two consumers interleave on the tensor cores without a ping-pong barrier
-  (measured: the barrier costs 4-7% here);
-* serial (the default at head dims 64 and 128): ``QK^T``,
+* pipelined (the default at head dims 128 and 256): software-pipelined by one kv
+  step. A consumer issues step i's ``QK^T`` and step i-1's ``P V`` back to
+  back, waits for S only, and runs step i's softmax while its ``P V`` is in
+  flight (FA3's intra-warpgroup overlap); O lives in a wgmma accumulator
+  throughout. The two consumers interleave on the tensor cores without a
+  ping-pong barrier (measured: the barrier costs 4-7% here); ``staggered``
+  (d128), consumer 1 starts half a step behind consumer 0, once per CTA, so
+  that its QK^T runs under consumer 0's softmax from the first step on;
+* serial (the default at head dim 64): ``QK^T``,
   softmax, ``P V`` in turn, the consumers ping-ponging on a barrier so that
   one's softmax runs under the other's matmuls.
 
@@ -94,6 +96,11 @@ class ForwardConfig:
     # loads, output store) are paid once per q_blocks_per_cta q-blocks; they
     # weigh most on short walks (causal, windows, documents).
     q_blocks_per_cta: int = 1
+    # Pipelined only: consumer 1 starts once consumer 0's first S is in, so that its
+    # QK^T runs under consumer 0's softmax. The ring keeps that half-step offset for the
+    # rest of the CTA; without it the consumers run in step and the tensor cores idle
+    # while both are in softmax.
+    staggered: bool = False
     block_q: int = BLOCK_Q
 
     def __post_init__(self):
@@ -116,14 +123,16 @@ class ForwardConfig:
 # * 128 and 256: pipelined, ahead of serial in every case of the 2026-11-24 A/B run
 #   (d128 1.03-1.08x cuDNN against 0.93-1.02x; d256 1.09-1.10x against 0.93-0.95x).
 #   One q-block per CTA: several measured within the noise at d128 dense and causal,
-#   4% faster on the sliding window and 4-6% slower on documents.
+#   4% faster on the sliding window and 4-6% slower on documents. Staggered at d128
+#   (2-4% faster dense and causal up to s16384, 8% on the window, 9% with ALiBi, 1%
+#   slower on documents); not at d256, where it lost 13% dense.
 _CONFIGS = {
     (64, False): ForwardConfig(block_kv=128, num_stages=3, pipelined=False,
                                q_blocks_per_cta=4),
     (64, True): ForwardConfig(block_kv=128, num_stages=3, pipelined=False,
                               q_blocks_per_cta=4),
-    (128, False): ForwardConfig(block_kv=128, num_stages=2, pipelined=True),
-    (128, True): ForwardConfig(block_kv=128, num_stages=2, pipelined=True),
+    (128, False): ForwardConfig(block_kv=128, num_stages=2, pipelined=True, staggered=True),
+    (128, True): ForwardConfig(block_kv=128, num_stages=2, pipelined=True, staggered=True),
     (256, False): ForwardConfig(block_kv=64, num_stages=2, pipelined=True),
     (256, True): ForwardConfig(block_kv=64, num_stages=2, pipelined=True),
 }
@@ -321,7 +330,8 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
                 statics=s, wg=wg, q_smem=q_tile, k_smem=k_smem, v_smem=v_smem,
                 k_barriers=k_barriers, v_barriers=v_barriers, k_consumed=k_consumed,
                 v_consumed=v_consumed, schedule=schedule, p_staging=p_staging,
-                first_step=first_step, count=count, num_full=walk[0, 1], softmax=softmax)
+                first_step=first_step, count=count, num_full=walk[0, 1], softmax=softmax,
+                first_q_block=i == 0)
             if cfg.pipelined:
                 acc, row_max, row_sum = _pipelined_steps(consumer)
             else:
@@ -368,13 +378,15 @@ class _Consumer:
     v_barriers: Any
     k_consumed: Any
     v_consumed: Any
-    schedule: Any  # The serial schedule's ping-pong barrier (None when pipelined).
+    # The serial schedule's ping-pong barrier; pipelined, the stagger barrier (or None).
+    schedule: Any
     p_staging: Any  # Interpreted only: P staged in smem for the P @ V wgmma.
     first_step: Array  # The ring step of the q-block's first kv-block.
     count: Array  # Active kv-blocks of the q-block...
     num_full: Array  # ...the first num_full of them FULL.
     # (raw scores, step, row max, row sum, full) -> (P float32, alpha, max, sum).
     softmax: Callable[..., tuple]
+    first_q_block: Array  # Whether this is the CTA's first q-block.
 
     @property
     def masked_tiles(self) -> bool:
@@ -538,16 +550,28 @@ def _pipelined_steps(c: _Consumer):
                                plgpu.Layout.WGMMA))
         init = (_row_vector(-jnp.inf), _row_vector(0.0))
 
+        def stagger():
+            """Consumer 0 lets consumer 1 start, once per CTA (`ForwardConfig.staggered`):
+            one arrival and one wait in all, whatever the q-blocks' walks."""
+            if c.schedule is not None:
+                pl.when((c.wg == 0) & c.first_q_block)(
+                    lambda: plgpu.barrier_arrive(c.schedule))
+
         def first_step():
             # Step 0 may be FULL or not: the masked path is exact for FULL tiles too.
             # O is still zero: it needs no rescaling.
-            probs, _, row_max, row_sum = c.softmax(qk(0)[0], 0, *init,
+            scores = qk(0)[0]
+            stagger()
+            probs, _, row_max, row_sum = c.softmax(scores, 0, *init,
                                                    full=not c.masked_tiles)
             return probs.astype(s.dtype), row_max, row_sum
 
         def no_step():
+            stagger()
             return plgpu.layout_cast(jnp.zeros(c.tile, s.dtype), plgpu.Layout.WGMMA), *init
 
+        if c.schedule is not None:
+            pl.when((c.wg == 1) & c.first_q_block)(lambda: plgpu.barrier_wait(c.schedule))
         carry = (o, *lax.cond(c.count > 0, first_step, no_step))
         carry = c.loop(functools.partial(step_fn, o_ref=o_ref), carry, start=1)
         o, probs, row_max, row_sum = carry
@@ -660,8 +684,9 @@ def _scratch(s: _Statics):
         consumed,
         # A q-block's walk and q leaves (and Q, O, lse) are no longer read.
         plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=2),
-        # The serial schedule's ping-pong.
-        None if cfg.pipelined else plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
+        # The serial schedule's ping-pong, or the pipelined one's stagger.
+        (plgpu.Barrier(num_arrivals=1) if cfg.staggered else None) if cfg.pipelined
+        else plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
         captured_barrier,
     )
     return smem, barriers

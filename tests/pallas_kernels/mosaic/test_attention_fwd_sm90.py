@@ -74,8 +74,8 @@ def test_score_mod_without_captures():
              score_mod=lambda s, b, h, i, j: s - 0.05 * (h + 1) * jnp.abs(i - j))
 
 
-@pytest.mark.parametrize("pipelined", [True, False])
-def test_poisoned_outputs_are_all_written(pipelined):
+@pytest.mark.parametrize("pipelined,staggered", [(True, False), (True, True), (False, False)])
+def test_poisoned_outputs_are_all_written(pipelined, staggered):
     """Memory the kernel never writes reads as NaN: every output row must be written,
     the rows of q-blocks with no active kv-block included (zeros, lse -inf), under
     either consumer schedule."""
@@ -87,7 +87,8 @@ def test_poisoned_outputs_are_all_written(pipelined):
     params = compat.tma_faithful_interpret_params(runtime.mosaic_interpret_params())
     out, lse = fwd.attention_forward(
         q, k, v, kmask, layout, scale=0.125, softcap=None, score_mod=None, has_partial=True,
-        config=fwd.ForwardConfig(block_kv=128, num_stages=2, pipelined=pipelined),
+        config=fwd.ForwardConfig(block_kv=128, num_stages=2, pipelined=pipelined,
+                                 staggered=staggered),
         interpret_params=dataclasses.replace(params, uninitialized_memory="nan"))
     out, lse = np.asarray(out, np.float32), np.asarray(lse)
     assert not np.isnan(out).any() and not np.isnan(lse).any()
@@ -122,19 +123,21 @@ def test_kv_leaves_after_full_tiles(pipelined, monkeypatch):
              kv_segment_ids=jnp.asarray(kv_ids))
 
 
-@pytest.mark.parametrize("q_blocks_per_cta,pipelined,head_dim,head_dim_v", [
-    (2, True, 64, 64),     # two Q buffers; 5 q-blocks: the last CTA computes one
-    (3, False, 64, 32),    # output buffer apart from Q's (head dims differ)
-    (4, True, 256, 256),   # one Q buffer (two exceed shared memory)
+@pytest.mark.parametrize("q_blocks_per_cta,pipelined,staggered,head_dim,head_dim_v", [
+    (2, True, False, 64, 64),     # two Q buffers; 5 q-blocks: the last CTA computes one
+    (3, False, False, 64, 32),    # output buffer apart from Q's (head dims differ)
+    (4, True, False, 256, 256),   # one Q buffer (two exceed shared memory)
+    (3, True, True, 128, 128),    # staggered once per CTA, empty walks among its q-blocks
 ])
-def test_several_q_blocks_per_cta(q_blocks_per_cta, pipelined, head_dim, head_dim_v,
-                                  monkeypatch):
+def test_several_q_blocks_per_cta(q_blocks_per_cta, pipelined, staggered, head_dim,
+                                  head_dim_v, monkeypatch):
     """CTAs computing q-blocks in turn (one kv ring across them; walks, q leaves and Q
     double-buffered) give what one CTA per q-block gives, under documents (q and kv
     leaves, FULL and COMPUTED tiles) and with a fully masked q-block and head in it."""
     default = fwd.forward_config
     monkeypatch.setattr(fwd, "forward_config", lambda *args: dataclasses.replace(
-        default(*args), pipelined=pipelined, q_blocks_per_cta=q_blocks_per_cta))
+        default(*args), pipelined=pipelined, staggered=staggered,
+        q_blocks_per_cta=q_blocks_per_cta))
     rng = np.random.default_rng()
     seq = 5 * 128 - 24
     q, k, v = _inputs(rng, "bfloat16", 1, seq, seq, 2, 1, head_dim, head_dim_v)
