@@ -96,10 +96,10 @@ class ForwardConfig:
     # loads, output store) are paid once per q_blocks_per_cta q-blocks; they
     # weigh most on short walks (causal, windows, documents).
     q_blocks_per_cta: int = 1
-    # Pipelined only: consumer 1 starts once consumer 0's first S is in, so that its
-    # QK^T runs under consumer 0's softmax. The ring keeps that half-step offset for the
-    # rest of the CTA; without it the consumers run in step and the tensor cores idle
-    # while both are in softmax.
+    # Pipelined only (the serial schedule's consumers take turns anyway): consumer 1
+    # starts once consumer 0's first S is in, so that its QK^T runs under consumer 0's
+    # softmax. The ring keeps that half-step offset for the rest of the CTA; without it
+    # the consumers run in step and the tensor cores idle while both are in softmax.
     staggered: bool = False
     block_q: int = BLOCK_Q
 

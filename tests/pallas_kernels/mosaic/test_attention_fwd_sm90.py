@@ -98,6 +98,14 @@ def test_poisoned_outputs_are_all_written(pipelined, staggered):
     assert relative_error(out[:, :128], ref[:, :128]) < TOLERANCE["bfloat16"]
 
 
+@pytest.mark.parametrize("fields,message", [
+    (dict(block_kv=96), "block_kv"), (dict(num_stages=1), "num_stages"),
+    (dict(q_blocks_per_cta=0), "q_blocks_per_cta")])
+def test_config_rejects_what_the_kernel_cannot_run(fields, message):
+    with pytest.raises(ValueError, match=message):
+        fwd.ForwardConfig(**{"block_kv": 128, "num_stages": 2, **fields})
+
+
 def test_declines_what_it_cannot_serve():
     q = jnp.ones((1, 64, 1, 64), jnp.float32)
     with pytest.raises(ValueError, match="bfloat16 or float16"):
