@@ -95,42 +95,30 @@ def test_a_case_is_timed_together_and_failures_are_rows(monkeypatch, timed_toget
     assert all(math.isfinite(row["ms"]) for row in rows if row["impl"] == "omni_xla")
 
 
-@pytest.mark.parametrize("impl,fields", [
-    ("omni_mosaic/pipelined=0", {"pipelined": False}),
-    ("omni_mosaic/pipelined=1/q_blocks_per_cta=3", {"pipelined": True, "q_blocks_per_cta": 3}),
+@pytest.mark.parametrize("impl,backward,fields", [
+    ("omni_mosaic/pipelined=0", False, {"pipelined": False}),
+    ("omni_mosaic/pipelined=1/q_blocks_per_cta=3", False,
+     {"pipelined": True, "q_blocks_per_cta": 3}),
+    # Backward fields stay forced while the backward is traced, after the forward returned.
+    ("omni_mosaic/bwd.dkv_stages=2/bwd.dq_stages=1", True, {"dkv_stages": 2, "dq_stages": 1}),
 ])
-def test_forced_mosaic_impls_force_the_config(impl, fields, monkeypatch):
+def test_forced_mosaic_impls_force_the_config(impl, backward, fields, monkeypatch):
     monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
+    module, kernel = (bwd, "attention_backward") if backward else (fwd, "attention_forward")
     configs = []
-    traced = fwd.attention_forward
+    traced = getattr(module, kernel)
 
     def spy(*args, config, **kwargs):
         configs.append(config)
         return traced(*args, config=config, **kwargs)
 
-    monkeypatch.setattr(fwd, "attention_forward", spy)
-    case = attention.Case(1, 256, 2, 128, "causal", backward=False)
+    monkeypatch.setattr(module, kernel, spy)
+    case = attention.Case(1, 256, 2, 128, "causal", backward=backward)
     q = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
-    jax.eval_shape(attention.builder(impl)(case), q, q, q)
+    timed = attention._timed_fn(attention.builder(impl)(case), backward)
+    jax.eval_shape(timed, *[q] * (4 if backward else 3))
     assert len(configs) == 1
     assert {name: getattr(configs[0], name) for name in fields} == fields
-
-
-def test_forced_mosaic_impls_force_the_backward_config(monkeypatch):
-    monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
-    configs = []
-    traced = bwd.attention_backward
-
-    def spy(*args, config, **kwargs):
-        configs.append(config)
-        return traced(*args, config=config, **kwargs)
-
-    monkeypatch.setattr(bwd, "attention_backward", spy)
-    case = attention.Case(1, 256, 2, 128, "causal", backward=True)
-    run = attention.builder("omni_mosaic/bwd.dkv_stages=2/bwd.dq_stages=1")(case)
-    q = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
-    jax.eval_shape(attention._timed_fn(run, backward=True), q, q, q, q)
-    assert [(config.dkv_stages, config.dq_stages) for config in configs] == [(2, 1)]
 
 
 @pytest.mark.parametrize("impl", ["omni_mosaic/stages=2", "omni_mosaic/pipelined=yes",
