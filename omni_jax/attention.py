@@ -26,7 +26,14 @@ from omni_jax.backends import AttentionPlan, plan_attention
 from omni_jax.masks import BlockGrid, BlockMask
 from omni_jax.masks.block_mask import trace_time_eval
 from omni_jax.masks.construct import structured_tile_flags
-from omni_jax.masks.mask_mods import And, Causal, MaskMod, SlidingWindow, document_mask
+from omni_jax.masks.mask_mods import (
+    And,
+    Causal,
+    MaskMod,
+    SlidingWindow,
+    document_mask,
+    has_contiguous_full_tiles,
+)
 from omni_jax.problem import AttentionProblem
 from omni_jax.scores import convert_score_mod, zero_cotangent
 
@@ -122,7 +129,8 @@ def _effective_mask(mask: BlockMask | None, structured: MaskMod | None,
             return mask if structured is None else mask.restrict(structured)
         flags = structured_tile_flags(structured, _grid(problem))
         return BlockMask.from_tile_flags(flags, mask_mod=structured, q_len=problem.q_len,
-                                         kv_len=problem.kv_len, block_size=problem.block_size)
+                                         kv_len=problem.kv_len, block_size=problem.block_size,
+                                         contiguous_full=has_contiguous_full_tiles(structured))
 
 
 def _grid(problem: AttentionProblem) -> BlockGrid:

@@ -53,6 +53,8 @@ class MaskLayout:
     # Structure of the mask_mod (None: no structured mask) and its leaves' kinds.
     mask_mod_treedef: Any
     leaf_kinds: tuple[LeafKind, ...]
+    # `BlockMask.contiguous_full`: FULL tiles are walked by counting, not by index.
+    contiguous_full: bool = False
 
     @property
     def ragged_kv(self) -> bool:
@@ -111,7 +113,7 @@ def kernel_mask(mask: BlockMask) -> tuple[KernelMask, MaskLayout]:
     layout = MaskLayout(q_len=grid.q_len, kv_len=grid.kv_len, block_q=grid.block_q,
                         block_kv=grid.block_kv, num_q_blocks=grid.num_q_blocks,
                         num_kv_blocks=grid.num_kv_blocks, mask_mod_treedef=treedef,
-                        leaf_kinds=tuple(kinds))
+                        leaf_kinds=tuple(kinds), contiguous_full=mask.contiguous_full)
     return arrays, layout
 
 

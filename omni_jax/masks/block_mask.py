@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from omni_jax.masks.mask_mods import And, BlockGrid, MaskMod
+from omni_jax.masks.mask_mods import And, BlockGrid, MaskMod, has_contiguous_full_tiles
 
 Array = Any
 
@@ -94,13 +94,16 @@ class BlockMask:
       ``q_partial_ids`` ``[Bm, Hm, nkv, nq]``: the kv-major walk (dK, dV);
     * ``partial_masks [P, block_q, block_kv]`` bool: deduplicated stored tiles
       (at least one, all False, when no tile is PARTIAL);
-    * ``mask_mod``: the structured predicate of COMPUTED tiles, or None.
+    * ``mask_mod``: the structured predicate of COMPUTED tiles, or None;
+    * ``contiguous_full`` (static): every walk's FULL tiles are consecutive blocks, so a
+      kernel can step through them without reading their indices. Set for dense masks
+      and those built from a mask_mod with `MaskMod.row_intervals`; False otherwise.
     """
 
     def __init__(self, *, kv_num_blocks, kv_indices, kv_tile_flags, kv_partial_ids,
                  q_num_blocks, q_indices, q_tile_flags, q_partial_ids, partial_masks,
                  mask_mod: MaskMod | None, q_len: int, kv_len: int,
-                 block_size: tuple[int, int]):
+                 block_size: tuple[int, int], contiguous_full: bool = False):
         self.kv_num_blocks = kv_num_blocks
         self.kv_indices = kv_indices
         self.kv_tile_flags = kv_tile_flags
@@ -114,6 +117,7 @@ class BlockMask:
         self.q_len = q_len
         self.kv_len = kv_len
         self.block_size = block_size
+        self.contiguous_full = contiguous_full
 
     _ARRAYS = ("kv_num_blocks", "kv_indices", "kv_tile_flags", "kv_partial_ids",
                "q_num_blocks", "q_indices", "q_tile_flags", "q_partial_ids", "partial_masks",
@@ -121,24 +125,26 @@ class BlockMask:
 
     def tree_flatten(self):
         children = tuple(getattr(self, name) for name in self._ARRAYS)
-        return children, (self.q_len, self.kv_len, self.block_size)
+        return children, (self.q_len, self.kv_len, self.block_size, self.contiguous_full)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        q_len, kv_len, block_size = aux
+        q_len, kv_len, block_size, contiguous_full = aux
         return cls(**dict(zip(cls._ARRAYS, children, strict=True)), q_len=q_len,
-                   kv_len=kv_len, block_size=block_size)
+                   kv_len=kv_len, block_size=block_size, contiguous_full=contiguous_full)
 
     # -- construction ---------------------------------------------------------------------
 
     @classmethod
     def from_tile_flags(cls, tile_flags: Array, partial_ids: Array | None = None,
                         partial_masks: Array | None = None, mask_mod: MaskMod | None = None,
-                        *, q_len: int, kv_len: int, block_size: tuple[int, int]) -> BlockMask:
+                        *, q_len: int, kv_len: int, block_size: tuple[int, int],
+                        contiguous_full: bool = False) -> BlockMask:
         """Builds both walks from dense ``tile_flags [Bm, Hm, nq, nkv]`` (MASKED = -1).
 
         Active tiles of a ragged last kv block get COMPUTED added, so kernels
         bound ``kv_idx < kv_len`` exactly where a tile crosses the end.
+        ``contiguous_full`` is the caller's promise (see the class docstring).
         """
         tile_flags = jnp.asarray(tile_flags, jnp.int32)
         grid = BlockGrid(q_len, kv_len, *block_size)
@@ -159,7 +165,8 @@ class BlockMask:
                    kv_partial_ids=kv_walk[3], q_num_blocks=q_walk[0], q_indices=q_walk[1],
                    q_tile_flags=q_walk[2], q_partial_ids=q_walk[3],
                    partial_masks=jnp.asarray(partial_masks, bool), mask_mod=mask_mod,
-                   q_len=q_len, kv_len=kv_len, block_size=tuple(block_size))
+                   q_len=q_len, kv_len=kv_len, block_size=tuple(block_size),
+                   contiguous_full=contiguous_full)
 
     # -- views ------------------------------------------------------------------------------
 
@@ -207,9 +214,11 @@ class BlockMask:
                                                         flags | COMPUTED, flags))
         new_ids = jnp.where(new_flags >= 0, ids, -1)
         combined = mask_mod if self.mask_mod is None else And(self.mask_mod, mask_mod)
-        return BlockMask.from_tile_flags(new_flags, new_ids, self.partial_masks, combined,
-                                         q_len=self.q_len, kv_len=self.kv_len,
-                                         block_size=self.block_size)
+        # Two runs of consecutive FULL blocks intersect in one.
+        return BlockMask.from_tile_flags(
+            new_flags, new_ids, self.partial_masks, combined, q_len=self.q_len,
+            kv_len=self.kv_len, block_size=self.block_size,
+            contiguous_full=self.contiguous_full and has_contiguous_full_tiles(mask_mod))
 
     def to_dense(self) -> Array:
         """The element mask ``[Bm, Hm, q_len, kv_len]`` bool (O(q_len * kv_len): debugging)."""

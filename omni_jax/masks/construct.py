@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from omni_jax.masks.block_mask import COMPUTED, FULL, MASKED, PARTIAL, BlockMask
-from omni_jax.masks.mask_mods import BlockGrid, MaskMod
+from omni_jax.masks.mask_mods import BlockGrid, MaskMod, has_contiguous_full_tiles
 
 Array = Any
 MaskFn = Callable[[Array, Array, Array, Array], Array]
@@ -101,7 +101,8 @@ def _structured_block_mask(mask_mod: MaskMod, batch: int | None, heads: int | No
                                      *flags.shape[2:]))
     return BlockMask.from_tile_flags(flags, mask_mod=mask_mod, q_len=grid.q_len,
                                      kv_len=grid.kv_len, block_size=(grid.block_q,
-                                                                     grid.block_kv))
+                                                                     grid.block_kv),
+                                     contiguous_full=has_contiguous_full_tiles(mask_mod))
 
 
 def _check_leaf_lengths(mask_mod: MaskMod, grid: BlockGrid) -> None:

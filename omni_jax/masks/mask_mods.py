@@ -37,6 +37,12 @@ import numpy as np
 
 LeafKind = Literal["q", "kv", "batch"]
 Array = Any
+# A mask whose query rows each see one interval of keys [start(q), end(q)], both ends
+# nondecreasing in q, promises "interval" ("prefix" when every start is key 0). Its FULL
+# tiles then form one run of consecutive blocks in every q-block row and every kv-block
+# column, which kernels walk without reading block indices (`BlockMask.contiguous_full`).
+# None: no promise (documents: segment ids need not be sorted).
+RowIntervals = Literal["prefix", "interval"] | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +96,10 @@ class MaskMod(abc.ABC):
         """The kind of each leaf, in `jax.tree.leaves` order (none for index-only masks)."""
         return ()
 
+    def row_intervals(self) -> RowIntervals:
+        """What the mask promises about each query row's visible keys (`RowIntervals`)."""
+        return None
+
     def gather_leaves(self, b: Array, q_idx: Array, kv_idx: Array) -> MaskMod:
         """A copy whose leaves are their values at (b, q_idx) / (b, kv_idx) / b.
 
@@ -111,6 +121,12 @@ class MaskMod(abc.ABC):
         """Leading size of the leaves (1 when the mask is the same for every sequence)."""
         sizes = {leaf.shape[0] for leaf in jax.tree.leaves(self)} - {1}
         return sizes.pop() if sizes else 1
+
+
+def has_contiguous_full_tiles(mask_mod: MaskMod | None) -> bool:
+    """Whether the FULL tiles of ``mask_mod`` (None: dense attention) form one run of
+    consecutive blocks in every q-block row and kv-block column, at any tiling."""
+    return mask_mod is None or mask_mod.row_intervals() is not None
 
 
 def _static_pytree(cls):
@@ -143,6 +159,9 @@ class Causal(MaskMod):
         empty = kv_start > q_end + self.offset
         return jnp.asarray(full), jnp.asarray(empty)
 
+    def row_intervals(self):
+        return "prefix"
+
 
 @_static_pytree
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +192,9 @@ class SlidingWindow(MaskMod):
             empty |= kv_start > q_end + self.right
         return jnp.asarray(full), jnp.asarray(empty)
 
+    def row_intervals(self):
+        return "prefix" if self.left is None else "interval"
+
 
 @_static_pytree
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +215,9 @@ class Chunked(MaskMod):
         )
         empty = (kv_end // c < q_start // c) | (kv_start // c > q_end // c)
         return jnp.asarray(full), jnp.asarray(empty)
+
+    def row_intervals(self):
+        return "interval"
 
 
 def _block_min_max(ids: Array, length: int, block: int) -> tuple[Array, Array]:
@@ -259,6 +284,9 @@ class KeyPrefix(MaskMod):
     def leaf_kinds(self):
         return ("batch",)
 
+    def row_intervals(self):
+        return "prefix"
+
 
 class _Combination(MaskMod):
     """Common part of And / Or: children are MaskMods, leaves are theirs."""
@@ -299,6 +327,11 @@ class And(_Combination):
     _join = staticmethod(operator.and_)
     _dual = staticmethod(operator.or_)
 
+    def row_intervals(self):
+        # Intervals intersect to an interval: the largest start, the smallest end.
+        kinds = {mod.row_intervals() for mod in self.mods}
+        return None if None in kinds else "prefix" if kinds == {"prefix"} else "interval"
+
 
 @jax.tree_util.register_pytree_node_class
 class Or(_Combination):
@@ -306,6 +339,11 @@ class Or(_Combination):
 
     _join = staticmethod(operator.or_)
     _dual = staticmethod(operator.and_)
+
+    def row_intervals(self):
+        # Only prefixes unite to a prefix (to the largest end); other intervals may not meet.
+        kinds = {mod.row_intervals() for mod in self.mods}
+        return "prefix" if kinds == {"prefix"} else None
 
 
 # Ready-made mask_mods. Each is a MaskMod, so create_block_mask classifies it

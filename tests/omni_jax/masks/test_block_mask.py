@@ -134,6 +134,12 @@ def check_block_mask(mask: BlockMask, expected: np.ndarray) -> None:
     assert np.all(ids[(flags >= 0) & ((flags & PARTIAL) == 0)] == -1)
     assert len({partial[i].tobytes() for i in np.unique(ids[ids >= 0])}) == len(
         np.unique(ids[ids >= 0])), "identical partial tiles are stored twice"
+    if mask.contiguous_full:
+        # The kernels count through the FULL tiles of a row or column from the first one.
+        for rows in (flags, flags.swapaxes(-1, -2)):
+            for row in rows.reshape(-1, rows.shape[-1]):
+                full = np.flatnonzero(row == FULL)
+                assert np.all(np.diff(full) == 1), f"FULL tiles {full} are not consecutive"
 
 
 block_sizes = st.sampled_from([(8, 8), (16, 16), (16, 32), (32, 8), (64, 64)])
@@ -144,6 +150,7 @@ block_sizes = st.sampled_from([(8, 8), (16, 16), (16, 32), (32, 8), (64, 64)])
 def test_structured_masks_match_their_definition(spec, block_size):
     mod, predicate, batch, q_len, kv_len = spec
     mask = omni_jax.create_block_mask(mod, batch, None, q_len, kv_len, block_size)
+    assert mask.contiguous_full == (mod.row_intervals() is not None)
     check_block_mask(mask, _expected_dense(predicate, batch, q_len, kv_len))
 
 
@@ -202,6 +209,27 @@ def test_restrict_intersects():
                                                                                       dtype=bool)
     np.testing.assert_array_equal(np.asarray(both.to_dense())[0, 0], expected)
     assert both.sparsity() >= mask.sparsity()
+
+
+def test_contiguous_full_tiles_are_promised_only_by_interval_masks():
+    """Causal, windows, chunks and prefixes promise consecutive FULL tiles (also intersected
+    with each other); documents, unions with them and evaluated functions do not."""
+    ids = jnp.asarray(np.repeat([0, 1, 0], [32, 16, 16])[None], jnp.int32)  # Unsorted.
+    build = lambda mod: omni_jax.create_block_mask(mod, None, None, 64, 64, (16, 16))
+    chunks = build(omni_jax.chunked_mask(24, causal=False))
+    assert chunks.contiguous_full
+    assert chunks.restrict(omni_jax.sliding_window_mask(10, 0)).contiguous_full
+    assert not chunks.restrict(omni_jax.document_mask(ids)).contiguous_full
+    assert build(omni_jax.prefix_lm_mask(20)).contiguous_full
+    assert not build(omni_jax.or_masks(omni_jax.causal_mask,
+                                       omni_jax.chunked_mask(24, causal=False))).contiguous_full
+    documents = build(omni_jax.document_mask(ids))
+    assert not documents.contiguous_full
+    full = np.flatnonzero(np.asarray(documents.tile_flags())[0, 0, 3] == FULL)
+    assert full.tolist() == [0, 1, 3]  # Why documents make no promise.
+    assert not build(lambda b, h, q, k: k <= q).contiguous_full
+    leaves, treedef = jax.tree.flatten(chunks)
+    assert jax.tree.unflatten(treedef, leaves).contiguous_full
 
 
 def test_repr_sparsity_and_shape():
