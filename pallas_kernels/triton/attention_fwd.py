@@ -61,7 +61,8 @@ def _forward_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, num_q_tiles
     mask = inputs["mask"]
     walk = tiles.Walk((mask.kv_num_blocks, mask.kv_num_full, mask.kv_indices,
                        mask.kv_tile_flags, mask.kv_partial_ids), b, h,
-                      lax.div(q_start, layout.block_q), layout.block_kv // tkv)
+                      lax.div(q_start, layout.block_q), layout.block_kv // tkv,
+                      contiguous_full=layout.contiguous_full)
 
     # Plain scores stay raw until the softmax, which folds the scale into the exp2
     # argument (one FMA per score); the row max is scaled per row.

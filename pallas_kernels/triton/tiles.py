@@ -112,28 +112,38 @@ class Walk:
     kernel tiles per walked mask block. Steps run block by block, sub-tile by
     sub-tile: the FULL tiles (listed first) in one flat loop without mask code,
     then the masked tiles in another, each of which Triton can software-pipeline.
+    ``contiguous_full`` (`MaskLayout.contiguous_full`): the FULL blocks are
+    consecutive, so the FULL loop counts up from the first one instead of reading
+    each index and its K/V addresses do not wait on a load. The forward passes it
+    (3-5% faster on the H100); the backward kernels do not (2-3% slower there).
     """
 
-    def __init__(self, refs: Sequence[Any], b: Array, h: Array, block: Array, subs: int):
+    def __init__(self, refs: Sequence[Any], b: Array, h: Array, block: Array, subs: int, *,
+                 contiguous_full: bool = False):
         self._count, self._num_full, self._indices, self._flags, self._partial_ids = refs
         mb, mh = batch_head_index(self._count, b, h)
         self._lead = (mb, mh, block)
         self.subs = subs
+        self._contiguous_full = contiguous_full
 
     def fold(self, body: Any, carry: Any, masked_tiles: bool) -> Any:
         """``body(step, carry) -> carry`` over every step; ``masked_tiles`` False promises
         that every tile is FULL (the mask has no COMPUTED or PARTIAL tile)."""
         num_full = self._num_full[self._lead] * self.subs
-        carry = lax.fori_loop(0, num_full, lambda it, c: body(self._step(it, True), c), carry)
+        first = self._indices[(*self._lead, 0)] if self._contiguous_full else None
+        carry = lax.fori_loop(0, num_full, lambda it, c: body(self._step(it, True, first), c),
+                              carry)
         if masked_tiles:
             carry = lax.fori_loop(num_full, self._count[self._lead] * self.subs,
                                   lambda it, c: body(self._step(it, False), c), carry)
         return carry
 
-    def _step(self, it: Array, full: bool) -> Step:
+    def _step(self, it: Array, full: bool, first: Array | None = None) -> Step:
+        """Step ``it``; its block is ``first`` + its position when given (contiguous)."""
         j, sub = (it, 0) if self.subs == 1 else (lax.div(it, self.subs), lax.rem(it, self.subs))
         at = (*self._lead, j)
-        return Step(self._indices[at], sub, self._flags[at], self._partial_ids[at], full)
+        block = self._indices[at] if first is None else first + j
+        return Step(block, sub, self._flags[at], self._partial_ids[at], full)
 
 
 def positions(start: Array, size: int, axis: int) -> Array:

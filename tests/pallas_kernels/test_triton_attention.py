@@ -8,6 +8,8 @@ blocks (sub-tiles sharing a block's flags), PARTIAL tiles and rows that see
 no key.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,13 +44,14 @@ def test_tails_and_head_dims_match_reference(case, dtype):
     check_case("triton", case, dtype, (32, 32))
 
 
-def _generic_problem(q_len, kv_len, block, rng, dtype=jnp.float32):
+def _generic_problem(q_len, kv_len, block, rng, dtype=jnp.float32, mask_mod=None):
     heads, kv_heads, dim = 4, 2, 32
     q = jnp.asarray(rng.standard_normal((2, q_len, heads, dim)), dtype)
     k = jnp.asarray(rng.standard_normal((2, kv_len, kv_heads, dim)), dtype)
     v = jnp.asarray(rng.standard_normal((2, kv_len, kv_heads, dim)), dtype)
-    fn = lambda b, h, qi, ki: ((qi * 5 + ki * 3 + h) % 7 != 0) & (ki <= qi + 20)
-    mask = omni_jax.create_block_mask(fn, None, heads, q_len, kv_len, block)
+    if mask_mod is None:
+        mask_mod = lambda b, h, qi, ki: ((qi * 5 + ki * 3 + h) % 7 != 0) & (ki <= qi + 20)
+    mask = omni_jax.create_block_mask(mask_mod, None, heads, q_len, kv_len, block)
     problem = AttentionProblem(batch=2, q_len=q_len, kv_len=kv_len, num_q_heads=heads,
                                num_kv_heads=kv_heads, head_dim=dim, head_dim_v=dim,
                                dtype=jnp.dtype(dtype), scale=dim ** -0.5, softcap=None,
@@ -78,6 +81,27 @@ def test_partial_tiles_split_into_smaller_kernel_tiles():
     for name, grad, ref in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
         assert not np.isnan(np.asarray(grad)).any(), name
         assert relative_error(grad, ref) < 1e-5, (name, relative_error(grad, ref))
+
+
+@pytest.mark.parametrize("block_kv", [32, 16], ids=["tile=block", "two_tiles_per_block"])
+def test_forward_counts_through_contiguous_full_blocks(block_kv):
+    """A window's FULL blocks start mid-row; walked by counting from the first one
+    (`MaskLayout.contiguous_full`) the forward matches the reference, as does the walk
+    that reads every index."""
+    rng = np.random.default_rng()
+    problem, q, k, v, block_mask = _generic_problem(
+        200, 200, (32, 32), rng, mask_mod=omni_jax.sliding_window_mask(100, 0))
+    mask, layout = kernel_mask(block_mask)
+    assert layout.contiguous_full
+    ref_out, ref_lse = xla_forward(problem, q, k, v, block_mask, None, ())
+    for contiguous in (True, False):
+        out, lse = attention_forward(
+            q, k, v, mask, dataclasses.replace(layout, contiguous_full=contiguous), None, (),
+            scale=problem.scale, softcap=None, score_mod=None, interpret=True,
+            config=ForwardConfig(block_q=32, block_kv=block_kv))
+        assert not np.isnan(np.asarray(out)).any() and not np.isnan(np.asarray(lse)).any()
+        assert relative_error(out, ref_out) < 1e-5, contiguous
+        assert relative_error(lse, ref_lse) < 1e-5, contiguous
 
 
 def test_rows_that_see_nothing_get_zeros_and_minus_inf_lse():
