@@ -27,15 +27,15 @@ heaviest and lightest alternating (several per CTA: even pairs under causal).
 
 Two consumer schedules (`ForwardConfig.pipelined`):
 
-* pipelined (the default at head dims 128 and 256): software-pipelined by one kv
+* pipelined (the default but at causal head dim 64): software-pipelined by one kv
   step. A consumer issues step i's ``QK^T`` and step i-1's ``P V`` back to
   back, waits for S only, and runs step i's softmax while its ``P V`` is in
   flight (FA3's intra-warpgroup overlap); O lives in a wgmma accumulator
   throughout. The two consumers interleave on the tensor cores without a
   ping-pong barrier (measured: the barrier costs 4-7% here); ``staggered``
-  (d128), consumer 1 starts half a step behind consumer 0, once per CTA, so
-  that its QK^T runs under consumer 0's softmax from the first step on;
-* serial (the default at head dim 64): ``QK^T``,
+  (d64 and d128), consumer 1 starts half a step behind consumer 0, once per CTA,
+  so that its QK^T runs under consumer 0's softmax from the first step on;
+* serial (the default at causal head dim 64): ``QK^T``,
   softmax, ``P V`` in turn, the consumers ping-ponging on a barrier so that
   one's softmax runs under the other's matmuls.
 
@@ -117,9 +117,11 @@ class ForwardConfig:
 # Per (padded head_dim, dtype, causal). Shared memory per CTA: Q/O 128 x D plus
 # num_stages x block_kv x (D + Dv), within the 227 KiB of an H100 SM.
 # The schedule per head dim (H100, benchmarks/RESULTS.md):
-# * 64: serial. The softmax outweighs the matmuls; pipelined measured 0.83-0.90x
-#   cuDNN against 0.89-0.98x. Four q-blocks per CTA: a d64 kv step is short, so a
-#   CTA's fixed costs weigh more (causal 0.90-0.92x -> 1.01-1.03x, dense +2-5%).
+# * 64, causal: serial. The softmax outweighs the matmuls; pipelined and staggered
+#   measured 0.92-0.97x cuDNN against 1.05x. Four q-blocks per CTA: a d64 kv step is
+#   short, so a CTA's fixed costs weigh more (0.90-0.92x -> 1.01-1.05x).
+# * 64, not causal: pipelined and staggered, two q-blocks per CTA: 1.06x cuDNN against
+#   serial's 0.96x (2026-11-24 20:55; unstaggered pipelined had lost, 0.83-0.90x).
 # * 128 and 256: pipelined, ahead of serial in every case of the 2026-11-24 A/B run
 #   (d128 1.03-1.08x cuDNN against 0.93-1.02x; d256 1.09-1.10x against 0.93-0.95x).
 #   One q-block per CTA: several measured within the noise at d128 dense and causal,
@@ -127,8 +129,8 @@ class ForwardConfig:
 #   (2-4% faster dense and causal up to s16384, 8% on the window, 9% with ALiBi, 1%
 #   slower on documents); not at d256, where it lost 13% dense.
 _CONFIGS = {
-    (64, False): ForwardConfig(block_kv=128, num_stages=3, pipelined=False,
-                               q_blocks_per_cta=4),
+    (64, False): ForwardConfig(block_kv=128, num_stages=3, pipelined=True, staggered=True,
+                               q_blocks_per_cta=2),
     (64, True): ForwardConfig(block_kv=128, num_stages=3, pipelined=False,
                               q_blocks_per_cta=4),
     (128, False): ForwardConfig(block_kv=128, num_stages=2, pipelined=True, staggered=True),
