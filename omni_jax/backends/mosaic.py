@@ -27,7 +27,8 @@ from jax import lax
 
 from omni_jax.backends import xla
 from omni_jax.backends.base import AttentionBackend, sinks_cotangent
-from omni_jax.masks import And, BlockMask, Causal
+from omni_jax.masks import BlockMask
+from omni_jax.masks.mask_mods import includes_causal
 from omni_jax.problem import AttentionProblem
 from omni_jax.scores import primitive_names
 from pallas_kernels import compat, runtime
@@ -126,7 +127,7 @@ class MosaicBackend(AttentionBackend):
 
     def forward(self, problem, q, k, v, block_mask: BlockMask, sinks, captured):
         kmask, layout = kernel_mask(block_mask)
-        causal = _has_causal(block_mask)
+        causal = includes_causal(block_mask.mask_mod)
         out, lse = fwd.attention_forward(
             q, k, v, kmask, layout, scale=problem.scale, softcap=problem.softcap,
             score_mod=problem.score_mod, has_partial=problem.has_user_mask,
@@ -189,17 +190,6 @@ class MosaicBackend(AttentionBackend):
 def _interpret_params():
     params = runtime.mosaic_interpret_params()
     return None if params is None else compat.tma_faithful_interpret_params(params)
-
-
-def _has_causal(block_mask: BlockMask) -> bool:
-    mods = [] if block_mask.mask_mod is None else [block_mask.mask_mod]
-    while mods:
-        mod = mods.pop()
-        if isinstance(mod, Causal):
-            return True
-        if isinstance(mod, And):
-            mods += list(mod.mods)
-    return False
 
 
 def _fold_sinks(out, lse, sinks):

@@ -129,6 +129,19 @@ def has_contiguous_full_tiles(mask_mod: MaskMod | None) -> bool:
     return mask_mod is None or mask_mod.row_intervals() is not None
 
 
+def includes_causal(mask_mod: MaskMod | None) -> bool:
+    """Whether ``mask_mod`` is causal or an intersection with a causal mask (kernels pick
+    their tiling by it)."""
+    mods = [] if mask_mod is None else [mask_mod]
+    while mods:
+        mod = mods.pop()
+        if isinstance(mod, Causal):
+            return True
+        if isinstance(mod, And):
+            mods += list(mod.mods)
+    return False
+
+
 def _static_pytree(cls):
     """Registers a MaskMod whose dataclass fields are all static (no leaves)."""
 
