@@ -54,6 +54,7 @@ FORCED_MOSAIC_PREFIX = "omni_mosaic/"
 BACKWARD_FIELD_PREFIX = "bwd."
 WINDOW = 1024
 NUM_DOCUMENTS = 8
+DOCUMENT_MASKS = ("documents", "causal_documents")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +63,10 @@ class Case:
     seq: int
     heads: int
     head_dim: int
-    # "dense", "causal", "documents", "window" (causal, WINDOW keys back) or "alibi"
-    # (causal with ALiBi: a score_mod capturing per-head slopes; cuDNN gets it as a bias).
+    # "dense", "causal", "documents" (NUM_DOCUMENTS packed documents, each attending to
+    # itself), "causal_documents" (the same, causal: a causal LM's packed rows), "window"
+    # (causal, WINDOW keys back) or "alibi" (causal with ALiBi: a score_mod capturing
+    # per-head slopes; cuDNN gets it as a bias).
     mask: str
     backward: bool
     dtype: str = "bfloat16"
@@ -77,7 +80,7 @@ class Case:
 def default_cases(tiny: bool) -> list[Case]:
     if tiny:
         return [Case(1, 128, 2, 32, mask, backward, "float32")
-                for mask in ("dense", "causal", "documents", "window", "alibi")
+                for mask in ("dense", "causal", *DOCUMENT_MASKS, "window", "alibi")
                 for backward in (False, True)]
     cases = []
     for seq in (4096, 16384):
@@ -85,7 +88,7 @@ def default_cases(tiny: bool) -> list[Case]:
             for backward in (False, True):
                 cases.append(Case(16384 // seq, seq, 16, 128, mask, backward))
     # Causal at 32k is cuDNN's best answer to a document mask (it has no segment ids).
-    for mask in ("dense", "causal", "documents", "window"):
+    for mask in ("dense", "causal", *DOCUMENT_MASKS, "window"):
         for backward in (False, True):
             cases.append(Case(1, 32768, 16, 128, mask, backward))
     for head_dim in (64, 256):
@@ -116,8 +119,10 @@ def visible_pairs(case: Case) -> float:
         return s * (s + 1) / 2
     if case.mask == "window":
         return float(sum(min(i, WINDOW) + 1 for i in range(s)))
-    lengths = np.bincount(_segment_ids(case)[0])
-    return float((lengths.astype(np.float64) ** 2).sum())
+    lengths = np.bincount(_segment_ids(case)[0]).astype(np.float64)
+    if case.mask == "causal_documents":
+        return float((lengths * (lengths + 1) / 2).sum())
+    return float((lengths ** 2).sum())
 
 
 def case_flops(case: Case) -> float:
@@ -138,8 +143,9 @@ def _omni_mask_kwargs(case: Case) -> dict[str, Any]:
                 "score_mod": lambda s, b, h, i, j: s - slopes[h] * (i - j).astype(s.dtype)}
     if case.mask == "window":
         return {"local_window_size": (WINDOW, 0)}
-    if case.mask == "documents":
-        return {"q_segment_ids": jnp.asarray(_segment_ids(case))}
+    if case.mask in DOCUMENT_MASKS:
+        return {"q_segment_ids": jnp.asarray(_segment_ids(case)),
+                "is_causal": case.mask == "causal_documents"}
     return {}
 
 
@@ -154,8 +160,10 @@ def active_block_fraction(case: Case, block: int = 128) -> float:
         mask_mod = mask_mods.sliding_window_mask(WINDOW, 0)
     else:
         mask_mod = mask_mods.document_mask(jnp.asarray(_segment_ids(case)))
-    block_mask = omni_jax.create_block_mask(mask_mod, None if case.mask != "documents"
-                                            else case.batch, None, case.seq, case.seq, block)
+        if case.mask == "causal_documents":
+            mask_mod = mask_mods.and_masks(mask_mods.causal_mask, mask_mod)
+    block_mask = omni_jax.create_block_mask(mask_mod, case.batch if case.mask in DOCUMENT_MASKS
+                                            else None, None, case.seq, case.seq, block)
     tiles = block_mask.kv_indices.shape[-2] * block_mask.kv_indices.shape[-1]
     return float(np.asarray(block_mask.kv_num_blocks).sum()) / (
         tiles * np.prod(block_mask.kv_num_blocks.shape[:2]))
@@ -253,7 +261,7 @@ def _jax_nn(implementation: str) -> Callable[[Case], Callable]:
     def build(case: Case):
         if implementation == "cudnn" and jax.default_backend() != "gpu":
             raise Unsupported("cuDNN needs a GPU")
-        if case.mask == "documents":
+        if case.mask in DOCUMENT_MASKS:
             if implementation != "cudnn":
                 raise Unsupported("jax.nn.dot_product_attention has no segment ids")
             return _documents_as_padded_batch(case)
@@ -292,7 +300,8 @@ def _documents_as_padded_batch(case: Case) -> Callable:
 
         out = jax.nn.dot_product_attention(
             pack(q), pack(k), pack(v), query_seq_lengths=seq_lengths,
-            key_value_seq_lengths=seq_lengths, implementation="cudnn")
+            key_value_seq_lengths=seq_lengths, is_causal=case.mask == "causal_documents",
+            implementation="cudnn")
         return out.reshape(case.batch, len(lengths), longest, *out.shape[2:])[:, ids, offsets]
 
     return attention
@@ -306,10 +315,11 @@ def _pallas_mha(case: Case):
     if case.mask == "alibi":
         raise Unsupported("mha has no score_mod")
     interpret = jax.default_backend() != "gpu"
-    segment_ids = jnp.asarray(_segment_ids(case)) if case.mask == "documents" else None
+    segment_ids = jnp.asarray(_segment_ids(case)) if case.mask in DOCUMENT_MASKS else None
     scale = case.head_dim ** -0.5
     return lambda q, k, v: pallas_attention.mha(q, k, v, segment_ids, sm_scale=scale,
-                                                causal=case.mask == "causal",
+                                                causal=case.mask in ("causal",
+                                                                     "causal_documents"),
                                                 interpret=interpret)
 
 
@@ -332,7 +342,7 @@ def _tokamax(case: Case):
         import tokamax
     except ImportError as error:
         raise Unsupported("tokamax is not installed") from error
-    if case.mask in ("documents", "alibi"):
+    if case.mask in (*DOCUMENT_MASKS, "alibi"):
         raise Unsupported(f"{case.mask} not wired for tokamax")
     kwargs = {"is_causal": case.mask in ("causal", "window")}
     if case.mask == "window":
@@ -420,7 +430,7 @@ def _skip_note(case: Case, dense_ms: dict, impl: str, ms: float) -> str:
     dense = dense_ms.get((dataclasses.replace(case, mask="dense"), impl))
     if dense is not None:
         note += f"; time/(dense x fraction) = {ms / (dense * fraction):.2f}"
-    if case.mask == "documents":
+    if case.mask in DOCUMENT_MASKS:
         if impl == BASELINE:
             note += "; cuDNN: the documents as a padded batch with sequence lengths"
         causal = dense_ms.get((dataclasses.replace(case, mask="causal"), BASELINE))

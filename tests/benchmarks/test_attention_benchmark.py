@@ -44,7 +44,8 @@ def test_cli_help():
     assert "--tiny" in parser.format_help()
 
 
-def test_cudnn_documents_form_is_the_document_mask(monkeypatch):
+@pytest.mark.parametrize("mask", attention.DOCUMENT_MASKS)
+def test_cudnn_documents_form_is_the_document_mask(mask, monkeypatch):
     """cuDNN's row for documents (a padded batch with lengths) computes the same attention."""
     import jax.numpy as jnp
     import numpy as np
@@ -54,13 +55,34 @@ def test_cudnn_documents_form_is_the_document_mask(monkeypatch):
     plain = jax.nn.dot_product_attention
     monkeypatch.setattr(jax.nn, "dot_product_attention",
                         lambda *a, implementation=None, **k: plain(*a, implementation="xla", **k))
-    case = attention.Case(2, 256, 2, 32, "documents", False, "float32")
+    case = attention.Case(2, 256, 2, 32, mask, False, "float32")
     rng = np.random.default_rng()
     q, k, v = (jnp.asarray(rng.standard_normal((2, 256, 2, 32)), jnp.float32) for _ in range(3))
     out = attention._documents_as_padded_batch(case)(q, k, v)
     expected = omni_jax.attention(q, k, v, implementation="xla",
-                                  q_segment_ids=jnp.asarray(attention._segment_ids(case)))
+                                  **attention._omni_mask_kwargs(case))
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mask", ["dense", "causal", *attention.DOCUMENT_MASKS, "window"])
+def test_visible_pairs_count_the_masks_elements(mask):
+    """The TFLOP/s count (unmasked work only) agrees with the mask the case builds."""
+    import numpy as np
+
+    import omni_jax
+
+    case = attention.Case(1, 2048, 2, 32, mask, False, "float32")
+    kwargs = attention._omni_mask_kwargs(case)
+    parts = []
+    if kwargs.get("is_causal"):
+        parts.append(omni_jax.causal_mask)
+    if "local_window_size" in kwargs:
+        parts.append(omni_jax.sliding_window_mask(*kwargs["local_window_size"]))
+    if "q_segment_ids" in kwargs:
+        parts.append(omni_jax.document_mask(kwargs["q_segment_ids"]))
+    mask_mod = omni_jax.and_masks(*parts) if parts else (lambda b, h, q, k: q >= 0)
+    dense = omni_jax.create_block_mask(mask_mod, 1, None, 2048, 2048, 128).to_dense()
+    assert attention.visible_pairs(case) == int(np.asarray(dense).sum())
 
 
 def test_a_case_is_timed_together_and_failures_are_rows(monkeypatch, timed_together):
