@@ -149,21 +149,27 @@ def _omni_mask_kwargs(case: Case) -> dict[str, Any]:
     return {}
 
 
+def case_mask_mod(case: Case) -> Any:
+    """The structured mask that the case's `omni_jax.attention` arguments build (None:
+    dense), for counting its tiles and elements."""
+    kwargs = _omni_mask_kwargs(case)
+    parts = []
+    if kwargs.get("is_causal"):
+        parts.append(omni_jax.causal_mask)
+    if "local_window_size" in kwargs:
+        parts.append(omni_jax.sliding_window_mask(*kwargs["local_window_size"]))
+    if "q_segment_ids" in kwargs:
+        parts.append(omni_jax.document_mask(kwargs["q_segment_ids"]))
+    return omni_jax.and_masks(*parts) if parts else None
+
+
 def active_block_fraction(case: Case, block: int = 128) -> float:
     """Fraction of (q-block, kv-block) tiles the block-sparse kernels visit."""
-    if case.mask == "dense":
+    mask_mod = case_mask_mod(case)
+    if mask_mod is None:
         return 1.0
-    mask_mods = omni_jax.masks
-    if case.mask in ("causal", "alibi"):
-        mask_mod = mask_mods.mask_mods.Causal()
-    elif case.mask == "window":
-        mask_mod = mask_mods.sliding_window_mask(WINDOW, 0)
-    else:
-        mask_mod = mask_mods.document_mask(jnp.asarray(_segment_ids(case)))
-        if case.mask == "causal_documents":
-            mask_mod = mask_mods.and_masks(mask_mods.causal_mask, mask_mod)
-    block_mask = omni_jax.create_block_mask(mask_mod, case.batch if case.mask in DOCUMENT_MASKS
-                                            else None, None, case.seq, case.seq, block)
+    block_mask = omni_jax.create_block_mask(mask_mod, case.batch, None, case.seq, case.seq,
+                                            block)
     tiles = block_mask.kv_indices.shape[-2] * block_mask.kv_indices.shape[-1]
     return float(np.asarray(block_mask.kv_num_blocks).sum()) / (
         tiles * np.prod(block_mask.kv_num_blocks.shape[:2]))

@@ -64,7 +64,7 @@ def test_cudnn_documents_form_is_the_document_mask(mask, monkeypatch):
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("mask", ["dense", "causal", *attention.DOCUMENT_MASKS, "window"])
+@pytest.mark.parametrize("mask", ["dense", "causal", *attention.DOCUMENT_MASKS, "window", "alibi"])
 def test_visible_pairs_count_the_masks_elements(mask):
     """The TFLOP/s count (unmasked work only) agrees with the mask the case builds."""
     import numpy as np
@@ -72,15 +72,7 @@ def test_visible_pairs_count_the_masks_elements(mask):
     import omni_jax
 
     case = attention.Case(1, 2048, 2, 32, mask, False, "float32")
-    kwargs = attention._omni_mask_kwargs(case)
-    parts = []
-    if kwargs.get("is_causal"):
-        parts.append(omni_jax.causal_mask)
-    if "local_window_size" in kwargs:
-        parts.append(omni_jax.sliding_window_mask(*kwargs["local_window_size"]))
-    if "q_segment_ids" in kwargs:
-        parts.append(omni_jax.document_mask(kwargs["q_segment_ids"]))
-    mask_mod = omni_jax.and_masks(*parts) if parts else (lambda b, h, q, k: q >= 0)
+    mask_mod = attention.case_mask_mod(case) or (lambda b, h, q, k: q >= 0)
     dense = omni_jax.create_block_mask(mask_mod, 1, None, 2048, 2048, 128).to_dense()
     assert attention.visible_pairs(case) == int(np.asarray(dense).sum())
 
