@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from omni_jax.masks import PARTIAL
+from omni_jax.masks import FULL, PARTIAL
 from omni_jax.scores import ConvertedScoreMod, transform_scores
 from pallas_kernels.block_sparse import MaskLayout, batch_head_index, tile_visibility
 from pallas_kernels.captured import score_mod_on_refs
@@ -139,10 +139,13 @@ class Walk:
         return carry
 
     def _step(self, it: Array, full: bool, first: Array | None = None) -> Step:
-        """Step ``it``; its block is ``first`` + its position when given (contiguous)."""
+        """Step ``it``; its block is ``first`` + its position when given (contiguous).
+        FULL steps read no flags or partial ids: they have none to apply."""
         j, sub = (it, 0) if self.subs == 1 else (lax.div(it, self.subs), lax.rem(it, self.subs))
         at = (*self._lead, j)
         block = self._indices[at] if first is None else first + j
+        if full:
+            return Step(block, sub, jnp.int32(FULL), jnp.int32(-1), full)
         return Step(block, sub, self._flags[at], self._partial_ids[at], full)
 
 
