@@ -53,8 +53,8 @@ class MaskLayout:
     # Structure of the mask_mod (None: no structured mask) and its leaves' kinds.
     mask_mod_treedef: Any
     leaf_kinds: tuple[LeafKind, ...]
-    # `BlockMask.contiguous_full`: FULL tiles are walked by counting, not by index.
-    contiguous_full: bool = False
+    # `BlockMask.contiguous_full`: FULL tiles may be walked by counting, not by index.
+    contiguous_full: bool
 
     @property
     def ragged_kv(self) -> bool:

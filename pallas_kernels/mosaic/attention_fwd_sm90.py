@@ -652,6 +652,14 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
     return out[:, :q_len, :, :head_dim_v], lse[..., :q_len]
 
 
+def _schedule_barrier(cfg: ForwardConfig) -> Any:
+    """The serial schedule's ping-pong barrier, the pipelined one's stagger barrier (one
+    arrival, once per CTA), or None (pipelined, not staggered)."""
+    if not cfg.pipelined:
+        return plgpu.Barrier(num_arrivals=NUM_CONSUMERS)
+    return plgpu.Barrier(num_arrivals=1) if cfg.staggered else None
+
+
 def _scratch(s: _Statics):
     cfg = s.config
     captured_smem, captured_barrier = common.captured_scratch(s)
@@ -686,9 +694,7 @@ def _scratch(s: _Statics):
         consumed,
         # A q-block's walk and q leaves (and Q, O, lse) are no longer read.
         plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=2),
-        # The serial schedule's ping-pong, or the pipelined one's stagger.
-        (plgpu.Barrier(num_arrivals=1) if cfg.staggered else None) if cfg.pipelined
-        else plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
+        _schedule_barrier(cfg),
         captured_barrier,
     )
     return smem, barriers
