@@ -102,7 +102,9 @@ def attention(query: Array, key: Array, value: Array, *, mask: BlockMask | None 
         block_size=None if mask is None else mask.block_size)
     plan = plan_attention(implementation, problem)
     block_mask = _effective_mask(mask, _argument_mask(is_causal, window, segments), plan.problem)
-    out, lse = _attention(plan, query, key, value, block_mask, sinks, tuple(captured))
+    static_mask, traced_mask = _split_by_concreteness(block_mask)
+    out, lse = _attention(plan, static_mask, query, key, value, traced_mask, sinks,
+                          tuple(captured))
     return (out, lse) if return_lse else out
 
 
@@ -137,22 +139,44 @@ def _grid(problem: AttentionProblem) -> BlockGrid:
     return BlockGrid(problem.q_len, problem.kv_len, *problem.block_size)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(plan: AttentionPlan, q, k, v, block_mask, sinks, captured):
+def _split_by_concreteness(block_mask: BlockMask) -> tuple[BlockMask | None, BlockMask | None]:
+    """``(mask, None)`` when none of its arrays is traced, else ``(None, mask)``.
+
+    A mask known at trace time (causal, windows, BlockMasks built from static
+    structure) crosses the custom_vjp as a non-differentiable Python value, so it
+    is still concrete where the backends turn it into kernel operands: they do
+    that once while tracing (`trace_time_eval`), and the kernels get constants
+    instead of a few small XLA kernels launched before every call. Masks built
+    from traced arrays (segment ids passed to a jitted function) are ordinary
+    arguments.
+    """
+    traced = any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(block_mask))
+    return (None, block_mask) if traced else (block_mask, None)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attention(plan: AttentionPlan, static_mask, q, k, v, traced_mask, sinks, captured):
+    block_mask = _either(static_mask, traced_mask)
     return plan.forward.forward(plan.problem, q, k, v, block_mask, sinks, captured)
 
 
-def _attention_fwd(plan: AttentionPlan, q, k, v, block_mask, sinks, captured):
+def _attention_fwd(plan: AttentionPlan, static_mask, q, k, v, traced_mask, sinks, captured):
+    block_mask = _either(static_mask, traced_mask)
     out, lse = plan.forward.forward(plan.problem, q, k, v, block_mask, sinks, captured)
-    return (out, lse), (q, k, v, block_mask, sinks, captured, out, lse)
+    return (out, lse), (q, k, v, traced_mask, sinks, captured, out, lse)
 
 
-def _attention_bwd(plan: AttentionPlan, residuals, cotangents):
-    q, k, v, block_mask, sinks, captured, out, lse = residuals
+def _attention_bwd(plan: AttentionPlan, static_mask, residuals, cotangents):
+    q, k, v, traced_mask, sinks, captured, out, lse = residuals
     dout, dlse = cotangents
     dq, dk, dv, dsinks, dcaptured = plan.backward.backward(
-        plan.problem, q, k, v, block_mask, sinks, captured, out, lse, dout, dlse)
-    return (dq, dk, dv, jax.tree.map(zero_cotangent, block_mask), dsinks, tuple(dcaptured))
+        plan.problem, q, k, v, _either(static_mask, traced_mask), sinks, captured, out, lse,
+        dout, dlse)
+    return (dq, dk, dv, jax.tree.map(zero_cotangent, traced_mask), dsinks, tuple(dcaptured))
+
+
+def _either(static_mask: BlockMask | None, traced_mask: BlockMask | None) -> BlockMask:
+    return traced_mask if static_mask is None else static_mask
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from omni_jax.masks import COMPUTED, FULL, PARTIAL, BlockMask
+from omni_jax.masks.block_mask import trace_time_eval
 from omni_jax.masks.mask_mods import LeafKind
 
 Array = Any
@@ -85,7 +86,13 @@ class KernelMask:
 
 
 def kernel_mask(mask: BlockMask) -> tuple[KernelMask, MaskLayout]:
-    """Kernel inputs and static layout of ``mask``."""
+    """Kernel inputs and static layout of ``mask``; computed while tracing when ``mask`` is
+    concrete (`trace_time_eval`), so that a static mask costs no XLA ops per call."""
+    with trace_time_eval(mask.grid):
+        return _kernel_mask(mask)
+
+
+def _kernel_mask(mask: BlockMask) -> tuple[KernelMask, MaskLayout]:
     grid = mask.grid
     if mask.mask_mod is None:
         leaves, treedef, kinds = [], None, ()

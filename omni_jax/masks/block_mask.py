@@ -66,8 +66,12 @@ def _compact(dense_flags: Array, dense_partial_ids: Array):
 _TRACE_TIME_TILES = 1 << 16
 
 
-def trace_time_eval(grid: BlockGrid) -> contextlib.AbstractContextManager:
-    """Evaluates mask construction for ``grid`` eagerly where its inputs are not traced."""
+def trace_time_eval(grid: Any) -> contextlib.AbstractContextManager:
+    """Evaluates mask construction for ``grid`` (a `BlockGrid`, or anything else with
+    ``num_q_blocks`` and ``num_kv_blocks``) eagerly where its inputs are not traced.
+
+    Only for array code on masks: kernel bodies traced inside it would be evaluated
+    eagerly too."""
     if grid.num_q_blocks * grid.num_kv_blocks <= _TRACE_TIME_TILES:
         return jax.ensure_compile_time_eval()
     return contextlib.nullcontext()

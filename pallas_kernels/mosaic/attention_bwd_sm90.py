@@ -53,6 +53,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from omni_jax.masks import PARTIAL
+from omni_jax.masks.block_mask import trace_time_eval
 from omni_jax.scores import ConvertedScoreMod
 from pallas_kernels import compat
 from pallas_kernels.block_sparse import KernelMask, MaskLayout
@@ -539,11 +540,14 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
 
     pad = lambda x, d: common.pad_sequence(common.pad_last(x, d))
     q, k, v, do = pad(q, dim), pad(k, dim), pad(v, dim_v), pad(dout.astype(q.dtype), dim_v)
-    dq_walk = common.packed_walk(kmask.kv_num_blocks, kmask.kv_num_full, kmask.kv_indices,
-                                 kmask.kv_tile_flags, kmask.kv_partial_ids)
-    dkv_walk = common.packed_walk(kmask.q_num_blocks, kmask.q_num_full, kmask.q_indices,
-                                  kmask.q_tile_flags, kmask.q_partial_ids)
-    q_leaves, kv_leaves, leaf_slots = common.stacked_leaves(kmask, layout, batch)
+    with trace_time_eval(layout):  # constants when the mask is concrete
+        dq_walk = common.packed_walk(kmask.kv_num_blocks, kmask.kv_num_full, kmask.kv_indices,
+                                     kmask.kv_tile_flags, kmask.kv_partial_ids)
+        dkv_walk = common.packed_walk(kmask.q_num_blocks, kmask.q_num_full, kmask.q_indices,
+                                      kmask.q_tile_flags, kmask.q_partial_ids)
+        q_leaves, kv_leaves, leaf_slots = common.stacked_leaves(kmask, layout, batch)
+        partial_masks = kmask.partial_masks.astype(jnp.int8)
+        partial_masks_kv_major = jnp.swapaxes(partial_masks, 1, 2)
     interpret = interpret_params is not None
     scores, packed_captured = common.score_spec(scale, softcap, score_mod, captured)
     statics = _Statics(
@@ -559,7 +563,6 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
                 *(x for x in (q_leaves, kv_leaves, packed_captured) if x is not None)]
 
     params = plgpu.CompilerParams(approx_math=True)
-    partial_masks = kmask.partial_masks.astype(jnp.int8)
     dk, dv = compat.mosaic_kernel(
         functools.partial(_dkv_kernel, statics),
         (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
@@ -568,7 +571,7 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
         grid=(batch * num_kv_heads, layout.num_kv_blocks), grid_names=("batch_head", "kv_block"),
         num_threads=config.dkv_consumers + 1, thread_name="wg", compiler_params=params,
         interpret=interpret_params,
-    )(*operands(dkv_walk, jnp.swapaxes(partial_masks, 1, 2)))  # kv-major tiles
+    )(*operands(dkv_walk, partial_masks_kv_major))
     dq = compat.mosaic_kernel(
         functools.partial(_dq_kernel, statics), jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch_types=_dq_scratch(statics),

@@ -59,6 +59,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from omni_jax.masks.block_mask import trace_time_eval
 from omni_jax.scores import ConvertedScoreMod
 from pallas_kernels import compat
 from pallas_kernels.block_sparse import KernelMask, MaskLayout
@@ -617,9 +618,11 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
     # TMA boxes into 8-row-tiled smem need sequence lengths that are multiples of 8;
     # padded keys lie past kv_len, in the ragged (COMPUTED, hence masked) last block.
     q, k, v = common.pad_sequence(q), common.pad_sequence(k), common.pad_sequence(v)
-    walk = common.packed_walk(kmask.kv_num_blocks, kmask.kv_num_full, kmask.kv_indices,
-                              kmask.kv_tile_flags, kmask.kv_partial_ids)
-    q_leaves, kv_leaves, leaf_slots = common.stacked_leaves(kmask, layout, batch)
+    with trace_time_eval(layout):  # constants when the mask is concrete
+        walk = common.packed_walk(kmask.kv_num_blocks, kmask.kv_num_full, kmask.kv_indices,
+                                  kmask.kv_tile_flags, kmask.kv_partial_ids)
+        q_leaves, kv_leaves, leaf_slots = common.stacked_leaves(kmask, layout, batch)
+        partial_tiles = kmask.partial_masks.astype(jnp.int8)
     interpret = interpret_params is not None
     scores, packed_captured = common.score_spec(scale, softcap, score_mod, captured)
     statics = _Statics(
@@ -633,7 +636,7 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
 
     operands = [q, k, v, walk]
     if has_partial:
-        operands.append(kmask.partial_masks.astype(jnp.int8))
+        operands.append(partial_tiles)
     operands += [x for x in (q_leaves, kv_leaves, packed_captured) if x is not None]
     q_padded = layout.num_q_blocks * config.block_q
     out_type = (jax.ShapeDtypeStruct((batch, q.shape[1], num_q_heads, dim_v), q.dtype),
