@@ -140,6 +140,29 @@ def _full_tiles_first(count: Array, indices: Array, flags: Array, partial_ids: A
             reorder(partial_ids))
 
 
+def walk_offsets(num_blocks: int) -> tuple[int, int, int]:
+    """Where a packed walk row (`packed_walk`) holds its block indices, flags and partial ids.
+
+    Entry 0 is the count of active blocks, entry 1 the number of FULL ones
+    (listed first).
+    """
+    return 2, 2 + num_blocks, 2 + 2 * num_blocks
+
+
+def packed_walk(count: Array, num_full: Array, indices: Array, flags: Array,
+                partial_ids: Array) -> Array:
+    """One orientation of `KernelMask`'s walk (``kv_*`` for q-blocks, ``q_*`` for kv-blocks)
+    as one int32 array ``[Bm, Hm, n, 2 + 3 * m]``: per walked block its count, FULL count,
+    indices, flags and partial ids (`walk_offsets`).
+
+    One array rather than five: a kernel reads one row, and a static mask is one
+    constant (XLA materialises uniform constants, such as a dense mask's counts,
+    with a kernel of their own at every call).
+    """
+    return jnp.concatenate([count[..., None], num_full[..., None], indices, flags,
+                            partial_ids], axis=-1).astype(jnp.int32)
+
+
 def batch_head_index(mask_array: Array, batch: Array, head: Array) -> tuple[Array, Array]:
     """Indices into the broadcastable leading ``[Bm, Hm]`` dims of a mask array."""
     bm, hm = mask_array.shape[:2]

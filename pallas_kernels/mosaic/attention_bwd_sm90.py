@@ -56,7 +56,7 @@ from omni_jax.masks import PARTIAL
 from omni_jax.masks.block_mask import trace_time_eval
 from omni_jax.scores import ConvertedScoreMod
 from pallas_kernels import compat
-from pallas_kernels.block_sparse import KernelMask, MaskLayout
+from pallas_kernels.block_sparse import KernelMask, MaskLayout, walk_offsets
 from pallas_kernels.mosaic import attention_sm90_common as common
 from pallas_kernels.mosaic.attention_sm90_common import (
     BLOCK_Q,
@@ -220,7 +220,7 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
     kv_head = lax.rem(batch_head, s.num_kv_heads)
     first_head = kv_head * s.group_size
     wg = lax.axis_index("wg")
-    index_offset, flags_offset, partial_offset = common.walk_offsets(s.layout.num_q_blocks)
+    index_offset, flags_offset, partial_offset = walk_offsets(s.layout.num_q_blocks)
 
     def entry(g, i):
         """Entry ``i`` of the walk of the group's ``g``-th query head."""
@@ -407,7 +407,7 @@ def _dq_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *r
 
     q_block, batch, head, kv_head = common.q_block_program(s)
     wg = lax.axis_index("wg")
-    offsets = common.walk_offsets(s.layout.num_kv_blocks)
+    offsets = walk_offsets(s.layout.num_kv_blocks)
     index_offset, flags_offset, _ = offsets
 
     @pl.when(wg == NUM_DQ_CONSUMERS)

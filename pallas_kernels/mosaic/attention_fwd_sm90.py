@@ -62,7 +62,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from omni_jax.masks.block_mask import trace_time_eval
 from omni_jax.scores import ConvertedScoreMod
 from pallas_kernels import compat
-from pallas_kernels.block_sparse import KernelMask, MaskLayout
+from pallas_kernels.block_sparse import KernelMask, MaskLayout, walk_offsets
 from pallas_kernels.mosaic import attention_sm90_common as common
 from pallas_kernels.mosaic.attention_sm90_common import (
     BLOCK_Q,
@@ -215,7 +215,7 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
         return common.q_block_at(s.layout.num_q_blocks, first + i, interleaved=per_cta > 1)
 
     wg = lax.axis_index("wg")
-    offsets = common.walk_offsets(s.layout.num_kv_blocks)
+    offsets = walk_offsets(s.layout.num_kv_blocks)
     index_offset, flags_offset, _ = offsets
 
     @pl.when(wg == NUM_CONSUMERS)

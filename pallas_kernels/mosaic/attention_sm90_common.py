@@ -22,7 +22,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from omni_jax.masks import PARTIAL
 from omni_jax.scores import ConvertedScoreMod, apply_score_mod
-from pallas_kernels import compat
+from pallas_kernels import block_sparse, compat
 from pallas_kernels.block_sparse import KernelMask, MaskLayout, tile_visibility
 from pallas_kernels.captured import PackedCaptured, score_mod_on_packed
 
@@ -45,27 +45,12 @@ def padded_head_dim(head_dim: int) -> int | None:
     return next((d for d in SUPPORTED_HEAD_DIMS if head_dim <= d), None)
 
 
-def walk_offsets(num_blocks: int) -> tuple[int, int, int]:
-    """Offsets of block indices, tile flags and partial ids in a walk row.
-
-    Entry 0 is the count of active blocks, entry 1 the number of FULL ones
-    (listed first).
-    """
-    return 2, 2 + num_blocks, 2 + 2 * num_blocks
-
-
 def packed_walk(count: Array, num_full: Array, indices: Array, flags: Array,
                 partial_ids: Array) -> Array:
-    """``[Bm, Hm, n, R, WALK_LINE]`` int32: per walked block (count, FULL count, indices,
-    flags, ids).
-
-    Takes one orientation of `KernelMask` (``kv_*`` for q-blocks, ``q_*`` for
-    kv-blocks); one block's walk is then one 2-D TMA per CTA.
-    """
-    rows = jnp.concatenate([count[..., None], num_full[..., None], indices, flags,
-                            partial_ids], axis=-1)
-    width = 2 + 3 * indices.shape[-1]
-    rows = jnp.pad(rows.astype(jnp.int32), ((0, 0),) * 3 + ((0, -width % WALK_LINE),))
+    """`block_sparse.packed_walk` as ``[Bm, Hm, n, R, WALK_LINE]``: one walked block's row
+    is one 2-D TMA box per CTA."""
+    rows = block_sparse.packed_walk(count, num_full, indices, flags, partial_ids)
+    rows = jnp.pad(rows, ((0, 0),) * 3 + ((0, -rows.shape[-1] % WALK_LINE),))
     return rows.reshape(*rows.shape[:3], -1, WALK_LINE)
 
 

@@ -73,12 +73,10 @@ def _dkdv_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, group: int) ->
     k = inputs["k"][b, pl.ds(kv_start, tkv), kv_head, :]
     v = inputs["v"][b, pl.ds(kv_start, tkv), kv_head, :]
     mask = inputs["mask"]
-    walks = (mask.q_num_blocks, mask.q_num_full, mask.q_indices, mask.q_tile_flags,
-             mask.q_partial_ids)
 
     def head(g, carry):
         h = kv_head * group + g
-        walk = tiles.Walk(walks, b, h, lax.div(kv_start, layout.block_kv),
+        walk = tiles.Walk(mask.q_walk, b, h, lax.div(kv_start, layout.block_kv),
                           layout.block_q // tq)
 
         def body(step, carry):
@@ -115,9 +113,8 @@ def _dq_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, group: int) -> N
     lse2 = inputs["lse2"][b, h, pl.ds(q_start, tq)]
     delta = inputs["delta"][b, h, pl.ds(q_start, tq)]
     mask = inputs["mask"]
-    walk = tiles.Walk((mask.kv_num_blocks, mask.kv_num_full, mask.kv_indices,
-                       mask.kv_tile_flags, mask.kv_partial_ids), b, h,
-                      lax.div(q_start, layout.block_q), layout.block_kv // tkv)
+    walk = tiles.Walk(mask.kv_walk, b, h, lax.div(q_start, layout.block_q),
+                      layout.block_kv // tkv)
 
     def body(step, dq):
         kv_start = step.block * layout.block_kv + step.sub * tkv
@@ -170,7 +167,8 @@ def attention_backward(q: Array, k: Array, v: Array, mask: KernelMask, layout: M
         "do": tiles.pad_to(tiles.pad_to(dout.astype(q.dtype), 1, q_pad), 3, dim_v),
         "lse2": tiles.pad_to(lse2, 2, q_pad, jnp.inf),
         "delta": tiles.pad_to(delta, 2, q_pad),
-        "mask": mask,
+        "mask": tiles.mask_operands(mask, layout, q_walk=True, kv_walk=True,
+                                    partial_tiles=partial_tiles),
         "captured": [jnp.atleast_1d(c) for c in captured],
     }
     flat, treedef = tiles.pack_operands(operands)

@@ -59,10 +59,8 @@ def _forward_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, num_q_tiles
     q_start = q_tile * tq
     q = inputs["q"][b, pl.ds(q_start, tq), h, :]
     mask = inputs["mask"]
-    walk = tiles.Walk((mask.kv_num_blocks, mask.kv_num_full, mask.kv_indices,
-                       mask.kv_tile_flags, mask.kv_partial_ids), b, h,
-                      lax.div(q_start, layout.block_q), layout.block_kv // tkv,
-                      contiguous_full=layout.contiguous_full)
+    walk = tiles.Walk(mask.kv_walk, b, h, lax.div(q_start, layout.block_q),
+                      layout.block_kv // tkv, contiguous_full=layout.contiguous_full)
 
     # Plain scores stay raw until the softmax, which folds the scale into the exp2
     # argument (one FMA per score); the row max is scaled per row.
@@ -133,7 +131,8 @@ def attention_forward(q: Array, k: Array, v: Array, mask: KernelMask, layout: Ma
         "q": tiles.pad_to(tiles.pad_to(q, 1, q_pad), 3, dim),
         "k": tiles.pad_to(tiles.pad_to(k, 1, kv_pad), 3, dim),
         "v": tiles.pad_to(tiles.pad_to(v, 1, kv_pad), 3, dim_v),
-        "mask": mask,
+        "mask": tiles.mask_operands(mask, layout, q_walk=False, kv_walk=True,
+                                    partial_tiles=partial_tiles),
         "sinks": None if sinks is None else sinks.astype(jnp.float32),
         "captured": [jnp.atleast_1d(c) for c in captured],
     }

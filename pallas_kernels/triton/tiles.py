@@ -25,8 +25,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from omni_jax.masks import FULL, PARTIAL
+from omni_jax.masks.block_mask import trace_time_eval
 from omni_jax.scores import ConvertedScoreMod, transform_scores
-from pallas_kernels.block_sparse import MaskLayout, batch_head_index, tile_visibility
+from pallas_kernels.block_sparse import (
+    KernelMask,
+    MaskLayout,
+    batch_head_index,
+    packed_walk,
+    tile_visibility,
+    walk_offsets,
+)
 from pallas_kernels.captured import score_mod_on_refs
 
 Array = Any
@@ -90,6 +98,32 @@ class ScoreSpec:
         return self.softcap is None and self.score_mod is None
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MaskOperands:
+    """The mask as the Triton kernels read it (`mask_operands`)."""
+
+    q_walk: Array | None  # kv-blocks' walks over q-blocks (dK/dV), packed
+    kv_walk: Array | None  # q-blocks' walks over kv-blocks (forward, dQ), packed
+    partial_masks: Array | None  # stored tiles; None when the mask has no PARTIAL tile
+    leaves: tuple[Array, ...]  # mask_mod leaves (`block_sparse` docstring)
+
+
+def mask_operands(mask: KernelMask, layout: MaskLayout, *, q_walk: bool, kv_walk: bool,
+                  partial_tiles: bool) -> MaskOperands:
+    """The walks a kernel takes, each packed into one array (`block_sparse.packed_walk`),
+    and the stored tiles only when ``partial_tiles``; computed while tracing when the
+    mask is concrete, so that a static mask reaches the kernels as constants."""
+    with trace_time_eval(layout):
+        return MaskOperands(
+            q_walk=(packed_walk(mask.q_num_blocks, mask.q_num_full, mask.q_indices,
+                                mask.q_tile_flags, mask.q_partial_ids) if q_walk else None),
+            kv_walk=(packed_walk(mask.kv_num_blocks, mask.kv_num_full, mask.kv_indices,
+                                 mask.kv_tile_flags, mask.kv_partial_ids) if kv_walk else None),
+            partial_masks=mask.partial_masks if partial_tiles else None,
+            leaves=mask.leaves)
+
+
 @dataclasses.dataclass(frozen=True)
 class Step:
     """One tile of a walk: its mask block, sub-tile within the block, and the block's flags.
@@ -107,34 +141,38 @@ class Step:
 class Walk:
     """The active tiles of one mask block row (q-major) or column (kv-major).
 
-    ``refs`` are the walk arrays of `KernelMask` (count, number of FULL tiles,
-    indices, flags, partial ids) in one orientation; ``subs`` is the number of
-    kernel tiles per walked mask block. Steps run block by block, sub-tile by
-    sub-tile: the FULL tiles (listed first) in one flat loop without mask code,
-    then the masked tiles in another, each of which Triton can software-pipeline.
-    ``contiguous_full`` (`MaskLayout.contiguous_full`): the FULL blocks are
-    consecutive, so the FULL loop counts up from the first one instead of reading
-    each index and its K/V addresses do not wait on a load. The forward passes it
-    (3-5% faster on the H100); the backward kernels do not (2-3% slower there).
+    ``ref`` is one orientation's packed walk (`MaskOperands`); ``subs`` is the
+    number of kernel tiles per walked mask block. Steps run block by block,
+    sub-tile by sub-tile: the FULL tiles (listed first) in one flat loop without
+    mask code, then the masked tiles in another, each of which Triton can
+    software-pipeline. ``contiguous_full`` (`MaskLayout.contiguous_full`): the
+    FULL blocks are consecutive, so the FULL loop counts up from the first one
+    instead of reading each index and its K/V addresses do not wait on a load.
+    The forward passes it (3-5% faster on the H100); the backward kernels do not
+    (2-3% slower there).
     """
 
-    def __init__(self, refs: Sequence[Any], b: Array, h: Array, block: Array, subs: int, *,
+    def __init__(self, ref: Any, b: Array, h: Array, block: Array, subs: int, *,
                  contiguous_full: bool = False):
-        self._count, self._num_full, self._indices, self._flags, self._partial_ids = refs
-        mb, mh = batch_head_index(self._count, b, h)
+        self._ref = ref
+        mb, mh = batch_head_index(ref, b, h)
         self._lead = (mb, mh, block)
+        self._offsets = walk_offsets((ref.shape[-1] - 2) // 3)
         self.subs = subs
         self._contiguous_full = contiguous_full
+
+    def _entry(self, i: Any) -> Array:
+        return self._ref[(*self._lead, i)]
 
     def fold(self, body: Any, carry: Any, masked_tiles: bool) -> Any:
         """``body(step, carry) -> carry`` over every step; ``masked_tiles`` False promises
         that every tile is FULL (the mask has no COMPUTED or PARTIAL tile)."""
-        num_full = self._num_full[self._lead] * self.subs
-        first = self._indices[(*self._lead, 0)] if self._contiguous_full else None
+        num_full = self._entry(1) * self.subs
+        first = self._entry(self._offsets[0]) if self._contiguous_full else None
         carry = lax.fori_loop(0, num_full, lambda it, c: body(self._step(it, True, first), c),
                               carry)
         if masked_tiles:
-            carry = lax.fori_loop(num_full, self._count[self._lead] * self.subs,
+            carry = lax.fori_loop(num_full, self._entry(0) * self.subs,
                                   lambda it, c: body(self._step(it, False), c), carry)
         return carry
 
@@ -142,11 +180,11 @@ class Walk:
         """Step ``it``; its block is ``first`` + its position when given (contiguous).
         FULL steps read no flags or partial ids: they have none to apply."""
         j, sub = (it, 0) if self.subs == 1 else (lax.div(it, self.subs), lax.rem(it, self.subs))
-        at = (*self._lead, j)
-        block = self._indices[at] if first is None else first + j
+        index, flags, partial_id = self._offsets
+        block = self._entry(index + j) if first is None else first + j
         if full:
             return Step(block, sub, jnp.int32(FULL), jnp.int32(-1), full)
-        return Step(block, sub, self._flags[at], self._partial_ids[at], full)
+        return Step(block, sub, self._entry(flags + j), self._entry(partial_id + j), full)
 
 
 def positions(start: Array, size: int, axis: int) -> Array:

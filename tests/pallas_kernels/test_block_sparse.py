@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from omni_jax.masks import FULL, BlockMask
-from pallas_kernels.block_sparse import kernel_mask
+from pallas_kernels.block_sparse import kernel_mask, packed_walk, walk_offsets
 
 
 @st.composite
@@ -47,3 +47,21 @@ def test_walks_list_full_tiles_first(tile_flags):
                 (mask.kv_indices, mask.kv_tile_flags, mask.kv_partial_ids))
     _check_walk(mask.q_num_blocks, kmask.q_num_full, kmask.q_indices, kmask.q_tile_flags,
                 kmask.q_partial_ids, (mask.q_indices, mask.q_tile_flags, mask.q_partial_ids))
+    _check_packed(kmask.kv_num_blocks, kmask.kv_num_full, kmask.kv_indices,
+                  kmask.kv_tile_flags, kmask.kv_partial_ids)
+    _check_packed(kmask.q_num_blocks, kmask.q_num_full, kmask.q_indices, kmask.q_tile_flags,
+                  kmask.q_partial_ids)
+
+
+def _check_packed(*walk):
+    """The packed row holds every array of the walk where `walk_offsets` says."""
+    packed = np.asarray(packed_walk(*walk))
+    count, num_full, indices, flags, ids = map(np.asarray, walk)
+    m = indices.shape[-1]
+    assert packed.shape == (*count.shape, 2 + 3 * m) and packed.dtype == np.int32
+    index_at, flags_at, ids_at = walk_offsets(m)
+    np.testing.assert_array_equal(packed[..., 0], count)
+    np.testing.assert_array_equal(packed[..., 1], num_full)
+    np.testing.assert_array_equal(packed[..., index_at:index_at + m], indices)
+    np.testing.assert_array_equal(packed[..., flags_at:flags_at + m], flags)
+    np.testing.assert_array_equal(packed[..., ids_at:ids_at + m], ids)
