@@ -3,7 +3,8 @@
 The operands of a GEMM kernel here are batched: ``a`` is ``(*batch_a, M, K)``
 (``(*batch_a, K, M)`` when ``transpose_a``), ``b`` is ``(*batch_b, K, N)``
 (``(*batch_b, N, K)`` when ``transpose_b``), and the optional per-column
-epilogue vectors ``scale`` and ``bias`` are ``(*batch_v, N)`` float32. Each
+epilogue vectors ``scale`` (float32) and ``bias`` (float32 or a 16-bit float, widened
+in the epilogue) are ``(*batch_v, N)``. Each
 batch shape has the rank of the output batch shape, with every dimension
 either equal to the output's or 1 (broadcast, read at index 0): broadcasting
 is resolved by index arithmetic inside the kernel, never by copies.
@@ -92,7 +93,7 @@ def epilogue(
     if scale is not None:
         acc = acc * _along_rows(scale, acc.shape)
     if bias is not None:
-        acc = acc + _along_rows(bias, acc.shape)
+        acc = acc + _along_rows(bias.astype(jnp.float32), acc.shape)
     if activation is not None:
         acc = ACTIVATIONS[activation](acc)
     return acc.astype(out_dtype)

@@ -25,6 +25,10 @@ from omni_jax.matmul import implementations
 from omni_jax.matmul import validation as check
 from pallas_kernels.matmul_common import ACTIVATIONS, problem_of
 
+# Bias dtypes every GEMM kernel reads as given (widening in its epilogue); others are
+# converted to float32 first.
+_BIAS_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
 Array = Any
 IMPLEMENTATIONS = check.IMPLEMENTATIONS
 
@@ -78,8 +82,8 @@ def matmul(
         b_factor = jnp.asarray(one if b_scale is None else b_scale, jnp.float32)
         product = product * b_factor.reshape(())
         scale = jnp.broadcast_to(product, (n,))
-    if bias is not None:
-        bias = jnp.asarray(bias, jnp.float32)
+    if bias is not None and jnp.dtype(bias.dtype) not in _BIAS_DTYPES:
+        bias = jnp.asarray(bias, jnp.float32)  # 16-bit and float32 biases stay as given
 
     spec = _Spec(bool(transpose_a), bool(transpose_b), activation, out_dtype, "xla")
     problem = spec.problem(a, b, scale, bias)
@@ -148,15 +152,16 @@ def _differentiable(spec: _Spec):
         return _gemm(spec, a, b, scale, bias)
 
     def forward(a, b, scale, bias):
+        # The bias (an N-vector) stays a residual for its dtype, which its gradient takes.
         if spec.activation is None:
-            return fused(a, b, scale, bias), (a, b, None, bias is not None)
+            return fused(a, b, scale, bias), (a, b, None, bias)
         # Keep the pre-activation for the activation's derivative.
         linear = _gemm(dataclasses.replace(spec, activation=None), a, b, scale, bias)
         out = ACTIVATIONS[spec.activation](linear.astype(jnp.float32)).astype(spec.out_dtype)
-        return out, (a, b, linear, bias is not None)
+        return out, (a, b, linear, bias)
 
     def backward(residuals, d_out):
-        a, b, linear, has_bias = residuals
+        a, b, linear, bias = residuals
         if jnp.dtype(a.dtype) in check.FP8_DTYPES:
             raise TypeError("matmul: gradients through fp8 operands are not supported")
         d_linear = d_out.astype(jnp.float32)
@@ -164,7 +169,7 @@ def _differentiable(spec: _Spec):
             _, activation_vjp = jax.vjp(ACTIVATIONS[spec.activation], linear.astype(jnp.float32))
             (d_linear,) = activation_vjp(d_linear)
         d_a, d_b = _operand_gradients(spec, a, b, d_linear.astype(a.dtype))
-        d_bias = d_linear.sum(axis=0) if has_bias else None
+        d_bias = None if bias is None else d_linear.sum(axis=0).astype(bias.dtype)
         return d_a, d_b, None, d_bias
 
     fused.defvjp(forward, backward)

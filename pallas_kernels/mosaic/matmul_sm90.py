@@ -349,7 +349,7 @@ def _kernel(
         cols = pl.ds(n0, c.tile_n)
         return b_gmem.at[bi, cols, rows] if p.transpose_b else b_gmem.at[bi, rows, cols]
 
-    def scoped(a_buf, b_buf, out_buf, vec_smem, full, empty, vec_bar):
+    def scoped(a_buf, b_buf, out_buf, vec_smems, full, empty, vec_bar):
         wg = lax.axis_index("wg")
         # (tiled view for wgmma and register stores, view that TMA addresses)
         a_smem, a_tma = a_buf if untiled_tma["a"] else (a_buf, a_buf)
@@ -417,9 +417,9 @@ def _kernel(
 
                 def compute_tile():
                     # Epilogue vectors for this tile; the copy overlaps the main loop.
-                    for j, vec in enumerate(vec_gmems):
+                    for vec, smem in zip(vec_gmems, vec_smems, strict=True):
                         plgpu.copy_gmem_to_smem(
-                            vec.at[vi, pl.ds(n0, c.tile_n)], vec_smem.at[wg, j], vec_bar.at[wg]
+                            vec.at[vi, pl.ds(n0, c.tile_n)], smem.at[wg], vec_bar.at[wg]
                         )
                     pl.run_scoped(main_loop, plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
 
@@ -465,7 +465,7 @@ def _kernel(
             for em in range(c.tile_m // epi_m):
                 for en in range(chunks_n):
                     cols = slice(en * epi_n, (en + 1) * epi_n)
-                    vecs = [vec_smem[wg, j, cols] for j in range(len(vec_gmems))]
+                    vecs = [smem[wg, cols] for smem in vec_smems]
                     scale = vecs.pop(0) if p.has_scale else None
                     bias = vecs.pop(0) if p.has_bias else None
                     rows = slice(em * epi_m, (em + 1) * epi_m)
@@ -491,10 +491,8 @@ def _kernel(
         a_buf=_staging((c.rings, c.stages, c.parts, *a_block), p.in_dtype, untiled_tma["a"]),
         b_buf=_staging((c.rings, c.stages, *b_block), p.in_dtype, untiled_tma["b"]),
         out_buf=_staging((c.num_consumers, 2, epi_m, epi_n), p.out_dtype, untiled_tma["out"]),
-        vec_smem=plgpu.SMEM(
-            (c.num_consumers, len(vec_gmems), c.tile_n) if vec_gmems else (1, 1, 16),
-            jnp.float32,
-        ),
+        # Each epilogue vector in its own dtype (a 16-bit bias is widened in the epilogue).
+        vec_smems=tuple(plgpu.SMEM((c.num_consumers, c.tile_n), v.dtype) for v in vec_gmems),
         # Per (ring, stage). full: one TMA arrival per A block and one for B.
         full=plgpu.Barrier(num_arrivals=c.parts + 1, num_barriers=c.rings * c.stages),
         # empty: one arrival per consumer warpgroup that reads the stage, in

@@ -36,11 +36,11 @@ def _skip_if_missing(implementation):
 
 
 def _check(implementation, m, n, k, dtype, *, transpose_a=False, transpose_b=False,
-           bias=False, activation=None, out_dtype=None):
+           bias=False, activation=None, out_dtype=None, bias_dtype=F32):
     _skip_if_missing(implementation)
     a, b, bias_vector, seed = random_operands(
         m, n, k, dtype, transpose_a=transpose_a, transpose_b=transpose_b)
-    bias_vector = bias_vector if bias else None
+    bias_vector = bias_vector.astype(bias_dtype) if bias else None
     out = omni_jax.matmul(a, b, bias=bias_vector, activation=activation, out_dtype=out_dtype,
                           transpose_a=transpose_a, transpose_b=transpose_b,
                           implementation=implementation)
@@ -101,6 +101,19 @@ def test_kernel_layouts_and_tails(implementation, m, n, k, transpose_a, transpos
 @pytest.mark.parametrize("activation", [None, "gelu", "gelu_tanh", "silu", "relu"])
 def test_kernel_epilogues(implementation, activation):
     _check(implementation, 40, 64, 64, BF16, bias=True, activation=activation)
+
+
+@pytest.mark.parametrize("implementation", ["xla", *KERNELS])
+@pytest.mark.parametrize("bias_dtype", [BF16, F16])
+def test_16_bit_bias_is_read_as_given(implementation, bias_dtype):
+    """A 16-bit bias reaches the kernels as is (no conversion op before them) and is
+    widened in their epilogue."""
+    _check(implementation, 40, 64, 64, BF16, bias=True, activation="gelu_tanh",
+           bias_dtype=bias_dtype)
+    a, b, bias, _ = random_operands(40, 64, 64, BF16)
+    jaxpr = jax.make_jaxpr(lambda a, b, c: omni_jax.matmul(
+        a, b, bias=c, implementation=implementation))(a, b, bias.astype(bias_dtype))
+    assert not any(eqn.primitive.name == "convert_element_type" for eqn in jaxpr.jaxpr.eqns)
 
 
 @pytest.mark.parametrize("implementation", KERNELS)
@@ -174,14 +187,15 @@ def test_nested_vmap_broadcasts_operands(implementation):
 
 
 @pytest.mark.parametrize("implementation", ["xla", *KERNELS])
-@pytest.mark.parametrize("transpose_a,transpose_b,activation", [
-    (False, False, "gelu"), (True, True, None),
+@pytest.mark.parametrize("transpose_a,transpose_b,activation,bias_dtype", [
+    (False, False, "gelu", BF16), (True, True, None, F32),
 ])
-def test_gradients(implementation, transpose_a, transpose_b, activation):
+def test_gradients(implementation, transpose_a, transpose_b, activation, bias_dtype):
     _skip_if_missing(implementation)
     m, n, k = 64, 64, 128
     a, b, bias, seed = random_operands(m, n, k, BF16, transpose_a=transpose_a,
                                        transpose_b=transpose_b)
+    bias = bias.astype(bias_dtype)
     cotangent = jax.random.normal(jax.random.key(seed + 1), (m, n), jnp.float32)
 
     def loss(a, b, bias):
@@ -199,8 +213,9 @@ def test_gradients(implementation, transpose_a, transpose_b, activation):
         expected = jax.grad(reference_loss, argnums=(0, 1, 2))(
             *(jnp.asarray(np.asarray(x, np.float64)) for x in (a, b, bias)))
         expected = [np.asarray(e) for e in expected]
-    for name, got, want in zip(("a", "b", "bias"), grads, expected, strict=True):
-        assert got.shape == want.shape, name
+    for name, got, want, primal in zip(("a", "b", "bias"), grads, expected, (a, b, bias),
+                                       strict=True):
+        assert got.shape == want.shape and got.dtype == primal.dtype, name
         # Gradients pass through bfloat16 (dC is rounded before the backward GEMMs).
         assert_close(got, want, BF16, seed, tolerance=2e-2)
 
