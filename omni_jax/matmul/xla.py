@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from pallas_kernels.matmul_common import GemmProblem, epilogue
 
@@ -35,5 +36,8 @@ def matmul(
         a = jnp.swapaxes(a, -1, -2)
     if transpose_b:
         b = jnp.swapaxes(b, -1, -2)
-    acc = jnp.matmul(a, b, preferred_element_type=jnp.float32)
+    # float32 (and wider) operands multiply in full precision: XLA's default on GPUs
+    # would round them to TF32. 16-bit operands are unaffected.
+    precision = lax.Precision.HIGHEST if jnp.dtype(a.dtype).itemsize >= 4 else None
+    acc = jnp.matmul(a, b, precision=precision, preferred_element_type=jnp.float32)
     return epilogue(acc, scale, bias, activation, out_dtype)

@@ -464,25 +464,40 @@ def _kernel(
             chunks_n = c.tile_n // epi_n
             for em in range(c.tile_m // epi_m):
                 for en in range(chunks_n):
-                    cols = slice(en * epi_n, (en + 1) * epi_n)
-                    vecs = [smem[wg, cols] for smem in vec_smems]
-                    scale = vecs.pop(0) if p.has_scale else None
-                    bias = vecs.pop(0) if p.has_bias else None
-                    rows = slice(em * epi_m, (em + 1) * epi_m)
-                    tile = epilogue(acc[rows, cols], scale, bias, p.activation, p.out_dtype)
+                    chunk_row, chunk_col = row0 + em * epi_m, n0 + en * epi_n
                     # Two staging slots alternate over this CTA's whole sequence of
                     # chunks; the store issued two chunks ago read this slot.
                     chunk = local_tile * (chunks_n * (c.tile_m // epi_m)) + em * chunks_n + en
                     slot = lax.rem(chunk, 2)
-                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                    out_smem[wg, slot] = tile
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(
-                        out_tma.at[wg, slot],
-                        out_gmem.at[
-                            oi, pl.ds(row0 + em * epi_m, epi_m), pl.ds(n0 + en * epi_n, epi_n)
-                        ],
-                    )
+
+                    def store_chunk(em=em, en=en, chunk_row=chunk_row, chunk_col=chunk_col,
+                                    slot=slot):
+                        cols = slice(en * epi_n, (en + 1) * epi_n)
+                        vecs = [smem[wg, cols] for smem in vec_smems]
+                        scale = vecs.pop(0) if p.has_scale else None
+                        bias = vecs.pop(0) if p.has_bias else None
+                        rows = slice(em * epi_m, (em + 1) * epi_m)
+                        tile = epilogue(acc[rows, cols], scale, bias, p.activation, p.out_dtype)
+                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                        out_smem[wg, slot] = tile
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(
+                            out_tma.at[wg, slot],
+                            out_gmem.at[oi, pl.ds(chunk_row, epi_m), pl.ds(chunk_col, epi_n)],
+                        )
+
+                    if p.m % c.cta_tile_m == 0 and p.n % c.tile_n == 0:
+                        store_chunk()
+                        continue
+                    # A chunk wholly past the output's end is not stored: the hardware
+                    # would clip it, but Mosaic takes a slice as wide as its dimension
+                    # (an output one chunk wide) to start at 0, and the chunk's zeros
+                    # would overwrite the first one. Skipping a store breaks the slot
+                    # alternation's guarantee, so the next store waits for all reads.
+                    in_bounds = (chunk_row < p.m) & (chunk_col < p.n)
+                    pl.when(in_bounds)(store_chunk)
+                    pl.when(~in_bounds)(
+                        lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
 
         lax.cond(wg == c.num_consumers, producer, consumer)
 

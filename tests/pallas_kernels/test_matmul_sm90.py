@@ -136,6 +136,20 @@ def test_gpu_every_candidate_is_correct(config):
     assert_close(out, reference(a, b, bias=bias, activation="gelu"), BF16, seed)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m", [40, 64, 128])
+@pytest.mark.parametrize("tile_n", [64, 128, 256])
+def test_gpu_output_narrower_than_the_tile(m, tile_n):
+    """An output one epilogue chunk wide (N = 64 in bf16) under wider tiles: the chunks past
+    N are not stored. Mosaic took a chunk slice as wide as the output to start at 0, and
+    those chunks' zeros overwrote the output (every element was 0 before the fix)."""
+    a, b, bias, seed = random_operands(m, 64, 64, BF16, batch=(1,))
+    config = sm90.MatmulConfig(tile_m=64, tile_n=tile_n, tile_k=64, stages=2)
+    out = sm90.matmul(a, b, None, bias[None], config=config)
+    assert_close(out, reference(a, b, bias=bias), BF16, seed)
+
+
 def test_autotune_times_every_correct_candidate_and_caches_the_winner(monkeypatch):
     monkeypatch.setattr(sm90, "_TUNED", {})
     a, b, _, _ = random_operands(128, 128, 64, BF16)
