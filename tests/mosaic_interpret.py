@@ -15,20 +15,20 @@ from pallas_kernels import runtime
 def interpreted_mosaic(monkeypatch: pytest.MonkeyPatch):
     """Generator for a fixture: interpret mode, and no race in any interpreted kernel."""
     from jax._src.pallas.mosaic.interpret import race_detection_state
-    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
     races: list[str] = []
+    state = race_detection_state.RaceDetectionState
+    base_setattr = state.__setattr__
 
-    class RecordingRaces(race_detection_state.RaceDetectionState):
-        """Remembers every race past the next kernel (which replaces the state)."""
-
-        def __setattr__(self, name, value):
-            if name == "races_found" and value:
-                races.append("race")
-            super().__setattr__(name, value)
+    def recording_setattr(self, name, value):
+        """Remembers every race past the next kernel (which replaces the state). Patched on
+        the base class: jax 0.10 instantiates it, later releases a GPU subclass."""
+        if name == "races_found" and value:
+            races.append("race")
+        base_setattr(self, name, value)
 
     monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
-    monkeypatch.setattr(gpu_callbacks, "RaceDetectionState", RecordingRaces)
+    monkeypatch.setattr(state, "__setattr__", recording_setattr)
     try:
         yield
     except Exception:
