@@ -36,6 +36,7 @@ import jaxlib
 import omni_jax
 from benchmarks.timing import bench_interleaved, tflops
 from omni_jax.matmul import implementations
+from pallas_kernels.matmul_common import GemmProblem, problem_of
 
 BASELINE = "cublas"
 OURS = ("mosaic", "triton", "xla")
@@ -181,7 +182,18 @@ def _skip_reason(impl: str, suite: str, m: int, n: int, k: int) -> str | None:
     reason = implementations.unavailable_reason(backend)
     if reason is None and backend != "xla" and jax.default_backend() != "gpu":
         reason = "runs interpreted here: too slow to time"
+    if reason is None:
+        reason = implementations.why_not(backend, _problem(suite, m, n, k))
     return None if reason is None else f"skipped: {reason}"
+
+
+def _problem(suite: str, m: int, n: int, k: int) -> GemmProblem:
+    """The GemmProblem `_ours` hands the implementations for a case (what they serve)."""
+    a, b, bias, sa, _ = jax.eval_shape(lambda: _inputs(suite, m, n, k, 0))
+    scale = jax.ShapeDtypeStruct((n,), jnp.float32) if sa is not None else None
+    return problem_of(a, b, scale, bias, transpose_a=False, transpose_b=suite == "fp8",
+                      activation="gelu_tanh" if suite == "epilogue" else None,
+                      out_dtype=jnp.bfloat16)
 
 
 def _function(impl: str, suite: str, m: int, n: int, k: int):
