@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -149,16 +149,18 @@ def walk_offsets(num_blocks: int) -> tuple[int, int, int]:
     return 2, 2 + num_blocks, 2 + 2 * num_blocks
 
 
-def packed_walk(count: Array, num_full: Array, indices: Array, flags: Array,
-                partial_ids: Array) -> Array:
-    """One orientation of `KernelMask`'s walk (``kv_*`` for q-blocks, ``q_*`` for kv-blocks)
-    as one int32 array ``[Bm, Hm, n, 2 + 3 * m]``: per walked block its count, FULL count,
-    indices, flags and partial ids (`walk_offsets`).
+def packed_walk(mask: KernelMask, over: Literal["kv", "q"]) -> Array:
+    """The walk over kv-blocks of each q-block (``over="kv"``: forward, dQ) or over
+    q-blocks of each kv-block (``"q"``: dK/dV) as one int32 array ``[Bm, Hm, n, 2 + 3 * m]``:
+    per walked block its count, FULL count, indices, flags and partial ids (`walk_offsets`).
 
     One array rather than five: a kernel reads one row, and a static mask is one
     constant (XLA materialises uniform constants, such as a dense mask's counts,
     with a kernel of their own at every call).
     """
+    count, num_full, indices, flags, partial_ids = (
+        getattr(mask, f"{over}_{name}")
+        for name in ("num_blocks", "num_full", "indices", "tile_flags", "partial_ids"))
     return jnp.concatenate([count[..., None], num_full[..., None], indices, flags,
                             partial_ids], axis=-1).astype(jnp.int32)
 

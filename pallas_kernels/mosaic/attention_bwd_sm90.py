@@ -541,10 +541,8 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
     pad = lambda x, d: common.pad_sequence(common.pad_last(x, d))
     q, k, v, do = pad(q, dim), pad(k, dim), pad(v, dim_v), pad(dout.astype(q.dtype), dim_v)
     with trace_time_eval(layout):  # constants when the mask is concrete
-        dq_walk = common.packed_walk(kmask.kv_num_blocks, kmask.kv_num_full, kmask.kv_indices,
-                                     kmask.kv_tile_flags, kmask.kv_partial_ids)
-        dkv_walk = common.packed_walk(kmask.q_num_blocks, kmask.q_num_full, kmask.q_indices,
-                                      kmask.q_tile_flags, kmask.q_partial_ids)
+        dq_walk = common.packed_walk(kmask, "kv")
+        dkv_walk = common.packed_walk(kmask, "q")
         q_leaves, kv_leaves, leaf_slots = common.stacked_leaves(kmask, layout, batch)
         partial_masks = kmask.partial_masks.astype(jnp.int8)
         partial_masks_kv_major = jnp.swapaxes(partial_masks, 1, 2)

@@ -619,8 +619,7 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
     # padded keys lie past kv_len, in the ragged (COMPUTED, hence masked) last block.
     q, k, v = common.pad_sequence(q), common.pad_sequence(k), common.pad_sequence(v)
     with trace_time_eval(layout):  # constants when the mask is concrete
-        walk = common.packed_walk(kmask.kv_num_blocks, kmask.kv_num_full, kmask.kv_indices,
-                                  kmask.kv_tile_flags, kmask.kv_partial_ids)
+        walk = common.packed_walk(kmask, "kv")
         q_leaves, kv_leaves, leaf_slots = common.stacked_leaves(kmask, layout, batch)
         partial_tiles = kmask.partial_masks.astype(jnp.int8)
     interpret = interpret_params is not None

@@ -45,11 +45,10 @@ def padded_head_dim(head_dim: int) -> int | None:
     return next((d for d in SUPPORTED_HEAD_DIMS if head_dim <= d), None)
 
 
-def packed_walk(count: Array, num_full: Array, indices: Array, flags: Array,
-                partial_ids: Array) -> Array:
+def packed_walk(mask: KernelMask, over: str) -> Array:
     """`block_sparse.packed_walk` as ``[Bm, Hm, n, R, WALK_LINE]``: one walked block's row
     is one 2-D TMA box per CTA."""
-    rows = block_sparse.packed_walk(count, num_full, indices, flags, partial_ids)
+    rows = block_sparse.packed_walk(mask, over)
     rows = jnp.pad(rows, ((0, 0),) * 3 + ((0, -rows.shape[-1] % WALK_LINE),))
     return rows.reshape(*rows.shape[:3], -1, WALK_LINE)
 

@@ -116,10 +116,8 @@ def mask_operands(mask: KernelMask, layout: MaskLayout, *, q_walk: bool, kv_walk
     mask is concrete, so that a static mask reaches the kernels as constants."""
     with trace_time_eval(layout):
         return MaskOperands(
-            q_walk=(packed_walk(mask.q_num_blocks, mask.q_num_full, mask.q_indices,
-                                mask.q_tile_flags, mask.q_partial_ids) if q_walk else None),
-            kv_walk=(packed_walk(mask.kv_num_blocks, mask.kv_num_full, mask.kv_indices,
-                                 mask.kv_tile_flags, mask.kv_partial_ids) if kv_walk else None),
+            q_walk=packed_walk(mask, "q") if q_walk else None,
+            kv_walk=packed_walk(mask, "kv") if kv_walk else None,
             partial_masks=mask.partial_masks if partial_tiles else None,
             leaves=mask.leaves)
 

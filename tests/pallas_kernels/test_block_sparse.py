@@ -47,16 +47,16 @@ def test_walks_list_full_tiles_first(tile_flags):
                 (mask.kv_indices, mask.kv_tile_flags, mask.kv_partial_ids))
     _check_walk(mask.q_num_blocks, kmask.q_num_full, kmask.q_indices, kmask.q_tile_flags,
                 kmask.q_partial_ids, (mask.q_indices, mask.q_tile_flags, mask.q_partial_ids))
-    _check_packed(kmask.kv_num_blocks, kmask.kv_num_full, kmask.kv_indices,
-                  kmask.kv_tile_flags, kmask.kv_partial_ids)
-    _check_packed(kmask.q_num_blocks, kmask.q_num_full, kmask.q_indices, kmask.q_tile_flags,
-                  kmask.q_partial_ids)
+    _check_packed(kmask, "kv")
+    _check_packed(kmask, "q")
 
 
-def _check_packed(*walk):
+def _check_packed(kmask, over):
     """The packed row holds every array of the walk where `walk_offsets` says."""
-    packed = np.asarray(packed_walk(*walk))
-    count, num_full, indices, flags, ids = map(np.asarray, walk)
+    packed = np.asarray(packed_walk(kmask, over))
+    count, num_full, indices, flags, ids = (
+        np.asarray(getattr(kmask, f"{over}_{name}"))
+        for name in ("num_blocks", "num_full", "indices", "tile_flags", "partial_ids"))
     m = indices.shape[-1]
     assert packed.shape == (*count.shape, 2 + 3 * m) and packed.dtype == np.int32
     index_at, flags_at, ids_at = walk_offsets(m)
