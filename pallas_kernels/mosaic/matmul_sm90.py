@@ -10,11 +10,13 @@ Structure of one CTA (``num_consumers + 1`` warpgroups):
   loop while the consumers are still in this tile's epilogue.
 * consumer warpgroups wait on *full*, issue wgmma into register accumulators
   (keeping one wgmma in flight) and release slots on *empty*. Cooperative
-  schedule: they split each CTA tile by rows and share one ring. Pingpong: they
-  take alternate tiles, each with its own ring, so one's epilogue overlaps the
-  other's main loop. The epilogue (scale, bias, activation, cast) goes through
-  shared memory and TMA stores that are not waited for: they drain during the
-  next tile's main loop.
+  schedule: they split each CTA tile by rows. Pingpong: they take alternate
+  tiles, so one's epilogue overlaps the other's main loop; the ring is still
+  one, filled in tile order, but each consumer has its own set of full/empty
+  barriers (a barrier's phase parity is tracked by the threads that wait on it,
+  so each barrier must see every phase of its waiters). The epilogue (scale,
+  bias, activation, cast) goes through shared memory and TMA stores that are
+  not waited for: they drain during the next tile's main loop.
 
 Tiles are visited in a grouped order (``group_m`` M-tiles per band) for L2 reuse.
 Tails need no padding: TMA zero-fills out-of-bounds loads (zeros add nothing to
@@ -71,9 +73,9 @@ class MatmulConfig:
     Each consumer warpgroup accumulates ``tile_m x tile_n`` in float32 registers.
     Cooperative (default): the consumers split one ``(num_consumers * tile_m,
     tile_n)`` CTA tile and share one ring of operand stages. ``pingpong``: each
-    consumer takes every other ``tile_m x tile_n`` tile of the CTA with a ring of
-    its own; the producer fills the rings in tile order, so one consumer's main
-    loop runs while the other's epilogue does. ``cluster_n=2`` pairs CTAs on
+    consumer takes every other ``tile_m x tile_n`` tile of the CTA; the producer
+    fills the one ring in tile order, so one consumer's main loop runs while the
+    other's epilogue does. ``cluster_n=2`` pairs CTAs on
     neighbouring tiles of one tile row: they multicast the A block they share,
     halving its traffic from L2.
     ``stages`` K steps are buffered in shared memory; ``wgmma_in_flight`` (0 or 1)
@@ -96,8 +98,8 @@ class MatmulConfig:
     num_programs: int | None = None
 
     @property
-    def rings(self) -> int:
-        """Operand rings: one per consumer (pingpong) or one shared."""
+    def barrier_sets(self) -> int:
+        """Sets of full/empty ring barriers: one per consumer (pingpong) or one shared."""
         return self.num_consumers if self.pingpong else 1
 
     @property
@@ -114,7 +116,7 @@ class MatmulConfig:
         """Shared memory the kernel allocates with this config and ``vectors`` epilogue
         vectors (scale, bias)."""
         in_bytes = jnp.dtype(in_dtype).itemsize
-        ring = self.rings * self.stages * (self.cta_tile_m + self.tile_n) * self.tile_k * in_bytes
+        ring = self.stages * (self.cta_tile_m + self.tile_n) * self.tile_k * in_bytes
         out = (
             self.num_consumers * 2 * self.epilogue_tile_m * self.epilogue_tile_n
             * jnp.dtype(out_dtype).itemsize
@@ -356,6 +358,12 @@ def _kernel(
         b_smem, b_tma = b_buf if untiled_tma["b"] else (b_buf, b_buf)
         out_smem, out_tma = out_buf if untiled_tma["out"] else (out_buf, out_buf)
 
+        def bar(step):
+            """Index of ring step ``step``'s full/empty barriers: slot, in the set of the
+            consumer whose tile the step belongs to (steps run k_iters per tile)."""
+            owner = lax.rem(step // k_iters, c.barrier_sets)
+            return owner * c.stages + lax.rem(step, c.stages)
+
         def producer():
             plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
 
@@ -363,57 +371,48 @@ def _kernel(
             def _tile(info):
                 (lin,) = info.index
                 (ai, bi, _, _), m0, n0 = tile_coords(lin)
-                ring = lax.rem(info.local_index, c.rings)
-                first_step = info.local_index // c.rings * k_iters  # in this ring
 
                 @pl.loop(0, k_iters)
                 def _k(ki):
-                    step = first_step + ki
+                    step = info.local_index * k_iters + ki
                     slot = lax.rem(step, c.stages)
-                    bar = ring * c.stages + slot
 
                     # The slot's previous contents (step - stages) must be consumed.
                     @pl.when(step >= c.stages)
                     def _():
-                        plgpu.barrier_wait(empty.at[bar])
+                        plgpu.barrier_wait(empty.at[bar(step - c.stages)])
 
                     for part in range(c.parts):
                         # With a cluster, both CTAs issue this copy of their shared
                         # A block; each loads half and multicasts it to both.
                         plgpu.copy_gmem_to_smem(
-                            a_tile(ai, m0, ki, part), a_tma.at[ring, slot, part], full.at[bar],
+                            a_tile(ai, m0, ki, part), a_tma.at[slot, part], full.at[bar(step)],
                             collective_axes=multicast,
                         )
-                    plgpu.copy_gmem_to_smem(
-                        b_tile(bi, n0, ki), b_tma.at[ring, slot], full.at[bar]
-                    )
+                    plgpu.copy_gmem_to_smem(b_tile(bi, n0, ki), b_tma.at[slot], full.at[bar(step)])
 
-            # Observe the releases of each ring's last `stages` steps too, so that
-            # every phase of every empty barrier is waited on before the CTA exits.
+            # Observe the releases of the last `stages` steps too, so that every
+            # phase of every empty barrier is waited on before the CTA exits.
             local_tiles = pl.cdiv(num_tiles - lax.axis_index("sm"), num_programs)
-            for ring in range(c.rings):
-                num_steps = (local_tiles - ring + c.rings - 1) // c.rings * k_iters
+            num_steps = local_tiles * k_iters
 
-                @pl.loop(jnp.maximum(num_steps - c.stages, 0), num_steps)
-                def _drain(step, ring=ring):
-                    plgpu.barrier_wait(empty.at[ring * c.stages + lax.rem(step, c.stages)])
+            @pl.loop(jnp.maximum(num_steps - c.stages, 0), num_steps)
+            def _drain(step):
+                plgpu.barrier_wait(empty.at[bar(step)])
 
         def consumer():
             plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
 
-            # Cooperative: every consumer reads its part of every stage of the one
-            # ring. Pingpong: consumer wg owns ring wg and every rings-th tile.
-            ring, part = (wg, 0) if c.pingpong else (0, wg)
+            # Cooperative: every consumer reads its part of every stage. Pingpong:
+            # consumer wg takes every barrier_sets-th tile, whole.
+            part = 0 if c.pingpong else wg
 
             @plgpu.nd_loop((num_tiles,), collective_axes="sm")
             def _tile(info):
                 (lin,) = info.index
                 (_, _, vi, oi), m0, n0 = tile_coords(lin)
-                own_tile = info.local_index // c.rings  # among this consumer's tiles
-                first_step = own_tile * k_iters
-
-                def bar(step):
-                    return ring * c.stages + lax.rem(step, c.stages)
+                own_tile = info.local_index // c.barrier_sets  # among this consumer's tiles
+                first_step = info.local_index * k_iters
 
                 def compute_tile():
                     # Epilogue vectors for this tile; the copy overlaps the main loop.
@@ -428,10 +427,10 @@ def _kernel(
                     def _k(ki):
                         slot = lax.rem(first_step + ki, c.stages)
                         plgpu.barrier_wait(full.at[bar(first_step + ki)])
-                        a_op = a_smem.at[ring, slot, part]
+                        a_op = a_smem.at[slot, part]
                         if p.transpose_a:
                             a_op = plgpu.transpose_ref(a_op, (1, 0))
-                        b_op = b_smem.at[ring, slot]
+                        b_op = b_smem.at[slot]
                         if p.transpose_b:
                             b_op = plgpu.transpose_ref(b_op, (1, 0))
                         plgpu.wgmma(acc_ref, a_op, b_op)
@@ -451,7 +450,7 @@ def _kernel(
                     store_tile(acc_ref[...], m0 + part * c.tile_m, n0, oi, own_tile)
 
                 if c.pingpong:
-                    pl.when(lax.rem(info.local_index, c.rings) == wg)(compute_tile)
+                    pl.when(lax.rem(info.local_index, c.barrier_sets) == wg)(compute_tile)
                 else:
                     compute_tile()
 
@@ -503,22 +502,22 @@ def _kernel(
 
     pl.run_scoped(
         scoped,
-        a_buf=_staging((c.rings, c.stages, c.parts, *a_block), p.in_dtype, untiled_tma["a"]),
-        b_buf=_staging((c.rings, c.stages, *b_block), p.in_dtype, untiled_tma["b"]),
+        a_buf=_staging((c.stages, c.parts, *a_block), p.in_dtype, untiled_tma["a"]),
+        b_buf=_staging((c.stages, *b_block), p.in_dtype, untiled_tma["b"]),
         out_buf=_staging((c.num_consumers, 2, epi_m, epi_n), p.out_dtype, untiled_tma["out"]),
         # Each epilogue vector in its own dtype (a 16-bit bias is widened in the epilogue).
         vec_smems=tuple(plgpu.SMEM((c.num_consumers, c.tile_n), v.dtype) for v in vec_gmems),
-        # Per (ring, stage). full: one TMA arrival per A block and one for B.
-        full=plgpu.Barrier(num_arrivals=c.parts + 1, num_barriers=c.rings * c.stages),
+        # Per (barrier set, stage). full: one TMA arrival per A block and one for B.
+        full=plgpu.Barrier(num_arrivals=c.parts + 1, num_barriers=c.barrier_sets * c.stages),
         # empty: one arrival per consumer warpgroup that reads the stage, in
         # every CTA of the cluster (a multicast writes the stage in all of them).
         empty=(
             plgpu.ClusterBarrier(
                 collective_axes=(multicast,), num_arrivals=c.parts,
-                num_barriers=c.rings * c.stages,
+                num_barriers=c.barrier_sets * c.stages,
             )
             if multicast
-            else plgpu.Barrier(num_arrivals=c.parts, num_barriers=c.rings * c.stages)
+            else plgpu.Barrier(num_arrivals=c.parts, num_barriers=c.barrier_sets * c.stages)
         ),
         vec_bar=plgpu.Barrier(num_arrivals=max(1, len(vec_gmems)), num_barriers=c.num_consumers),
         collective_axes="wg",

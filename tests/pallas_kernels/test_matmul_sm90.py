@@ -75,8 +75,10 @@ def test_shallow_ring_wraps_across_tiles(m, n, transpose_a, transpose_b, wgmma_i
                                          consumers, pingpong, cluster_n):
     """2 stages, 5 K steps per tile, several tiles per persistent CTA: every slot's
     barriers flip phase many times, also mid-tile, and the epilogue of one tile
-    overlaps the next tile's loads (pingpong: each consumer's ring on its own;
-    clusters: A multicast to both CTAs, slots freed by both CTAs' consumers)."""
+    overlaps the next tile's loads (pingpong: the consumers alternate tiles on one
+    ring, each with its own barriers, and a tile's step count (5) is not a multiple
+    of the ring's; clusters: A multicast to both CTAs, slots freed by both CTAs'
+    consumers)."""
     if cluster_n > 1 and not ON_GPU:
         pytest.skip("the Mosaic-GPU interpreter has no cluster barriers")
     k = 320
