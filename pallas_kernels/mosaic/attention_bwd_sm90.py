@@ -52,6 +52,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from omni_jax.backends.base import softmax_delta
 from omni_jax.masks import PARTIAL
 from omni_jax.masks.block_mask import trace_time_eval
 from omni_jax.scores import ConvertedScoreMod
@@ -528,8 +529,7 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
     if max(dim, dim_v) > MAX_HEAD_DIM:
         raise ValueError(f"head dims {head_dim}, {head_dim_v} exceed {MAX_HEAD_DIM}")
 
-    delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32), out.astype(jnp.float32))
-    delta = delta - dlse.astype(jnp.float32)
+    delta = softmax_delta(out, dout, dlse)
     q_padded = layout.num_q_blocks * BLOCK_Q
     pad_q = lambda x, value: jnp.pad(x, ((0, 0), (0, 0), (0, q_padded - q_len)),
                                      constant_values=value)

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from omni_jax.backends.base import softmax_delta
 from omni_jax.scores import ConvertedScoreMod
 from pallas_kernels import compat
 from pallas_kernels.block_sparse import KernelMask, MaskLayout
@@ -155,8 +156,7 @@ def attention_backward(q: Array, k: Array, v: Array, mask: KernelMask, layout: M
     kv_pad = layout.num_kv_blocks * layout.block_kv
     dim, dim_v = tiles.padded_head_dim(head_dim), tiles.padded_head_dim(head_dim_v)
 
-    delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32), out.astype(jnp.float32))
-    delta = delta - dlse.astype(jnp.float32)
+    delta = softmax_delta(out, dout, dlse)
     # p = exp2(s - lse2). A row that sees nothing (lse = -inf) and padding rows
     # get lse2 = +inf, so their p is exactly 0 instead of NaN.
     lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(jnp.float32) * tiles.LOG2E)
