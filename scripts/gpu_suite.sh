@@ -8,7 +8,8 @@
 # OUT_DIR defaults to $OUT when set, else ./gpu-results. STAGEs (default: all, in order):
 #   env        jax/jaxlib versions, devices, nvidia-smi              -> env.txt
 #   gpu-tests  pytest -m gpu                                          -> gpu-tests.log/.xml
-#   tests      pytest -m "not gpu", Pallas kernels compiled for real  -> tests.log/.xml
+#   tests      pytest -m "not gpu and not interpreted", Pallas kernels compiled for real
+#              (tests that force the interpreter run at CPU speed; CI covers them) -> tests.log/.xml
 #   bench      python -m benchmarks all                               -> benchmarks/, bench.log
 # Run stages separately when one command may only take a few minutes.
 # Environment: PYTHON (default python), PYTEST_ARGS (extra pytest arguments), BENCH_ARGS
@@ -64,7 +65,7 @@ for s in $STAGES; do
     gpu-tests)
       stage gpu-tests "$PY" -m pytest -m gpu -q -rfEs --junitxml="$OUT_DIR/gpu-tests.xml" ${PYTEST_ARGS:-} ;;
     tests)
-      stage tests "$PY" -m pytest -m "not gpu" -q -rfEs --junitxml="$OUT_DIR/tests.xml" ${PYTEST_ARGS:-} ;;
+      stage tests "$PY" -m pytest -m "not gpu and not interpreted" -q -rfEs --junitxml="$OUT_DIR/tests.xml" ${PYTEST_ARGS:-} ;;
     bench)
       eval "set -- ${BENCH_ARGS:-}"
       stage bench "$PY" -m benchmarks all --out-dir "$OUT_DIR/benchmarks" "$@"

@@ -22,6 +22,7 @@ def _racy_kernel(out_ref, smem):
         plgpu.wait_smem_to_gmem(0)
 
 
+@pytest.mark.interpreted
 def test_a_race_fails_the_test(monkeypatch):
     fixture = interpreted_mosaic(monkeypatch)
     next(fixture)

@@ -66,6 +66,7 @@ class _MosaicSuite(AttentionSuite):
         assert names and set(names) == {"mosaic"}, names
 
 
+@pytest.mark.interpreted
 class TestMosaicAttentionInterpreted(_MosaicSuite):
     dtypes = ("bfloat16",)
     cases = INTERPRETED_CASES

@@ -25,6 +25,7 @@ def interpret(monkeypatch):
     monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
 
 
+@pytest.mark.interpreted
 @pytest.mark.usefixtures("interpret")
 class TestTritonAttention(AttentionSuite):
     implementation = "triton"
@@ -34,6 +35,7 @@ class TestTritonAttention(AttentionSuite):
 _BF16_CASES = ("causal_ragged", "generic_block_mask_and_causal", "softcap_sinks")
 
 
+@pytest.mark.interpreted
 @pytest.mark.usefixtures("interpret")
 class TestTritonAttentionBfloat16(AttentionSuite):
     implementation = "triton"

@@ -87,6 +87,7 @@ def _mask(case: Case, rng):
     return omni_jax.causal_mask, None, lambda b, h, i, j: j <= i
 
 
+@pytest.mark.interpreted
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_gradients_match_float64(case: Case, _interpreted):
     seed = int(np.random.default_rng().integers(2**31))

@@ -19,6 +19,7 @@ from tests.mosaic_interpret import interpreted_mosaic
 from tests.reference import relative_error
 
 TOLERANCE = {"bfloat16": 2e-2, "float16": 4e-3}
+pytestmark = pytest.mark.interpreted
 
 
 @pytest.fixture(autouse=True)
