@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -65,14 +65,31 @@ def _tile_gradients(scores: tiles.TileScores, step: tiles.Step, q: Array, k: Arr
     return p, ds * scores.spec.scale
 
 
-def _dkdv_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, group: int) -> None:
+def _tile_loader(layout: MaskLayout, dim: int, dim_v: int) -> Callable[..., Array]:
+    """``load(inputs, name, b, start, size, head)``: a tile of q, k, v or dO, read by
+    `tiles.load_rows` as if padded to whole mask blocks and the kernels' head dims."""
+    q_rows = layout.num_q_blocks * layout.block_q
+    kv_rows = layout.num_kv_blocks * layout.block_kv
+
+    def load(inputs, name, b, start, size, head):
+        padded_seq = kv_rows if name in ("k", "v") else q_rows
+        width = dim if name in ("q", "k") else dim_v
+        return tiles.load_rows(inputs[name], b, start, size, head, padded_seq=padded_seq,
+                               width=width)
+
+    return load
+
+
+def _dkdv_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, group: int, dim: int,
+                 dim_v: int) -> None:
     inputs, (dk_ref, dv_ref) = tiles.unpack_refs(refs, treedef)
     layout = spec.layout
+    load = _tile_loader(layout, dim, dim_v)
     tq, tkv = spec.tile_q, spec.tile_kv
     kv_tile, kv_head, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kv_start = kv_tile * tkv
-    k = inputs["k"][b, pl.ds(kv_start, tkv), kv_head, :]
-    v = inputs["v"][b, pl.ds(kv_start, tkv), kv_head, :]
+    k = load(inputs, "k", b, kv_start, tkv, kv_head)
+    v = load(inputs, "v", b, kv_start, tkv, kv_head)
     mask = inputs["mask"]
 
     def head(g, carry):
@@ -83,8 +100,8 @@ def _dkdv_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, group: int) ->
         def body(step, carry):
             dk, dv = carry
             q_start = step.block * layout.block_q + step.sub * tq
-            q = inputs["q"][b, pl.ds(q_start, tq), h, :]
-            do = inputs["do"][b, pl.ds(q_start, tq), h, :]
+            q = load(inputs, "q", b, q_start, tq, h)
+            do = load(inputs, "do", b, q_start, tq, h)
             lse2 = inputs["lse2"][b, h, pl.ds(q_start, tq)]
             delta = inputs["delta"][b, h, pl.ds(q_start, tq)]
             scores = tiles.TileScores(spec, mask, inputs["captured"], b, h, q_start, kv_start)
@@ -95,22 +112,26 @@ def _dkdv_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, group: int) ->
 
         return walk.fold(body, carry, spec.masked_tiles)
 
-    init = (jnp.zeros((tkv, dk_ref.shape[-1]), jnp.float32),
-            jnp.zeros((tkv, dv_ref.shape[-1]), jnp.float32))
+    init = (jnp.zeros((tkv, dim), jnp.float32), jnp.zeros((tkv, dim_v), jnp.float32))
     dk, dv = lax.fori_loop(0, group, head, init)
-    dk_ref[...] = dk.astype(dk_ref.dtype)
-    dv_ref[...] = dv.astype(dv_ref.dtype)
+    kv_len = inputs["k"].shape[1]
+    tiles.store_rows(dk_ref, dk.astype(dk_ref.dtype), kv_start, length=kv_len,
+                     dim=inputs["k"].shape[3])
+    tiles.store_rows(dv_ref, dv.astype(dv_ref.dtype), kv_start, length=kv_len,
+                     dim=inputs["v"].shape[3])
 
 
-def _dq_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, group: int) -> None:
+def _dq_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, group: int, dim: int,
+               dim_v: int) -> None:
     inputs, (dq_ref,) = tiles.unpack_refs(refs, treedef)
     layout = spec.layout
+    load = _tile_loader(layout, dim, dim_v)
     tq, tkv = spec.tile_q, spec.tile_kv
     q_tile, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kv_head = lax.div(h, group)
     q_start = q_tile * tq
-    q = inputs["q"][b, pl.ds(q_start, tq), h, :]
-    do = inputs["do"][b, pl.ds(q_start, tq), h, :]
+    q = load(inputs, "q", b, q_start, tq, h)
+    do = load(inputs, "do", b, q_start, tq, h)
     lse2 = inputs["lse2"][b, h, pl.ds(q_start, tq)]
     delta = inputs["delta"][b, h, pl.ds(q_start, tq)]
     mask = inputs["mask"]
@@ -119,14 +140,15 @@ def _dq_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, group: int) -> N
 
     def body(step, dq):
         kv_start = step.block * layout.block_kv + step.sub * tkv
-        k = inputs["k"][b, pl.ds(kv_start, tkv), kv_head, :]
-        v = inputs["v"][b, pl.ds(kv_start, tkv), kv_head, :]
+        k = load(inputs, "k", b, kv_start, tkv, kv_head)
+        v = load(inputs, "v", b, kv_start, tkv, kv_head)
         scores = tiles.TileScores(spec, mask, inputs["captured"], b, h, q_start, kv_start)
         _, ds = _tile_gradients(scores, step, q, k, v, do, lse2, delta)
         return dq + tiles.dot_nn(ds.astype(k.dtype), k)
 
-    dq = walk.fold(body, jnp.zeros((tq, dq_ref.shape[-1]), jnp.float32), spec.masked_tiles)
-    dq_ref[...] = dq.astype(dq_ref.dtype)
+    dq = walk.fold(body, jnp.zeros((tq, dim), jnp.float32), spec.masked_tiles)
+    tiles.store_rows(dq_ref, dq.astype(dq_ref.dtype), q_start, length=inputs["q"].shape[1],
+                     dim=inputs["q"].shape[3])
 
 
 def attention_backward(q: Array, k: Array, v: Array, mask: KernelMask, layout: MaskLayout,
@@ -153,7 +175,6 @@ def attention_backward(q: Array, k: Array, v: Array, mask: KernelMask, layout: M
     dkdv_spec = score_spec(config.block_q_dkv, config.block_kv_dkv)
     dq_spec = score_spec(config.block_q_dq, config.block_kv_dq)
     q_pad = layout.num_q_blocks * layout.block_q
-    kv_pad = layout.num_kv_blocks * layout.block_kv
     dim, dim_v = tiles.padded_head_dim(head_dim), tiles.padded_head_dim(head_dim_v)
 
     delta = softmax_delta(out, dout, dlse)
@@ -161,10 +182,10 @@ def attention_backward(q: Array, k: Array, v: Array, mask: KernelMask, layout: M
     # get lse2 = +inf, so their p is exactly 0 instead of NaN.
     lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(jnp.float32) * tiles.LOG2E)
     operands = {
-        "q": tiles.pad_to(tiles.pad_to(q, 1, q_pad), 3, dim),
-        "k": tiles.pad_to(tiles.pad_to(k, 1, kv_pad), 3, dim),
-        "v": tiles.pad_to(tiles.pad_to(v, 1, kv_pad), 3, dim_v),
-        "do": tiles.pad_to(tiles.pad_to(dout.astype(q.dtype), 1, q_pad), 3, dim_v),
+        "q": q,
+        "k": k,
+        "v": v,
+        "do": dout.astype(q.dtype),
         "lse2": tiles.pad_to(lse2, 2, q_pad, jnp.inf),
         "delta": tiles.pad_to(delta, 2, q_pad),
         "mask": tiles.mask_operands(mask, layout, q_walk=True, kv_walk=True,
@@ -174,25 +195,28 @@ def attention_backward(q: Array, k: Array, v: Array, mask: KernelMask, layout: M
     flat, treedef = tiles.pack_operands(operands)
     params = compat.triton_compiler_params(num_warps=config.num_warps,
                                            num_stages=config.num_stages)
+    # Programs for the tiles that hold a row; the last ones' output blocks overhang the
+    # arrays (rows past the length, columns past the head dim are not written).
     tkv = dkdv_spec.tile_kv
     dk, dv = pl.pallas_call(
-        functools.partial(_dkdv_kernel, treedef=treedef, spec=dkdv_spec, group=group),
-        grid=(kv_pad // tkv, num_kv_heads, batch),
+        functools.partial(_dkdv_kernel, treedef=treedef, spec=dkdv_spec, group=group,
+                          dim=dim, dim_v=dim_v),
+        grid=(pl.cdiv(kv_len, tkv), num_kv_heads, batch),
         in_specs=tiles.whole_array_specs(flat),
         out_specs=[pl.BlockSpec((None, tkv, None, dim), lambda i, h, b: (b, i, h, 0)),
                    pl.BlockSpec((None, tkv, None, dim_v), lambda i, h, b: (b, i, h, 0))],
-        out_shape=[jax.ShapeDtypeStruct((batch, kv_pad, num_kv_heads, dim), k.dtype),
-                   jax.ShapeDtypeStruct((batch, kv_pad, num_kv_heads, dim_v), v.dtype)],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
+                   jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=params, interpret=interpret, name="omni_attention_dkdv",
     )(*flat)
     tq = dq_spec.tile_q
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, treedef=treedef, spec=dq_spec, group=group),
-        grid=(q_pad // tq, num_heads, batch),
+        functools.partial(_dq_kernel, treedef=treedef, spec=dq_spec, group=group,
+                          dim=dim, dim_v=dim_v),
+        grid=(pl.cdiv(q_len, tq), num_heads, batch),
         in_specs=tiles.whole_array_specs(flat),
         out_specs=pl.BlockSpec((None, tq, None, dim), lambda i, h, b: (b, i, h, 0)),
-        out_shape=jax.ShapeDtypeStruct((batch, q_pad, num_heads, dim), q.dtype),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=params, interpret=interpret, name="omni_attention_dq",
     )(*flat)
-    return (dq[:, :q_len, :, :head_dim], dk[:, :kv_len, :, :head_dim],
-            dv[:, :kv_len, :, :head_dim_v], delta)
+    return dq, dk, dv, delta

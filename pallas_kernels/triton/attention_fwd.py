@@ -7,7 +7,8 @@ and ``exp2`` (log2(e) folded into the scale). FULL tiles (walked first, in a
 loop of their own) do no mask math;
 COMPUTED tiles evaluate the structured mask from indices, PARTIAL tiles
 read their stored tile. K/V tiles come straight from HBM inside the loop,
-which Triton software-pipelines over ``num_stages`` buffers.
+which Triton software-pipelines over ``num_stages`` buffers. Sequence tails and
+head dims below a power of two are masked in the loads and stores, not padded.
 
 Outputs: ``out`` and ``lse`` (natural log, float32, sinks included; -inf for
 a query that sees no key and has no sink).
@@ -48,7 +49,7 @@ class ForwardConfig:
 
 
 def _forward_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, num_q_tiles: int,
-                    group: int, has_sinks: bool) -> None:
+                    group: int, has_sinks: bool, dim: int, dim_v: int) -> None:
     inputs, (out_ref, lse_ref) = tiles.unpack_refs(refs, treedef)
     layout = spec.layout
     tq, tkv = spec.tile_q, spec.tile_kv
@@ -57,7 +58,9 @@ def _forward_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, num_q_tiles
     h, b = pl.program_id(1), pl.program_id(2)
     kv_head = lax.div(h, group)
     q_start = q_tile * tq
-    q = inputs["q"][b, pl.ds(q_start, tq), h, :]
+    q_rows = layout.num_q_blocks * layout.block_q
+    kv_rows = layout.num_kv_blocks * layout.block_kv
+    q = tiles.load_rows(inputs["q"], b, q_start, tq, h, padded_seq=q_rows, width=dim)
     mask = inputs["mask"]
     walk = tiles.Walk(mask.kv_walk, b, h, lax.div(q_start, layout.block_q),
                       layout.block_kv // tkv, contiguous_full=layout.contiguous_full)
@@ -72,7 +75,8 @@ def _forward_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, num_q_tiles
     def body(step, carry):
         acc, row_max, row_sum = carry
         kv_start = step.block * layout.block_kv + step.sub * tkv
-        k = inputs["k"][b, pl.ds(kv_start, tkv), kv_head, :]
+        k = tiles.load_rows(inputs["k"], b, kv_start, tkv, kv_head, padded_seq=kv_rows,
+                            width=dim)
         scores = tiles.TileScores(spec, mask, inputs["captured"], b, h, q_start, kv_start)
         qk = tiles.dot_nt(q, k)
         s = qk if fold_scale else scores.log2_scores(qk)[0]
@@ -82,11 +86,12 @@ def _forward_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, num_q_tiles
         shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)
         p = jnp.exp2(to_log2(s) - shift[:, None])
         alpha = jnp.exp2(row_max - shift)
-        v = inputs["v"][b, pl.ds(kv_start, tkv), kv_head, :]
+        v = tiles.load_rows(inputs["v"], b, kv_start, tkv, kv_head, padded_seq=kv_rows,
+                            width=dim_v)
         acc = acc * alpha[:, None] + tiles.dot_nn(p.astype(v.dtype), v)
         return acc, new_max, row_sum * alpha + p.sum(axis=1)
 
-    init = (jnp.zeros((tq, out_ref.shape[-1]), jnp.float32),
+    init = (jnp.zeros((tq, dim_v), jnp.float32),
             jnp.full((tq,), -jnp.inf, jnp.float32), jnp.zeros((tq,), jnp.float32))
     acc, row_max, row_sum = walk.fold(body, init, spec.masked_tiles)
 
@@ -104,8 +109,10 @@ def _forward_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, num_q_tiles
         safe_sum = jnp.where(seen, row_sum, 1.0)
         lse2 = jnp.where(seen, row_max + jnp.log2(safe_sum), -jnp.inf)
         inv = jnp.where(seen, 1.0 / safe_sum, 0.0)
-    out_ref[...] = (acc * inv[:, None]).astype(out_ref.dtype)
-    lse_ref[...] = lse2 * tiles.LN2
+    q_len = inputs["q"].shape[1]
+    tiles.store_rows(out_ref, (acc * inv[:, None]).astype(out_ref.dtype), q_start,
+                     length=q_len, dim=inputs["v"].shape[3])
+    tiles.store_rows(lse_ref, lse2 * tiles.LN2, q_start, length=q_len)
 
 
 def attention_forward(q: Array, k: Array, v: Array, mask: KernelMask, layout: MaskLayout,
@@ -124,24 +131,24 @@ def attention_forward(q: Array, k: Array, v: Array, mask: KernelMask, layout: Ma
     spec = tiles.ScoreSpec(layout, tiles.tile_size(config.block_q, layout.block_q),
                            tiles.tile_size(config.block_kv, layout.block_kv), scale, softcap,
                            score_mod, tuple(jnp.shape(c) for c in captured), partial_tiles)
-    q_pad = layout.num_q_blocks * layout.block_q
-    kv_pad = layout.num_kv_blocks * layout.block_kv
     dim, dim_v = tiles.padded_head_dim(head_dim), tiles.padded_head_dim(head_dim_v)
     operands = {
-        "q": tiles.pad_to(tiles.pad_to(q, 1, q_pad), 3, dim),
-        "k": tiles.pad_to(tiles.pad_to(k, 1, kv_pad), 3, dim),
-        "v": tiles.pad_to(tiles.pad_to(v, 1, kv_pad), 3, dim_v),
+        "q": q,
+        "k": k,
+        "v": v,
         "mask": tiles.mask_operands(mask, layout, q_walk=False, kv_walk=True,
                                     partial_tiles=partial_tiles),
         "sinks": None if sinks is None else sinks.astype(jnp.float32),
         "captured": [jnp.atleast_1d(c) for c in captured],
     }
     flat, treedef = tiles.pack_operands(operands)
-    num_q_tiles = q_pad // spec.tile_q
+    # Tiles that hold a query row; the last one's output block overhangs the arrays
+    # (rows past q_len, columns past head_dim_v are not written).
+    num_q_tiles = pl.cdiv(q_len, spec.tile_q)
     last = num_q_tiles - 1
     kernel = functools.partial(_forward_kernel, treedef=treedef, spec=spec,
                                num_q_tiles=num_q_tiles, group=num_heads // num_kv_heads,
-                               has_sinks=sinks is not None)
+                               has_sinks=sinks is not None, dim=dim, dim_v=dim_v)
     out, lse = pl.pallas_call(
         kernel,
         grid=(num_q_tiles, num_heads, batch),
@@ -150,11 +157,11 @@ def attention_forward(q: Array, k: Array, v: Array, mask: KernelMask, layout: Ma
             pl.BlockSpec((None, spec.tile_q, None, dim_v), lambda i, h, b: (b, last - i, h, 0)),
             pl.BlockSpec((None, None, spec.tile_q), lambda i, h, b: (b, h, last - i)),
         ],
-        out_shape=[jax.ShapeDtypeStruct((batch, q_pad, num_heads, dim_v), q.dtype),
-                   jax.ShapeDtypeStruct((batch, num_heads, q_pad), jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct((batch, q_len, num_heads, head_dim_v), q.dtype),
+                   jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32)],
         compiler_params=compat.triton_compiler_params(num_warps=config.num_warps,
                                                       num_stages=config.num_stages),
         interpret=interpret,
         name="omni_attention_fwd",
     )(*flat)
-    return out[:, :q_len, :, :head_dim_v], lse[:, :, :q_len]
+    return out, lse

@@ -9,7 +9,9 @@ stays free of mask math at any tile size.
 
 Inputs are passed as whole-array refs and indexed with program ids, so one
 kernel can read any head of any array (GQA, per-head masks) without
-re-laying out the arrays in HBM.
+re-laying out the arrays in HBM. Sequence tails and head dims that are not a
+power of two are read with masked loads (`load_rows`) and written through
+output blocks that overhang the arrays, so no padded copies are made.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from jax.experimental import pallas as pl
 from omni_jax.masks import FULL, PARTIAL
 from omni_jax.masks.block_mask import trace_time_eval
 from omni_jax.scores import ConvertedScoreMod, transform_scores
+from pallas_kernels import compat
 from pallas_kernels.block_sparse import (
     KernelMask,
     MaskLayout,
@@ -55,6 +58,41 @@ def tile_size(preferred: int, mask_block: int) -> int:
     while tile > preferred:
         tile //= 2
     return tile
+
+
+def load_rows(ref: Any, b: Array, start: Array, size: int, head: Array, *, padded_seq: int,
+              width: int) -> Array:
+    """Rows ``[start, start + size)`` of one head of a ``[B, S, H, D]`` ref, ``(size, width)``.
+
+    Rows past S and columns past D read as zeros, as if the array were padded to
+    ``padded_seq`` rows (whole mask blocks: a walk may reach tiles past S) and
+    ``width`` columns (the power-of-two head dim the kernel computes with). Arrays
+    that need no padding are read without a mask.
+    """
+    seq, dim = ref.shape[1], ref.shape[3]
+    if seq == padded_seq and dim == width:
+        return ref[b, pl.ds(start, size), head, :]
+    rows_ok = start + lax.broadcasted_iota(jnp.int32, (size, width), 0) < seq
+    cols_ok = lax.broadcasted_iota(jnp.int32, (size, width), 1) < dim
+    return compat.triton_load(ref.at[b, pl.ds(start, size), head, pl.ds(0, width)],
+                              mask=rows_ok & cols_ok, other=0.0)
+
+
+def store_rows(block_ref: Any, value: Array, start: Array, *, length: int,
+               dim: int | None = None) -> None:
+    """Writes ``value`` (rows ``[start, start + size)``, last axis ``width``) to an
+    output block that may overhang its array: rows past ``length`` and columns past
+    ``dim`` are masked, since the Triton lowering writes a block's every element."""
+    size, width = value.shape[0], value.shape[-1]
+    rows_ok = None if length % size == 0 else (
+        start + lax.broadcasted_iota(jnp.int32, value.shape, 0) < length)
+    cols_ok = None if dim is None or dim == width else (
+        lax.broadcasted_iota(jnp.int32, value.shape, value.ndim - 1) < dim)
+    if rows_ok is None and cols_ok is None:
+        block_ref[...] = value
+        return
+    mask = rows_ok if cols_ok is None else cols_ok if rows_ok is None else rows_ok & cols_ok
+    compat.triton_store(block_ref, value, mask=mask)
 
 
 def pad_to(x: Array, axis: int, size: int, value: float = 0.0) -> Array:
