@@ -61,6 +61,16 @@ class MaskLayout:
     def ragged_kv(self) -> bool:
         return self.kv_len % self.block_kv != 0
 
+    @property
+    def padded_q_len(self) -> int:
+        """Query rows the mask's blocks cover (a walk may reach tiles past q_len)."""
+        return self.num_q_blocks * self.block_q
+
+    @property
+    def padded_kv_len(self) -> int:
+        """Key rows the mask's blocks cover."""
+        return self.num_kv_blocks * self.block_kv
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -65,31 +65,22 @@ def _tile_gradients(scores: tiles.TileScores, step: tiles.Step, q: Array, k: Arr
     return p, ds * scores.spec.scale
 
 
-def _tile_loader(layout: MaskLayout, dim: int, dim_v: int) -> Callable[..., Array]:
-    """``load(inputs, name, b, start, size, head)``: a tile of q, k, v or dO, read by
-    `tiles.load_rows` as if padded to whole mask blocks and the kernels' head dims."""
-    q_rows = layout.num_q_blocks * layout.block_q
-    kv_rows = layout.num_kv_blocks * layout.block_kv
-
-    def load(inputs, name, b, start, size, head):
-        padded_seq = kv_rows if name in ("k", "v") else q_rows
-        width = dim if name in ("q", "k") else dim_v
-        return tiles.load_rows(inputs[name], b, start, size, head, padded_seq=padded_seq,
-                               width=width)
-
-    return load
+def _load(inputs: Any, layout: MaskLayout, name: str, b: Array, start: Array, size: int,
+          head: Array) -> Array:
+    """A tile of q, k, v or dO (`tiles.load_rows`, padded to the mask's blocks)."""
+    padded_seq = layout.padded_kv_len if name in ("k", "v") else layout.padded_q_len
+    return tiles.load_rows(inputs[name], b, start, size, head, padded_seq=padded_seq)
 
 
-def _dkdv_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, group: int, dim: int,
-                 dim_v: int) -> None:
+def _dkdv_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, group: int) -> None:
     inputs, (dk_ref, dv_ref) = tiles.unpack_refs(refs, treedef)
     layout = spec.layout
-    load = _tile_loader(layout, dim, dim_v)
+    load = functools.partial(_load, inputs, layout)
     tq, tkv = spec.tile_q, spec.tile_kv
     kv_tile, kv_head, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kv_start = kv_tile * tkv
-    k = load(inputs, "k", b, kv_start, tkv, kv_head)
-    v = load(inputs, "v", b, kv_start, tkv, kv_head)
+    k = load("k", b, kv_start, tkv, kv_head)
+    v = load("v", b, kv_start, tkv, kv_head)
     mask = inputs["mask"]
 
     def head(g, carry):
@@ -100,8 +91,8 @@ def _dkdv_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, group: int, di
         def body(step, carry):
             dk, dv = carry
             q_start = step.block * layout.block_q + step.sub * tq
-            q = load(inputs, "q", b, q_start, tq, h)
-            do = load(inputs, "do", b, q_start, tq, h)
+            q = load("q", b, q_start, tq, h)
+            do = load("do", b, q_start, tq, h)
             lse2 = inputs["lse2"][b, h, pl.ds(q_start, tq)]
             delta = inputs["delta"][b, h, pl.ds(q_start, tq)]
             scores = tiles.TileScores(spec, mask, inputs["captured"], b, h, q_start, kv_start)
@@ -112,7 +103,7 @@ def _dkdv_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, group: int, di
 
         return walk.fold(body, carry, spec.masked_tiles)
 
-    init = (jnp.zeros((tkv, dim), jnp.float32), jnp.zeros((tkv, dim_v), jnp.float32))
+    init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     dk, dv = lax.fori_loop(0, group, head, init)
     kv_len = inputs["k"].shape[1]
     tiles.store_rows(dk_ref, dk.astype(dk_ref.dtype), kv_start, length=kv_len,
@@ -121,17 +112,16 @@ def _dkdv_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, group: int, di
                      dim=inputs["v"].shape[3])
 
 
-def _dq_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, group: int, dim: int,
-               dim_v: int) -> None:
+def _dq_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, group: int) -> None:
     inputs, (dq_ref,) = tiles.unpack_refs(refs, treedef)
     layout = spec.layout
-    load = _tile_loader(layout, dim, dim_v)
+    load = functools.partial(_load, inputs, layout)
     tq, tkv = spec.tile_q, spec.tile_kv
     q_tile, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kv_head = lax.div(h, group)
     q_start = q_tile * tq
-    q = load(inputs, "q", b, q_start, tq, h)
-    do = load(inputs, "do", b, q_start, tq, h)
+    q = load("q", b, q_start, tq, h)
+    do = load("do", b, q_start, tq, h)
     lse2 = inputs["lse2"][b, h, pl.ds(q_start, tq)]
     delta = inputs["delta"][b, h, pl.ds(q_start, tq)]
     mask = inputs["mask"]
@@ -140,13 +130,13 @@ def _dq_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, group: int, dim:
 
     def body(step, dq):
         kv_start = step.block * layout.block_kv + step.sub * tkv
-        k = load(inputs, "k", b, kv_start, tkv, kv_head)
-        v = load(inputs, "v", b, kv_start, tkv, kv_head)
+        k = load("k", b, kv_start, tkv, kv_head)
+        v = load("v", b, kv_start, tkv, kv_head)
         scores = tiles.TileScores(spec, mask, inputs["captured"], b, h, q_start, kv_start)
         _, ds = _tile_gradients(scores, step, q, k, v, do, lse2, delta)
         return dq + tiles.dot_nn(ds.astype(k.dtype), k)
 
-    dq = walk.fold(body, jnp.zeros((tq, dim), jnp.float32), spec.masked_tiles)
+    dq = walk.fold(body, jnp.zeros(q.shape, jnp.float32), spec.masked_tiles)
     tiles.store_rows(dq_ref, dq.astype(dq_ref.dtype), q_start, length=inputs["q"].shape[1],
                      dim=inputs["q"].shape[3])
 
@@ -174,7 +164,6 @@ def attention_backward(q: Array, k: Array, v: Array, mask: KernelMask, layout: M
 
     dkdv_spec = score_spec(config.block_q_dkv, config.block_kv_dkv)
     dq_spec = score_spec(config.block_q_dq, config.block_kv_dq)
-    q_pad = layout.num_q_blocks * layout.block_q
     dim, dim_v = tiles.padded_head_dim(head_dim), tiles.padded_head_dim(head_dim_v)
 
     delta = softmax_delta(out, dout, dlse)
@@ -186,8 +175,8 @@ def attention_backward(q: Array, k: Array, v: Array, mask: KernelMask, layout: M
         "k": k,
         "v": v,
         "do": dout.astype(q.dtype),
-        "lse2": tiles.pad_to(lse2, 2, q_pad, jnp.inf),
-        "delta": tiles.pad_to(delta, 2, q_pad),
+        "lse2": tiles.pad_to(lse2, 2, layout.padded_q_len, jnp.inf),
+        "delta": tiles.pad_to(delta, 2, layout.padded_q_len),
         "mask": tiles.mask_operands(mask, layout, q_walk=True, kv_walk=True,
                                     partial_tiles=partial_tiles),
         "captured": [jnp.atleast_1d(c) for c in captured],
@@ -199,8 +188,7 @@ def attention_backward(q: Array, k: Array, v: Array, mask: KernelMask, layout: M
     # arrays (rows past the length, columns past the head dim are not written).
     tkv = dkdv_spec.tile_kv
     dk, dv = pl.pallas_call(
-        functools.partial(_dkdv_kernel, treedef=treedef, spec=dkdv_spec, group=group,
-                          dim=dim, dim_v=dim_v),
+        functools.partial(_dkdv_kernel, treedef=treedef, spec=dkdv_spec, group=group),
         grid=(pl.cdiv(kv_len, tkv), num_kv_heads, batch),
         in_specs=tiles.whole_array_specs(flat),
         out_specs=[pl.BlockSpec((None, tkv, None, dim), lambda i, h, b: (b, i, h, 0)),
@@ -211,8 +199,7 @@ def attention_backward(q: Array, k: Array, v: Array, mask: KernelMask, layout: M
     )(*flat)
     tq = dq_spec.tile_q
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, treedef=treedef, spec=dq_spec, group=group,
-                          dim=dim, dim_v=dim_v),
+        functools.partial(_dq_kernel, treedef=treedef, spec=dq_spec, group=group),
         grid=(pl.cdiv(q_len, tq), num_heads, batch),
         in_specs=tiles.whole_array_specs(flat),
         out_specs=pl.BlockSpec((None, tq, None, dim), lambda i, h, b: (b, i, h, 0)),

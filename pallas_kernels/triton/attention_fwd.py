@@ -49,7 +49,7 @@ class ForwardConfig:
 
 
 def _forward_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, num_q_tiles: int,
-                    group: int, has_sinks: bool, dim: int, dim_v: int) -> None:
+                    group: int, has_sinks: bool) -> None:
     inputs, (out_ref, lse_ref) = tiles.unpack_refs(refs, treedef)
     layout = spec.layout
     tq, tkv = spec.tile_q, spec.tile_kv
@@ -58,9 +58,7 @@ def _forward_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, num_q_tiles
     h, b = pl.program_id(1), pl.program_id(2)
     kv_head = lax.div(h, group)
     q_start = q_tile * tq
-    q_rows = layout.num_q_blocks * layout.block_q
-    kv_rows = layout.num_kv_blocks * layout.block_kv
-    q = tiles.load_rows(inputs["q"], b, q_start, tq, h, padded_seq=q_rows, width=dim)
+    q = tiles.load_rows(inputs["q"], b, q_start, tq, h, padded_seq=layout.padded_q_len)
     mask = inputs["mask"]
     walk = tiles.Walk(mask.kv_walk, b, h, lax.div(q_start, layout.block_q),
                       layout.block_kv // tkv, contiguous_full=layout.contiguous_full)
@@ -75,8 +73,8 @@ def _forward_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, num_q_tiles
     def body(step, carry):
         acc, row_max, row_sum = carry
         kv_start = step.block * layout.block_kv + step.sub * tkv
-        k = tiles.load_rows(inputs["k"], b, kv_start, tkv, kv_head, padded_seq=kv_rows,
-                            width=dim)
+        k = tiles.load_rows(inputs["k"], b, kv_start, tkv, kv_head,
+                            padded_seq=layout.padded_kv_len)
         scores = tiles.TileScores(spec, mask, inputs["captured"], b, h, q_start, kv_start)
         qk = tiles.dot_nt(q, k)
         s = qk if fold_scale else scores.log2_scores(qk)[0]
@@ -86,12 +84,12 @@ def _forward_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, num_q_tiles
         shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)
         p = jnp.exp2(to_log2(s) - shift[:, None])
         alpha = jnp.exp2(row_max - shift)
-        v = tiles.load_rows(inputs["v"], b, kv_start, tkv, kv_head, padded_seq=kv_rows,
-                            width=dim_v)
+        v = tiles.load_rows(inputs["v"], b, kv_start, tkv, kv_head,
+                            padded_seq=layout.padded_kv_len)
         acc = acc * alpha[:, None] + tiles.dot_nn(p.astype(v.dtype), v)
         return acc, new_max, row_sum * alpha + p.sum(axis=1)
 
-    init = (jnp.zeros((tq, dim_v), jnp.float32),
+    init = (jnp.zeros((tq, tiles.padded_head_dim(inputs["v"].shape[3])), jnp.float32),
             jnp.full((tq,), -jnp.inf, jnp.float32), jnp.zeros((tq,), jnp.float32))
     acc, row_max, row_sum = walk.fold(body, init, spec.masked_tiles)
 
@@ -131,7 +129,7 @@ def attention_forward(q: Array, k: Array, v: Array, mask: KernelMask, layout: Ma
     spec = tiles.ScoreSpec(layout, tiles.tile_size(config.block_q, layout.block_q),
                            tiles.tile_size(config.block_kv, layout.block_kv), scale, softcap,
                            score_mod, tuple(jnp.shape(c) for c in captured), partial_tiles)
-    dim, dim_v = tiles.padded_head_dim(head_dim), tiles.padded_head_dim(head_dim_v)
+    dim_v = tiles.padded_head_dim(head_dim_v)
     operands = {
         "q": q,
         "k": k,
@@ -148,7 +146,7 @@ def attention_forward(q: Array, k: Array, v: Array, mask: KernelMask, layout: Ma
     last = num_q_tiles - 1
     kernel = functools.partial(_forward_kernel, treedef=treedef, spec=spec,
                                num_q_tiles=num_q_tiles, group=num_heads // num_kv_heads,
-                               has_sinks=sinks is not None, dim=dim, dim_v=dim_v)
+                               has_sinks=sinks is not None)
     out, lse = pl.pallas_call(
         kernel,
         grid=(num_q_tiles, num_heads, batch),

@@ -17,6 +17,7 @@ output blocks that overhang the arrays, so no padded copies are made.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -60,22 +61,27 @@ def tile_size(preferred: int, mask_block: int) -> int:
     return tile
 
 
-def load_rows(ref: Any, b: Array, start: Array, size: int, head: Array, *, padded_seq: int,
-              width: int) -> Array:
-    """Rows ``[start, start + size)`` of one head of a ``[B, S, H, D]`` ref, ``(size, width)``.
+def load_rows(ref: Any, b: Array, start: Array, size: int, head: Array, *,
+              padded_seq: int) -> Array:
+    """Rows ``[start, start + size)`` of one head of a ``[B, S, H, D]`` ref, as
+    ``(size, padded_head_dim(D))``.
 
     Rows past S and columns past D read as zeros, as if the array were padded to
-    ``padded_seq`` rows (whole mask blocks: a walk may reach tiles past S) and
-    ``width`` columns (the power-of-two head dim the kernel computes with). Arrays
-    that need no padding are read without a mask.
+    ``padded_seq`` rows (whole mask blocks: a walk may reach tiles past S) and to
+    the power-of-two head dim the kernels compute with. Each mask is applied only
+    where the array needs that padding.
     """
     seq, dim = ref.shape[1], ref.shape[3]
+    width = padded_head_dim(dim)
     if seq == padded_seq and dim == width:
         return ref[b, pl.ds(start, size), head, :]
-    rows_ok = start + lax.broadcasted_iota(jnp.int32, (size, width), 0) < seq
-    cols_ok = lax.broadcasted_iota(jnp.int32, (size, width), 1) < dim
+    masks = []
+    if seq != padded_seq:
+        masks.append(start + lax.broadcasted_iota(jnp.int32, (size, width), 0) < seq)
+    if dim != width:
+        masks.append(lax.broadcasted_iota(jnp.int32, (size, width), 1) < dim)
     return compat.triton_load(ref.at[b, pl.ds(start, size), head, pl.ds(0, width)],
-                              mask=rows_ok & cols_ok, other=0.0)
+                              mask=functools.reduce(jnp.logical_and, masks), other=0.0)
 
 
 def store_rows(block_ref: Any, value: Array, start: Array, *, length: int,
@@ -84,15 +90,15 @@ def store_rows(block_ref: Any, value: Array, start: Array, *, length: int,
     output block that may overhang its array: rows past ``length`` and columns past
     ``dim`` are masked, since the Triton lowering writes a block's every element."""
     size, width = value.shape[0], value.shape[-1]
-    rows_ok = None if length % size == 0 else (
-        start + lax.broadcasted_iota(jnp.int32, value.shape, 0) < length)
-    cols_ok = None if dim is None or dim == width else (
-        lax.broadcasted_iota(jnp.int32, value.shape, value.ndim - 1) < dim)
-    if rows_ok is None and cols_ok is None:
+    masks = []
+    if length % size:
+        masks.append(start + lax.broadcasted_iota(jnp.int32, value.shape, 0) < length)
+    if dim is not None and dim != width:
+        masks.append(lax.broadcasted_iota(jnp.int32, value.shape, value.ndim - 1) < dim)
+    if not masks:
         block_ref[...] = value
         return
-    mask = rows_ok if cols_ok is None else cols_ok if rows_ok is None else rows_ok & cols_ok
-    compat.triton_store(block_ref, value, mask=mask)
+    compat.triton_store(block_ref, value, mask=functools.reduce(jnp.logical_and, masks))
 
 
 def pad_to(x: Array, axis: int, size: int, value: float = 0.0) -> Array:

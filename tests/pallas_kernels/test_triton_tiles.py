@@ -43,8 +43,7 @@ def test_load_rows_reads_as_if_padded(shape, seed):
 
     def kernel(x_ref, o_ref):
         i, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-        o_ref[...] = tiles.load_rows(x_ref, b, i * tile, tile, h, padded_seq=padded_seq,
-                                     width=width)
+        o_ref[...] = tiles.load_rows(x_ref, b, i * tile, tile, h, padded_seq=padded_seq)
 
     out = pl.pallas_call(
         kernel, grid=(padded_seq // tile, HEADS, BATCH),
