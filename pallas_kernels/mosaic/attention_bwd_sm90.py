@@ -530,7 +530,7 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
         raise ValueError(f"head dims {head_dim}, {head_dim_v} exceed {MAX_HEAD_DIM}")
 
     delta = softmax_delta(out, dout, dlse)
-    q_padded = layout.num_q_blocks * BLOCK_Q
+    q_padded = layout.padded_q_len
     pad_q = lambda x, value: jnp.pad(x, ((0, 0), (0, 0), (0, q_padded - q_len)),
                                      constant_values=value)
     # P = exp2(s2 - lse2): rows that see no key (lse -inf) and padding rows get

@@ -637,7 +637,7 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
     if has_partial:
         operands.append(partial_tiles)
     operands += [x for x in (q_leaves, kv_leaves, packed_captured) if x is not None]
-    q_padded = layout.num_q_blocks * config.block_q
+    q_padded = layout.padded_q_len
     out_type = (jax.ShapeDtypeStruct((batch, q.shape[1], num_q_heads, dim_v), q.dtype),
                 jax.ShapeDtypeStruct((batch, num_q_heads, q_padded), jnp.float32))
     out, lse = compat.mosaic_kernel(

@@ -166,7 +166,7 @@ def stacked_leaves(kmask: KernelMask, layout: MaskLayout, batch: int):
     leaf order, ("q" | "kv", its row in the stacked array).
     """
     q_leaves, kv_leaves, slots = [], [], []
-    q_length = layout.num_q_blocks * layout.block_q
+    q_length = layout.padded_q_len
     for leaf, kind in zip(kmask.leaves, layout.leaf_kinds, strict=True):
         if kind == "batch":
             leaf = jnp.broadcast_to(leaf[:, None], (leaf.shape[0], q_length))
