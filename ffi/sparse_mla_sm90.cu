@@ -418,7 +418,7 @@ template <int kWg>
 __device__ __forceinline__ void StoreOutput(const Params& p, const Cta& cta, const Lane& lane,
                                             int tid, int64_t row0, const float (&inv)[2],
                                             const float (&acc_o)[128]) {
-  constexpr int kRowBytes = kDimV;  // 256 bf16 values
+  constexpr int kRowBytes = kValueChunksPerWg * 64 * 2;  // the WG's 256 bf16 values
   static_assert(kRowBytes / 16 == 32, "one warp stores one staged row");
   const uint32_t stage =
       static_cast<uint32_t>(__cvta_generic_to_shared(cta.q_tile)) + kWg * kHeadsPerCta * kRowBytes;
@@ -437,7 +437,7 @@ __device__ __forceinline__ void StoreOutput(const Params& p, const Cta& cta, con
   }
   NamedBarrier::sync(128, kOutStaged + kWg);
   const int warp = tid / 32, unit = tid % 32;
-  __nv_bfloat16* out = p.out + row0 * kDimV + kWg * (kDimV / 2) + unit * 8;
+  __nv_bfloat16* out = p.out + row0 * kDimV + kWg * kValueChunksPerWg * 64 + unit * 8;
 #pragma unroll 4
   for (int row = warp; row < kHeadsPerCta; row += 4) {
     uint4 value;
