@@ -119,7 +119,8 @@ struct Cta {
   uint64_t* half_free;        // [buffer * 2 + half] consumers -> producer
   uint64_t* q_ready;          // producer -> consumers (cp.async arrivals): the Q tile landed
   int64_t batch;
-  int s_idx, head0, num_pairs, num_blocks;
+  int64_t row0;               // first row of this CTA's 64 heads in the [.., s_q, h_q] arrays
+  int num_pairs, num_blocks;
   const int32_t* row_indices;  // this query row's topk indices
 
   __device__ uint8_t* kv_tile(int buffer) const { return kv_tiles + buffer * kTileBytes; }
@@ -149,13 +150,6 @@ __device__ __forceinline__ bool IsValidIndex(int index, int s_kv) {
   return index >= 0 && index < s_kv;
 }
 
-// The Q rows [64 heads x 576] of the CTA with index `cta_index` on grid.x (contiguous).
-__device__ __forceinline__ const __nv_bfloat16* QTile(const Params& p, int64_t batch, int cta_index) {
-  const int head_tiles = p.h_q / kHeadsPerCta;
-  const int s_idx = cta_index / head_tiles, head0 = (cta_index % head_tiles) * kHeadsPerCta;
-  return p.q + ((batch * p.s_q + s_idx) * p.h_q + head0) * kDimQK;
-}
-
 // Producer warpgroup: 16 groups of 8 threads; a group gathers 4 rows of a block, its 8
 // threads copying alternate 16-byte units of a row so each warp instruction reads 128
 // contiguous bytes of 4 rows. Blocks past the end (the pad of an odd count) are all zeros.
@@ -166,7 +160,7 @@ __device__ __forceinline__ void Produce(const Params& p, const Cta& cta, int tid
   const int group = tid / 8;
   const int lane_in_group = tid % 8;
   {  // The Q tile [64 heads x 576], ahead of the first kv block: 36 16-byte units a thread.
-    const uint8_t* q_rows = reinterpret_cast<const uint8_t*>(QTile(p, cta.batch, blockIdx.x));
+    const uint8_t* q_rows = reinterpret_cast<const uint8_t*>(p.q + cta.row0 * kDimQK);
 #pragma unroll 4
     for (int u = tid; u < kHeadsPerCta * kUnitsPerRow; u += 128) {
       const int row = u / kUnitsPerRow, unit = u % kUnitsPerRow;
@@ -213,10 +207,11 @@ __device__ __forceinline__ void Produce(const Params& p, const Cta& cta, int tid
     }
   }
   // The CTA that starts on a freed SM next is about num_sms launch slots ahead: pull its
-  // Q tile into L2 now, so that its first QK^T does not wait for DRAM.
-  const int next_cta = blockIdx.x + p.num_sms;
-  if (tid == 0 && next_cta < gridDim.x) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(QTile(p, cta.batch, next_cta)),
+  // Q tile into L2 now, so that its first QK^T does not wait for DRAM. (Consecutive CTAs
+  // of a batch element own consecutive 64-row tiles of q.)
+  if (tid == 0 && blockIdx.x + p.num_sms < gridDim.x) {
+    const __nv_bfloat16* next_q = p.q + (cta.row0 + int64_t{p.num_sms} * kHeadsPerCta) * kDimQK;
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(next_q),
                  "r"(kHeadsPerCta * kDimQK * 2)
                  : "memory");
   }
@@ -288,7 +283,7 @@ __device__ __forceinline__ void MaskScores(uint32_t valid_columns, float (&acc_s
 __device__ __forceinline__ void StoreScores(const Params& p, const Cta& cta, const Lane& lane,
                                             int block, const float (&acc_s)[32]) {
   if (block >= cta.num_blocks) return;  // the pad block
-  float* scores_tile = p.scores + ((cta.batch * p.s_q + cta.s_idx) * p.h_q + cta.head0) * p.topk +
+  float* scores_tile = p.scores + cta.row0 * p.topk +
                        block * kTopkPerBlock;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -416,7 +411,7 @@ __device__ __forceinline__ void IssuePvRemote(const Cta& cta, float (&acc_o)[128
 // the round trip has bank conflicts.
 template <int kWg>
 __device__ __forceinline__ void StoreOutput(const Params& p, const Cta& cta, const Lane& lane,
-                                            int tid, int64_t row0, const float (&inv)[2],
+                                            int tid, const float (&inv)[2],
                                             const float (&acc_o)[128]) {
   constexpr int kRowBytes = kValueChunksPerWg * 64 * 2;  // the WG's 256 bf16 values
   static_assert(kRowBytes / 16 == 32, "one warp stores one staged row");
@@ -437,7 +432,7 @@ __device__ __forceinline__ void StoreOutput(const Params& p, const Cta& cta, con
   }
   NamedBarrier::sync(128, kOutStaged + kWg);
   const int warp = tid / 32, unit = tid % 32;
-  __nv_bfloat16* out = p.out + row0 * kDimV + kWg * kValueChunksPerWg * 64 + unit * 8;
+  __nv_bfloat16* out = p.out + cta.row0 * kDimV + kWg * kValueChunksPerWg * 64 + unit * 8;
 #pragma unroll 4
   for (int row = warp; row < kHeadsPerCta; row += 4) {
     uint4 value;
@@ -614,15 +609,14 @@ __device__ __forceinline__ void Consume(const Params& p, const Cta& cta, int tid
   for (int half = 0; half < 2; ++half)
     total[half] = row_sum[half] + cta.row_sum[kPeer][lane.frag_row + 8 * half];
 
-  const int64_t row0 = (cta.batch * p.s_q + cta.s_idx) * p.h_q + cta.head0;
   float inv[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) inv[half] = total[half] > 0.f ? 1.f / total[half] : 0.f;
-  StoreOutput<kWg>(p, cta, lane, tid, row0, inv, acc_o);
+  StoreOutput<kWg>(p, cta, lane, tid, inv, acc_o);
   if (kWg == 0 && tid % 4 == 0) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int64_t row = row0 + lane.frag_row + 8 * half;
+      const int64_t row = cta.row0 + lane.frag_row + 8 * half;
       const bool any_valid = total[half] > 0.f;
       const float max_logit = running_max[half] * p.sm_scale;
       p.max_logits[row] = any_valid ? max_logit : -INFINITY;
@@ -652,11 +646,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   cta.q_ready = cta.half_ready + 8;
   const int head_tiles = p.h_q / kHeadsPerCta;
   cta.batch = blockIdx.y;
-  cta.s_idx = blockIdx.x / head_tiles;
-  cta.head0 = (blockIdx.x % head_tiles) * kHeadsPerCta;
+  const int s_idx = blockIdx.x / head_tiles;
+  cta.row0 = (cta.batch * p.s_q + s_idx) * p.h_q + (blockIdx.x % head_tiles) * kHeadsPerCta;
   cta.num_blocks = p.topk / kTopkPerBlock;
   cta.num_pairs = (cta.num_blocks + 1) / 2;
-  cta.row_indices = p.indices + (cta.batch * p.s_q + cta.s_idx) * p.topk;
+  cta.row_indices = p.indices + (cta.batch * p.s_q + s_idx) * p.topk;
 
   if (threadIdx.x == 0) {
     for (int buffer = 0; buffer < 2; ++buffer) {
