@@ -65,17 +65,10 @@ def _tile_gradients(scores: tiles.TileScores, step: tiles.Step, q: Array, k: Arr
     return p, ds * scores.spec.scale
 
 
-def _load(inputs: Any, layout: MaskLayout, name: str, b: Array, start: Array, size: int,
-          head: Array) -> Array:
-    """A tile of q, k, v or dO (`tiles.load_rows`, padded to the mask's blocks)."""
-    padded_seq = layout.padded_kv_len if name in ("k", "v") else layout.padded_q_len
-    return tiles.load_rows(inputs[name], b, start, size, head, padded_seq=padded_seq)
-
-
 def _dkdv_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, group: int) -> None:
     inputs, (dk_ref, dv_ref) = tiles.unpack_refs(refs, treedef)
     layout = spec.layout
-    load = functools.partial(_load, inputs, layout)
+    load = functools.partial(tiles.load_operand, inputs, layout)
     tq, tkv = spec.tile_q, spec.tile_kv
     kv_tile, kv_head, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kv_start = kv_tile * tkv
@@ -115,7 +108,7 @@ def _dkdv_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, group: int) ->
 def _dq_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, group: int) -> None:
     inputs, (dq_ref,) = tiles.unpack_refs(refs, treedef)
     layout = spec.layout
-    load = functools.partial(_load, inputs, layout)
+    load = functools.partial(tiles.load_operand, inputs, layout)
     tq, tkv = spec.tile_q, spec.tile_kv
     q_tile, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kv_head = lax.div(h, group)

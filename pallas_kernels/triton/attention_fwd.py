@@ -58,7 +58,7 @@ def _forward_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, num_q_tiles
     h, b = pl.program_id(1), pl.program_id(2)
     kv_head = lax.div(h, group)
     q_start = q_tile * tq
-    q = tiles.load_rows(inputs["q"], b, q_start, tq, h, padded_seq=layout.padded_q_len)
+    q = tiles.load_operand(inputs, layout, "q", b, q_start, tq, h)
     mask = inputs["mask"]
     walk = tiles.Walk(mask.kv_walk, b, h, lax.div(q_start, layout.block_q),
                       layout.block_kv // tkv, contiguous_full=layout.contiguous_full)
@@ -73,8 +73,7 @@ def _forward_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, num_q_tiles
     def body(step, carry):
         acc, row_max, row_sum = carry
         kv_start = step.block * layout.block_kv + step.sub * tkv
-        k = tiles.load_rows(inputs["k"], b, kv_start, tkv, kv_head,
-                            padded_seq=layout.padded_kv_len)
+        k = tiles.load_operand(inputs, layout, "k", b, kv_start, tkv, kv_head)
         scores = tiles.TileScores(spec, mask, inputs["captured"], b, h, q_start, kv_start)
         qk = tiles.dot_nt(q, k)
         s = qk if fold_scale else scores.log2_scores(qk)[0]
@@ -84,8 +83,7 @@ def _forward_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, num_q_tiles
         shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)
         p = jnp.exp2(to_log2(s) - shift[:, None])
         alpha = jnp.exp2(row_max - shift)
-        v = tiles.load_rows(inputs["v"], b, kv_start, tkv, kv_head,
-                            padded_seq=layout.padded_kv_len)
+        v = tiles.load_operand(inputs, layout, "v", b, kv_start, tkv, kv_head)
         acc = acc * alpha[:, None] + tiles.dot_nn(p.astype(v.dtype), v)
         return acc, new_max, row_sum * alpha + p.sum(axis=1)
 

@@ -84,6 +84,14 @@ def load_rows(ref: Any, b: Array, start: Array, size: int, head: Array, *,
                               mask=functools.reduce(jnp.logical_and, masks), other=0.0)
 
 
+def load_operand(inputs: Any, layout: MaskLayout, name: str, b: Array, start: Array,
+                 size: int, head: Array) -> Array:
+    """A tile of operand ``name`` ("q", "k", "v" or "do"), via `load_rows` with the
+    sequence padded to whole mask blocks of its side (kv for k and v, q otherwise)."""
+    padded_seq = layout.padded_kv_len if name in ("k", "v") else layout.padded_q_len
+    return load_rows(inputs[name], b, start, size, head, padded_seq=padded_seq)
+
+
 def store_rows(block_ref: Any, value: Array, start: Array, *, length: int,
                dim: int | None = None) -> None:
     """Writes ``value`` (rows ``[start, start + size)``, last axis ``width``) to an
