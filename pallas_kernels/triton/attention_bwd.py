@@ -55,14 +55,15 @@ class BackwardConfig:
 def _tile_gradients(scores: tiles.TileScores, step: tiles.Step, q: Array, k: Array, v: Array,
                     do: Array, lse2: Array, delta: Array) -> tuple[Array, Array]:
     """(p, dS) of one tile; dS is d loss / d(q.k), the scale folded in."""
-    s, slope = scores.log2_scores(tiles.dot_nt(q, k))
-    s = scores.masked(s, step)
-    p = jnp.exp2(s - lse2[:, None])
+    spec = scores.spec
+    qk = tiles.dot_nt(q, k)
+    s, slope = (qk, None) if spec.folds_scale else scores.log2_scores(qk)
+    p = tiles.exp2(scores.masked(s, step), lse2, scale=spec.exp2_scale, ptx=spec.ptx)
     dp = tiles.dot_nt(do, v)
     ds = p * (dp - delta[:, None])
     if slope is not None:
         ds = ds * slope
-    return p, ds * scores.spec.scale
+    return p, ds * spec.scale
 
 
 def _dkdv_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, group: int) -> None:
@@ -153,7 +154,8 @@ def attention_backward(q: Array, k: Array, v: Array, mask: KernelMask, layout: M
     def score_spec(block_q: int, block_kv: int) -> tiles.ScoreSpec:
         return tiles.ScoreSpec(layout, tiles.tile_size(block_q, layout.block_q),
                                tiles.tile_size(block_kv, layout.block_kv), scale, softcap,
-                               score_mod, tuple(jnp.shape(c) for c in captured), partial_tiles)
+                               score_mod, tuple(jnp.shape(c) for c in captured), partial_tiles,
+                               ptx=tiles.inline_ptx(interpret))
 
     dkdv_spec = score_spec(config.block_q_dkv, config.block_kv_dkv)
     dq_spec = score_spec(config.block_q_dq, config.block_kv_dq)

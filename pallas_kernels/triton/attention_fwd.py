@@ -65,10 +65,10 @@ def _forward_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, num_q_tiles
 
     # Plain scores stay raw until the softmax, which folds the scale into the exp2
     # argument (one FMA per score); the row max is scaled per row.
-    fold_scale = spec.plain and spec.scale > 0
+    fold_scale = spec.folds_scale
 
     def to_log2(x):
-        return x * (spec.scale * tiles.LOG2E) if fold_scale else x
+        return x * spec.exp2_scale if fold_scale else x
 
     def body(step, carry):
         acc, row_max, row_sum = carry
@@ -81,8 +81,8 @@ def _forward_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, num_q_tiles
         new_max = jnp.maximum(row_max, to_log2(s.max(axis=1)))
         # Rows with nothing visible yet keep max -inf: shift by 0 so exp2 gives 0, not NaN.
         shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)
-        p = jnp.exp2(to_log2(s) - shift[:, None])
-        alpha = jnp.exp2(row_max - shift)
+        p = tiles.exp2(s, shift, scale=spec.exp2_scale, ptx=spec.ptx)
+        alpha = tiles.exp2(row_max, shift, scale=1.0, ptx=spec.ptx)
         v = tiles.load_operand(inputs, layout, "v", b, kv_start, tkv, kv_head)
         acc = acc * alpha[:, None] + tiles.dot_nn(p.astype(v.dtype), v)
         return acc, new_max, row_sum * alpha + p.sum(axis=1)
@@ -126,7 +126,8 @@ def attention_forward(q: Array, k: Array, v: Array, mask: KernelMask, layout: Ma
     num_kv_heads, head_dim_v = k.shape[2], v.shape[3]
     spec = tiles.ScoreSpec(layout, tiles.tile_size(config.block_q, layout.block_q),
                            tiles.tile_size(config.block_kv, layout.block_kv), scale, softcap,
-                           score_mod, tuple(jnp.shape(c) for c in captured), partial_tiles)
+                           score_mod, tuple(jnp.shape(c) for c in captured), partial_tiles,
+                           ptx=tiles.inline_ptx(interpret))
     dim_v = tiles.padded_head_dim(head_dim_v)
     operands = {
         "q": q,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,11 +27,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
 
 from omni_jax.masks import FULL, PARTIAL
 from omni_jax.masks.block_mask import trace_time_eval
 from omni_jax.scores import ConvertedScoreMod, transform_scores
-from pallas_kernels import compat
+from pallas_kernels import compat, runtime
 from pallas_kernels.block_sparse import (
     KernelMask,
     MaskLayout,
@@ -133,6 +135,8 @@ class ScoreSpec:
     # False when the mask is known to hold no PARTIAL tiles (masks built from
     # structured arguments only): the kernels then compile no stored-tile path.
     partial_tiles: bool = True
+    # Compiled for an NVIDIA GPU (not interpreted): `exp2` may inline PTX.
+    ptx: bool = False
 
     @property
     def computed_tiles(self) -> bool:
@@ -148,6 +152,50 @@ class ScoreSpec:
     def plain(self) -> bool:
         """No softcap and no score_mod: the score is linear in ``q @ k^T``."""
         return self.softcap is None and self.score_mod is None
+
+    @property
+    def folds_scale(self) -> bool:
+        """Raw ``q @ k^T`` goes to the softmax, which applies the scale inside `exp2`'s
+        FMA (one instruction per score); a negative scale would turn masked -inf to +inf."""
+        return self.plain and self.scale > 0
+
+    @property
+    def exp2_scale(self) -> float:
+        """The factor `exp2` applies to the scores it is given (see `folds_scale`)."""
+        return self.scale * LOG2E if self.folds_scale else 1.0
+
+
+def _ptx_f32(value: float) -> str:
+    """A float32 immediate in PTX's hexadecimal notation."""
+    bits = struct.unpack("<I", struct.pack("<f", value))[0]
+    return f"0f{bits:08X}"
+
+
+def inline_ptx(interpret: bool) -> bool:
+    """Whether a kernel launched with ``interpret`` compiles for an NVIDIA GPU."""
+    return not interpret and runtime.gpu_compute_capability() is not None
+
+
+def exp2(x: Array, shift: Array, *, scale: float, ptx: bool) -> Array:
+    """``exp2(x * scale - shift)``, ``shift`` per row of ``x`` (its shape without the
+    last axis) or per element.
+
+    With ``ptx``, one FMA and one ``ex2.approx.ftz`` per element: ``jnp.exp2`` lowers
+    through libdevice's exp2 without flush-to-zero, which guards every element against
+    a denormal result with a compare and two predicated multiplies, and the scale and
+    the shift would stay two instructions. Results below 2^-126 flush to zero, which
+    no softmax weight notices. -inf scores give 0, as ``jnp.exp2`` does.
+    """
+    if shift.ndim < x.ndim:
+        shift = shift[..., None]
+    if not ptx:
+        return jnp.exp2((x * scale if scale != 1.0 else x) - shift)
+    asm = ("{ .reg .f32 t; fma.rn.f32 t, $1, " + _ptx_f32(scale)
+           + ", $2; ex2.approx.ftz.f32 $0, t; }")
+    [result] = pl_triton.elementwise_inline_asm(
+        asm, args=[x, jnp.broadcast_to(-shift, x.shape)], constraints="=f,f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
+    return result
 
 
 @jax.tree_util.register_dataclass

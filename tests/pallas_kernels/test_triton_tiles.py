@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.experimental import pallas as pl
@@ -85,3 +86,31 @@ def test_store_rows_writes_only_inside_the_array(shape, seed):
     np.testing.assert_array_equal(np.asarray(out), np.asarray(padded[:, :seq, :, :dim]))
     np.testing.assert_array_equal(np.asarray(lse),
                                   np.asarray(jnp.swapaxes(padded[:, :seq, :, 0], 1, 2)))
+
+
+@pytest.mark.parametrize("ptx", [
+    False, pytest.param(True, marks=pytest.mark.gpu)])
+def test_exp2_scales_shifts_and_gives_zero_for_minus_inf(ptx):
+    """`tiles.exp2` is ``exp2(x * scale - shift)`` per row: masked scores (-inf) and rows
+    that see nothing (shift +inf) give exactly 0, never NaN; compiled (``ptx``), its
+    approximate exp2 stays within float32 rounding of the float64 value."""
+    if ptx and jax.default_backend() != "gpu":
+        pytest.skip("inline PTX needs a CUDA GPU")
+    rng = np.random.default_rng()
+    x = rng.uniform(-40.0, 10.0, (32, 64)).astype(np.float32)
+    x[3, 5:9] = -np.inf
+    shift = rng.uniform(-5.0, 15.0, 32).astype(np.float32)
+    shift[7] = np.inf
+    scale = float(rng.uniform(0.05, 0.3))
+
+    def kernel(x_ref, shift_ref, o_ref):
+        o_ref[...] = tiles.exp2(x_ref[...], shift_ref[...], scale=scale, ptx=ptx)
+
+    out = np.asarray(pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct(x.shape, jnp.float32),
+        interpret=not ptx)(jnp.asarray(x), jnp.asarray(shift)))
+    expected = np.exp2(x.astype(np.float64) * np.float32(scale) - shift[:, None])
+    assert not np.isnan(out).any()
+    assert (out[3, 5:9] == 0).all() and (out[7] == 0).all()
+    normal = expected > 2.0 ** -120  # below, ex2.approx.ftz may flush to zero
+    np.testing.assert_allclose(out[normal], expected[normal], rtol=2e-6)
