@@ -17,7 +17,6 @@ from jax.experimental import pallas as pl
 
 from omni_jax.backends import xla
 from omni_jax.backends.base import AttentionBackend, sinks_cotangent
-from omni_jax.masks.mask_mods import includes_causal
 from omni_jax.problem import AttentionProblem
 from omni_jax.scores import primitive_names, transform_scores
 from pallas_kernels import compat, runtime
@@ -158,8 +157,7 @@ class TritonBackend(AttentionBackend):
     def forward(self, problem, q, k, v, block_mask, sinks, captured):
         mask, layout = kernel_mask(block_mask)
         config = configs.forward_config(max(problem.head_dim, problem.head_dim_v),
-                                        problem.dtype, _tune_key(problem),
-                                        causal=includes_causal(block_mask.mask_mod))
+                                        problem.dtype, _tune_key(problem))
         return attention_forward(q, k, v, mask, layout, sinks, captured, scale=problem.scale,
                                  softcap=problem.softcap, score_mod=problem.score_mod,
                                  config=config, interpret=runtime.interpret_requested(),

@@ -25,7 +25,9 @@ Config = TypeVar("Config")
 # everything else (Ampere, Ada, interpret mode) takes "sm80". The sm90 16-bit rows for the
 # forward (head dims 64, 128, 256) and the head-dim-128 backward are the winners of
 # `python -m benchmarks.tune_triton_attention` on an H100 (2026-11-23, bf16, 16k tokens,
-# 16 heads, seq 4096); the other rows are estimates.
+# 16 heads, seq 4096); the other rows are estimates. Causal masks take the same rows: with
+# `tiles.exp2` the 128x64 tile also wins causal d128 (2026-11-25 sweep: s4096 0.734 ms
+# against 0.760 for 128x128 with 8 warps and 3 stages, s16384 2.415 against 2.465).
 _FORWARD = {
     (64, "16bit", "sm90"): ForwardConfig(block_q=64, block_kv=128, num_warps=4, num_stages=3),
     (128, "16bit", "sm90"): ForwardConfig(block_q=128, block_kv=64, num_warps=4, num_stages=2),
@@ -39,13 +41,6 @@ _FORWARD = {
     (64, "fp32", "sm80"): ForwardConfig(block_q=64, block_kv=32, num_warps=4, num_stages=2),
     (128, "fp32", "sm80"): ForwardConfig(block_q=64, block_kv=32, num_warps=4, num_stages=1),
     (256, "fp32", "sm80"): ForwardConfig(block_q=32, block_kv=32, num_warps=4, num_stages=1),
-}
-# Causal masks (alone or intersected with others) where another forward config wins:
-# at head dim 128 on the H100, 128 x 128 tiles with 8 warps and 3 stages (2026-11-24
-# sweep with the contiguous FULL walk: causal s16384 2.40 ms against 2.54, s4096 0.758
-# against 0.766; dense stays with the table, 4.73 against 4.65 ms at s16384).
-_CAUSAL_FORWARD = {
-    (128, "16bit", "sm90"): ForwardConfig(block_q=128, block_kv=128, num_warps=8, num_stages=3),
 }
 _BACKWARD = {
     (64, "16bit", "sm90"): BackwardConfig(32, 128, 128, 32, num_warps=4, num_stages=3),
@@ -77,15 +72,10 @@ def problem_key(shapes: Sequence[tuple[int, ...]], dtype: Any, block_size: Any) 
     return tuple(map(tuple, shapes)), str(jax.numpy.dtype(dtype)), block_size
 
 
-def forward_config(head_dim: int, dtype: Any, tune_key: Hashable = None,
-                   causal: bool = False) -> ForwardConfig:
-    """The autotuned config for ``tune_key`` if any, else the table default (for a causal
-    mask when ``causal``)."""
+def forward_config(head_dim: int, dtype: Any, tune_key: Hashable = None) -> ForwardConfig:
+    """The autotuned config for ``tune_key`` if any, else the table default."""
     tuned = _TUNED.get(("forward", tune_key))
-    if tuned is not None:
-        return tuned
-    key = _table_key(head_dim, dtype)
-    return (_CAUSAL_FORWARD.get(key) if causal else None) or _FORWARD[key]
+    return tuned if tuned is not None else _FORWARD[_table_key(head_dim, dtype)]
 
 
 def backward_config(head_dim: int, dtype: Any, tune_key: Hashable = None) -> BackwardConfig:

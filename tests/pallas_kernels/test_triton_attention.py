@@ -217,27 +217,6 @@ def test_autotune_caches_the_fastest_config_that_runs():
     assert configs.forward_config(64, jnp.bfloat16, key) == candidates[1]
 
 
-@pytest.mark.parametrize("mask, causal", [
-    (dict(is_causal=True), True), (dict(is_causal=True, local_window_size=(64, 0)), True),
-    (dict(local_window_size=(64, 0)), False), ({}, False)])
-def test_causal_masks_take_the_causal_forward_config(mask, causal, monkeypatch):
-    """On Hopper the Triton forward of a causal mask (alone or intersected) uses the causal
-    table row, other masks the general one."""
-    from pallas_kernels.triton import configs
-
-    monkeypatch.setattr(runtime, "gpu_compute_capability", lambda: (9, 0))
-    seen = []
-    lookup = configs.forward_config
-    monkeypatch.setattr(configs, "forward_config",
-                        lambda *a, **kw: seen.append(kw["causal"]) or lookup(*a, **kw))
-    q = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
-    jax.eval_shape(lambda q: omni_jax.attention(q, q, q, implementation="triton", **mask), q)
-    assert seen == [causal]
-    dense, causal_config = (configs.forward_config(128, jnp.bfloat16, causal=c)
-                            for c in (False, True))
-    assert causal_config != dense
-
-
 def test_autotuned_configs_serve_later_calls(monkeypatch):
     from omni_jax.backends import triton as triton_backend
     from pallas_kernels.triton import configs
