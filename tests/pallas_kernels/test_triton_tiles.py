@@ -1,7 +1,9 @@
-"""`pallas_kernels.triton.tiles`: row tiles read and written without padded copies.
+"""`pallas_kernels.triton.tiles`: row tiles read and written without padded copies, and
+the kernels' exp2.
 
 Interpreted (`interpret=True`); the CUDA lowering of the same forms is covered by
-`test_triton_attention.test_kernels_lower_to_triton` (ragged lengths, head dim 80).
+`test_triton_attention.test_kernels_lower_to_triton` (ragged lengths, head dim 80), and
+exp2's inline PTX by its compiled case (GPU only).
 """
 
 from __future__ import annotations
