@@ -56,8 +56,7 @@ def _tile_gradients(scores: tiles.TileScores, step: tiles.Step, q: Array, k: Arr
                     do: Array, lse2: Array, delta: Array) -> tuple[Array, Array]:
     """(p, dS) of one tile; dS is d loss / d(q.k), the scale folded in."""
     spec = scores.spec
-    qk = tiles.dot_nt(q, k)
-    s, slope = (qk, None) if spec.folds_scale else scores.log2_scores(qk)
+    s, slope = scores.softmax_scores(tiles.dot_nt(q, k))
     p = tiles.exp2(scores.masked(s, step), lse2, scale=spec.exp2_scale, ptx=spec.ptx)
     dp = tiles.dot_nt(do, v)
     ds = p * (dp - delta[:, None])

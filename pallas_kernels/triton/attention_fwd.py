@@ -65,10 +65,8 @@ def _forward_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, num_q_tiles
 
     # Plain scores stay raw until the softmax, which folds the scale into the exp2
     # argument (one FMA per score); the row max is scaled per row.
-    fold_scale = spec.folds_scale
-
     def to_log2(x):
-        return x * spec.exp2_scale if fold_scale else x
+        return x * spec.exp2_scale if spec.folds_scale else x
 
     def body(step, carry):
         acc, row_max, row_sum = carry
@@ -76,7 +74,7 @@ def _forward_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, num_q_tiles
         k = tiles.load_operand(inputs, layout, "k", b, kv_start, tkv, kv_head)
         scores = tiles.TileScores(spec, mask, inputs["captured"], b, h, q_start, kv_start)
         qk = tiles.dot_nt(q, k)
-        s = qk if fold_scale else scores.log2_scores(qk)[0]
+        s = scores.softmax_scores(qk)[0]
         s = scores.masked(s, step)
         new_max = jnp.maximum(row_max, to_log2(s.max(axis=1)))
         # Rows with nothing visible yet keep max -inf: shift by 0 so exp2 gives 0, not NaN.

@@ -336,9 +336,13 @@ class TileScores:
                                 captured=(), b=self.b, h=self.h, q_idx=self.q_idx,
                                 kv_idx=self.kv_idx)
 
-    def log2_scores(self, qk: Array) -> tuple[Array, Array | None]:
-        """(log2-domain scores before masking, d score / d(scale * qk) or None when 1)."""
+    def softmax_scores(self, qk: Array) -> tuple[Array, Array | None]:
+        """(scores before masking, in log2 units once `exp2` applies ``spec.exp2_scale``:
+        ``qk`` itself when the scale folds into the exp2; d score / d(scale * qk) or None
+        when 1)."""
         spec = self.spec
+        if spec.folds_scale:
+            return qk, None
         if spec.plain:
             return qk * (spec.scale * LOG2E), None
         scaled = qk * spec.scale
