@@ -261,7 +261,7 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
         tile = (rows, block_kv)
         # Plain scores stay raw until the softmax, which folds the scale into the
         # exp2 argument (one FMA per score); the row max is scaled per row.
-        fold_scale = s.scores.plain and s.scores.scale > 0
+        fold_scale = s.scores.folds_scale
 
         def to_log2(x):
             return x * (s.scores.scale * LOG2E) if fold_scale else x

@@ -249,6 +249,12 @@ class ScoreSpec:
     def plain(self) -> bool:
         return self.softcap is None and self.score_mod is None
 
+    @property
+    def folds_scale(self) -> bool:
+        """Raw ``q . k`` goes to the softmax, which applies the scale inside the exp2
+        argument's FMA; a negative scale would turn masked -inf into +inf."""
+        return self.plain and self.scale > 0
+
 
 def score_spec(scale: float, softcap: float | None, score_mod: ConvertedScoreMod | None,
                captured) -> tuple[ScoreSpec, Array | None]:
