@@ -247,7 +247,7 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
             plgpu.set_max_registers(40, action="decrease")
         common.load_captured(s, captured_ref, captured_smem, captured_barrier)
         mask_b = batch if s.mask_batch > 1 else 0
-        mask_h = first_head if s.dkv_walk_heads > 1 else 0
+        mask_h = first_head if s.mask_heads > 1 else 0
         plgpu.copy_gmem_to_smem(walk_ref.at[mask_b, pl.ds(mask_h, s.dkv_walk_heads), kv_block],
                                 walk_smem, walk_barrier)
         if s.num_kv_leaves:

@@ -51,6 +51,7 @@ CASES = (
          window=(24, 0)),
     Case("orphan_rows", segments="orphans", sinks=False),
     Case("generic_block_mask", q_len=70, kv_len=90, block_mask="generic"),
+    Case("per_head_mask_without_gqa", q_len=70, kv_len=90, kv_heads=4, block_mask="generic"),
     Case("generic_block_mask_and_causal", q_len=96, kv_len=96, block_mask="generic",
          is_causal=True),
     Case("prefix_lm", q_len=96, kv_len=96, block_mask="prefix_lm"),

@@ -25,7 +25,8 @@ from tests.omni_jax.attention_suite import CASES, AttentionSuite
 _GATHERING = ("relative_table_score_mod",)
 GPU_CASES = tuple(case for case in CASES if case.name not in _GATHERING)
 _INTERPRETED = ("alibi_score_mod", "causal_ragged", "documents_causal_window",
-                "generic_block_mask", "mqa_value_dim", "softcap_sinks")
+                "generic_block_mask", "mqa_value_dim", "per_head_mask_without_gqa",
+                "softcap_sinks")
 INTERPRETED_CASES = tuple(case for case in CASES if case.name in _INTERPRETED)
 
 
