@@ -28,11 +28,11 @@ def dense_mask(batch: int, heads: int, q_len: int, kv_len: int, *, is_causal: bo
         q_ids = np.asarray(q_segment_ids)[:, None, :, None]
         kv_ids = np.asarray(kv_segment_ids)[:, None, None, :]
         visible &= q_ids == kv_ids
-    if mask_fn is not None:
-        for b in range(batch):
-            for h in range(heads):
-                visible[b, h] &= np.vectorize(lambda i, j, b=b, h=h: bool(mask_fn(b, h, i, j)))(
-                    q, k)
+    if mask_fn is not None:  # Evaluated once on broadcast index arrays (numpy operators).
+        b = np.arange(batch)[:, None, None, None]
+        h = np.arange(heads)[None, :, None, None]
+        visible &= np.broadcast_to(np.asarray(mask_fn(b, h, q[None, None], k[None, None]), bool),
+                                   visible.shape)
     return visible
 
 
@@ -87,3 +87,27 @@ def relative_error(actual, expected) -> float:
         return float("inf")
     diff = np.linalg.norm(actual[finite] - expected[finite])
     return float(diff / max(np.linalg.norm(expected[finite]), 1e-30))
+
+
+def worst_block_error(actual, expected, axis: int, rows: int = 32,
+                      floor: float = 1e-3) -> float:
+    """The largest relative error over blocks of ``rows`` along ``axis``: a wrong tile at
+    the end of a long sequence fails it, where it can hide in the norm of the whole.
+
+    Each block's error is relative to its own norm, or to ``floor`` times the root mean
+    square block norm if larger: a block of gradients too small for the dtype (1e-8 in
+    float16 rounds to zero) is judged on the tensor's scale, not its own.
+    """
+    actual = np.asarray(actual, np.float64)
+    expected = np.asarray(expected, np.float64)
+    finite = np.isfinite(expected)
+    if not np.array_equal(np.isfinite(actual), finite) or not np.array_equal(
+            actual[~finite], expected[~finite]):
+        return float("inf")
+    expected = np.where(finite, expected, 0)
+    diff = np.where(finite, actual, 0) - expected
+    cuts = list(range(rows, expected.shape[axis], rows))
+    block_norms = [np.linalg.norm(e) for e in np.split(expected, cuts, axis)]
+    scale = floor * np.sqrt(np.mean(np.square(block_norms)))
+    return max(np.linalg.norm(d) / max(n, scale, 1e-30)
+               for d, n in zip(np.split(diff, cuts, axis), block_norms, strict=True))

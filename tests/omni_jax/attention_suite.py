@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import omni_jax
-from tests.reference import dense_mask, reference_attention, relative_error
+from tests.reference import dense_mask, reference_attention, relative_error, worst_block_error
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,8 +117,39 @@ def _captured(case: Case, rng):
     return None
 
 
-def check_case(implementation: str, case: Case, dtype: str,
-               mask_block_size: tuple[int, int], check_gradients: bool = True) -> None:
+def random_case(rng: np.random.Generator, head_dims: tuple[int, ...],
+                score_mods: tuple[str | None, ...] = (None, "alibi")) -> Case:
+    """A problem drawn at random from everything `Case` can express, sized for compiled
+    kernels: up to 1200 rows (many tiles, ragged tails), GQA, masks combined."""
+
+    def pick(options):
+        return options[int(rng.integers(len(options)))]
+
+    heads = pick((1, 2, 4, 6, 8))
+    lengths = rng.uniform(2, 1200, 2) if rng.random() < 0.5 else np.exp(rng.uniform(0, 7, 2))
+    q_len, kv_len = (max(2, int(n)) for n in lengths)
+    segments = pick((None, None, "packed", "orphans"))
+    window = None
+    if rng.random() < 0.3:
+        window = (int(rng.integers(0, 300)), int(rng.integers(0, 300)))
+    fields = dict(
+        batch=int(rng.integers(1, 3)), q_len=q_len,
+        kv_len=q_len if segments == "packed" else kv_len, heads=heads,
+        kv_heads=pick(tuple(d for d in range(1, heads + 1) if heads % d == 0)),
+        head_dim=pick(head_dims), head_dim_v=pick(head_dims) if rng.random() < 0.2 else None,
+        is_causal=bool(rng.random() < 0.5), window=window, segments=segments,
+        block_mask=pick((None, None, "generic", "prefix_lm", "chunked")),
+        softcap=30.0 if rng.random() < 0.2 else None, sinks=bool(rng.random() < 0.2),
+        score_mod=pick(score_mods))
+    name = " ".join(f"{k}={v}" for k, v in fields.items() if v not in (None, False))
+    return Case(name, **fields)
+
+
+def check_case(implementation: str | None, case: Case, dtype: str,
+               mask_block_size: tuple[int, int], check_gradients: bool = True,
+               block_rows: int | None = None) -> None:
+    """Checks ``case`` against the float64 reference; with ``block_rows``, also every
+    block of that many query (or key, for dK and dV) rows on its own."""
     seed = int(np.random.default_rng().integers(2**31))
     rng = np.random.default_rng(seed)
     context = f"[{implementation} {case.name} {dtype} seed={seed}]"
@@ -170,6 +201,9 @@ def check_case(implementation: str, case: Case, dtype: str,
     assert relative_error(out, ref_out) < tolerance, (context, relative_error(out, ref_out))
     assert relative_error(lse, ref_lse) < max(tolerance, 1e-5), (
         context, relative_error(lse, ref_lse))
+    if block_rows:
+        error = worst_block_error(out, ref_out, 1, block_rows)
+        assert error < 2 * tolerance, (context, "out by rows", error)
     blind = ~visible.any(axis=-1)  # [B, H, Sq]: rows that see no key.
     if blind.any():
         blind_rows = np.transpose(blind, (0, 2, 1))
@@ -187,6 +221,9 @@ def check_case(implementation: str, case: Case, dtype: str,
         assert grad.shape == ref.shape, (context, name)
         error = relative_error(grad, ref)
         assert error < 2 * tolerance, (context, name, error)
+        if block_rows and name in ("dq", "dk", "dv"):
+            error = worst_block_error(grad, ref, 1, block_rows)
+            assert error < 4 * tolerance, (context, f"{name} by rows", error)
 
 
 class AttentionSuite:

@@ -1,0 +1,44 @@
+"""Random problems on the compiled GPU kernels.
+
+The shared suite's cases are small (one or two tiles). These draw sizes up to 1200
+rows, every head dim, GQA ratio and mask combination at random (fresh each run;
+a failure names the whole problem and the input seed), and check each block of 32
+rows of the output and the gradients against float64 on its own, so a wrong tile
+at a ragged tail cannot hide in the norm of the whole tensor.
+"""
+
+import numpy as np
+import pytest
+
+from pallas_kernels import runtime
+from tests.omni_jax.attention_suite import check_case, random_case
+
+_CAPABILITY = runtime.gpu_compute_capability()
+_DRAWS = 10
+
+# (implementation, dtypes, head dims, mask block sizes, needs sm90)
+_BACKENDS = {
+    "mosaic": (("bfloat16", "float16"), (64, 80, 128, 256), ((128, 64), (128, 128)), True),
+    "triton": (("float32", "bfloat16", "float16"), (32, 64, 96, 128, 256),
+               ((32, 32), (64, 64), (128, 64)), False),
+    None: (("bfloat16", "float16"), (64, 96, 128, 192),
+           ((32, 32), (64, 64), (128, 64), (128, 128)), False),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("draw", range(_DRAWS))
+@pytest.mark.parametrize("implementation", list(_BACKENDS), ids=str)
+def test_random_problem(implementation, draw):
+    dtypes, head_dims, block_sizes, needs_sm90 = _BACKENDS[implementation]
+    if runtime.interpret_requested() or _CAPABILITY is None:
+        pytest.skip("needs a CUDA GPU (compiled kernels)")
+    if needs_sm90 and _CAPABILITY != (9, 0):
+        pytest.skip("needs an sm90 GPU")
+    rng = np.random.default_rng()
+    case = random_case(rng, head_dims)
+    dtype = dtypes[int(rng.integers(len(dtypes)))]
+    block_size = block_sizes[int(rng.integers(len(block_sizes)))]
+    if implementation == "mosaic" and max(case.head_dim, case.head_dim_v or 0) > 128:
+        block_size = (128, 64)  # K and V tiles of 128 x 256 do not fit shared memory.
+    check_case(implementation, case, dtype, block_size, block_rows=32)
