@@ -18,7 +18,13 @@ import omni_jax
 from omni_jax.matmul import implementations
 from pallas_kernels import runtime
 from pallas_kernels.matmul_common import problem_of
-from tests.omni_jax.matmul_helpers import assert_close, random_operands, reference
+from tests.omni_jax.matmul_helpers import (
+    FP8_TOLERANCE,
+    TOLERANCE,
+    assert_close,
+    random_operands,
+    reference,
+)
 
 BF16, F16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)
 E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
@@ -341,6 +347,56 @@ def test_gpu_large_odd_shapes(implementation, transpose_a, transpose_b, dtype, o
         _check(implementation, m, n, k, dtype, transpose_a=transpose_a,
                transpose_b=transpose_b, out_dtype=out_dtype)
     assert served
+
+
+def _random_problem(rng, implementation):
+    """(m, n, k, dtype, out_dtype, transpose_a, transpose_b, activation, bias, fp8 scales):
+    drawn again until ``implementation`` serves it (the Mosaic kernel's TMA tiles refuse
+    some row widths)."""
+
+    def pick(options):
+        return options[int(rng.integers(len(options)))]
+
+    while True:
+        m, n, k = (max(1, int(x)) for x in np.exp(rng.uniform(0, np.log(3000), 3)))
+        dtype = pick((BF16, F16, E4M3, E5M2))
+        out_dtype = pick((None, F32, F16)) if dtype.itemsize == 2 else pick((BF16, F32))
+        transpose_a, transpose_b = bool(rng.integers(2)), bool(rng.integers(2))
+        scales = (0.5, 4.0) if dtype.itemsize == 1 else (None, None)
+        shapes = ((k, m) if transpose_a else (m, k), (n, k) if transpose_b else (k, n))
+        problem = problem_of(
+            *(jax.ShapeDtypeStruct(shape, dtype) for shape in shapes),
+            None if scales[0] is None else jnp.ones((1,), F32), None,
+            transpose_a=transpose_a, transpose_b=transpose_b, activation=None,
+            out_dtype=jnp.dtype(out_dtype or (dtype if dtype.itemsize == 2 else BF16)))
+        if implementation is None or implementations.why_not(implementation, problem) is None:
+            return (m, n, k, dtype, out_dtype, transpose_a, transpose_b,
+                    pick((None, "gelu", "silu")), bool(rng.integers(2)), scales)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("draw", range(6))
+@pytest.mark.parametrize("implementation", [*KERNELS, None], ids=str)
+def test_gpu_random_problems(implementation, draw):
+    """Sizes from 1 to 3000 per side, layouts, dtypes and epilogues drawn at random (fresh
+    each run; a failure names them all)."""
+    if implementation is not None:
+        _skip_if_missing(implementation)
+    drawn = _random_problem(np.random.default_rng(), implementation)
+    m, n, k, dtype, out_dtype, transpose_a, transpose_b, activation, with_bias, scales = drawn
+    a, b, bias, seed = random_operands(m, n, k, dtype, transpose_a=transpose_a,
+                                       transpose_b=transpose_b)
+    bias = bias if with_bias else None
+    out = omni_jax.matmul(a, b, bias=bias, activation=activation, out_dtype=out_dtype,
+                          transpose_a=transpose_a, transpose_b=transpose_b,
+                          a_scale=scales[0], b_scale=scales[1], implementation=implementation)
+    expected = reference(a, b, bias=bias, activation=activation, transpose_a=transpose_a,
+                         transpose_b=transpose_b,
+                         scale=1.0 if scales[0] is None else scales[0] * scales[1])
+    tolerance = TOLERANCE[out.dtype] if dtype.itemsize == 2 else max(TOLERANCE[out.dtype],
+                                                                     FP8_TOLERANCE)
+    assert_close(out, expected, out.dtype, f"{seed}, problem {drawn}", tolerance)
 
 
 @pytest.mark.gpu
