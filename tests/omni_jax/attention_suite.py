@@ -140,7 +140,8 @@ def random_case(rng: np.random.Generator, head_dims: tuple[int, ...],
         is_causal=bool(rng.random() < 0.5), window=window, segments=segments,
         block_mask=pick((None, None, "generic", "prefix_lm", "chunked")),
         softcap=30.0 if rng.random() < 0.2 else None, sinks=bool(rng.random() < 0.2),
-        score_mod=pick(score_mods))
+        score_mod=pick(score_mods),
+        scale=round(float(rng.uniform(0.02, 0.5)), 3) if rng.random() < 0.3 else None)
     name = " ".join(f"{k}={v}" for k, v in fields.items() if v not in (None, False))
     return Case(name, **fields)
 
