@@ -57,7 +57,7 @@ from omni_jax.masks import PARTIAL
 from omni_jax.masks.block_mask import trace_time_eval
 from omni_jax.scores import ConvertedScoreMod
 from pallas_kernels import compat
-from pallas_kernels.block_sparse import KernelMask, MaskLayout, walk_offsets
+from pallas_kernels.block_sparse import KernelMask, MaskLayout, batch_head_index, walk_offsets
 from pallas_kernels.mosaic import attention_sm90_common as common
 from pallas_kernels.mosaic.attention_sm90_common import (
     BLOCK_Q,
@@ -160,7 +160,6 @@ class _Statics(common.LeafCounts):
     has_partial: bool
     dq_walk_lines: int
     dkv_walk_lines: int
-    mask_batch: int
     mask_heads: int
     leaf_slots: tuple[tuple[str, int], ...]
     interpret: bool
@@ -246,8 +245,7 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
         if rebalance:
             plgpu.set_max_registers(40, action="decrease")
         common.load_captured(s, captured_ref, captured_smem, captured_barrier)
-        mask_b = batch if s.mask_batch > 1 else 0
-        mask_h = first_head if s.mask_heads > 1 else 0
+        mask_b, mask_h = batch_head_index(walk_ref, batch, first_head)
         plgpu.copy_gmem_to_smem(walk_ref.at[mask_b, pl.ds(mask_h, s.dkv_walk_heads), kv_block],
                                 walk_smem, walk_barrier)
         if s.num_kv_leaves:
@@ -552,7 +550,7 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
         config=config, layout=layout, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
         head_dim=dim, head_dim_v=dim_v, dtype=q.dtype, scores=scores, has_partial=has_partial,
         dq_walk_lines=dq_walk.shape[-2], dkv_walk_lines=dkv_walk.shape[-2],
-        mask_batch=dq_walk.shape[0], mask_heads=dq_walk.shape[1], leaf_slots=leaf_slots,
+        mask_heads=dq_walk.shape[1], leaf_slots=leaf_slots,
         interpret=interpret)
 
     def operands(walk, partial_tiles):

@@ -183,8 +183,6 @@ class _Statics(common.LeafCounts):
     has_partial: bool
     walk_lines: int
     num_q_buffers: int
-    mask_batch: int
-    mask_heads: int
     # For each mask_mod leaf, in leaf order: ("q" | "kv", row in its stacked leaf array).
     leaf_slots: tuple[tuple[str, int], ...]
     interpret: bool
@@ -630,7 +628,7 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
         dtype=q.dtype, scores=scores,
         has_partial=has_partial, walk_lines=walk.shape[-2],
         num_q_buffers=q_buffers(config, dim, dim_v, q.dtype.itemsize, has_partial),
-        mask_batch=walk.shape[0], mask_heads=walk.shape[1], leaf_slots=leaf_slots,
+        leaf_slots=leaf_slots,
         interpret=interpret)
 
     operands = [q, k, v, walk]

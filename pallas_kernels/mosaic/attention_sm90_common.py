@@ -23,7 +23,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from omni_jax.masks import PARTIAL
 from omni_jax.scores import ConvertedScoreMod, apply_score_mod
 from pallas_kernels import block_sparse, compat
-from pallas_kernels.block_sparse import KernelMask, MaskLayout, tile_visibility
+from pallas_kernels.block_sparse import KernelMask, MaskLayout, batch_head_index, tile_visibility
 from pallas_kernels.captured import PackedCaptured, score_mod_on_packed
 
 Array = Any
@@ -147,8 +147,7 @@ def load_q_block_walk(statics, walk_ref, walk_smem, walk_barrier, q_leaves, *, b
                       q_block, block_q: int) -> Array:
     """Producer: TMA-loads a q-block's kv walk (and its mask_mod q leaves, ``q_leaves`` =
     (gmem ref, smem, barrier) or None); returns the walk's active count once it landed."""
-    mask_b = batch if statics.mask_batch > 1 else 0
-    mask_h = head if statics.mask_heads > 1 else 0
+    mask_b, mask_h = batch_head_index(walk_ref, batch, head)
     plgpu.copy_gmem_to_smem(walk_ref.at[mask_b, mask_h, q_block], walk_smem, walk_barrier)
     if q_leaves is not None:
         leaf_ref, leaf_smem, leaf_barrier = q_leaves
