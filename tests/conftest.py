@@ -1,6 +1,7 @@
 """Test-wide setup: two virtual CPU devices so sharding tests run on any machine."""
 
 import os
+import secrets
 
 import pytest
 
@@ -28,6 +29,14 @@ def pytest_generate_tests(metafunc):
     for name, values in suite_parameters(cls).items():
         if name in metafunc.fixturenames:
             metafunc.parametrize(name, values, ids=case_id)
+
+
+@pytest.fixture
+def seed() -> int:
+    """A fresh random seed for each test, printed so that a failure's report names it."""
+    value = secrets.randbits(31)
+    print(f"seed = {value}")
+    return value
 
 
 @pytest.fixture

@@ -39,8 +39,8 @@ def make_inputs(seed, *, s_q=6, h_q=4, s_kv=40, d_qk=24, topk=80, dtype=jnp.bflo
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.bfloat16, 1e-2), (jnp.float32, 1e-5)])
 @pytest.mark.parametrize("topk", [80, 64])
-def test_forward_matches_float64_reference(dtype, tol, topk):
-    q, kv, indices = make_inputs(seed=topk, dtype=dtype, topk=topk)
+def test_forward_matches_float64_reference(dtype, tol, topk, seed):
+    q, kv, indices = make_inputs(seed=seed, dtype=dtype, topk=topk)
     sm_scale, d_v = 0.3, 16
     out, max_logits, lse, scores = sparse_mla_prefill(
         q, kv, indices, sm_scale=sm_scale, d_v=d_v, return_scores=True, implementation="xla"
@@ -57,8 +57,8 @@ def test_forward_matches_float64_reference(dtype, tol, topk):
     assert np.all(np.isneginf(lse[-1])) and np.all(np.isneginf(max_logits[-1]))
 
 
-def test_duplicates_count_twice():
-    q, kv, _ = make_inputs(seed=1, s_q=1, topk=8, dtype=jnp.float32)
+def test_duplicates_count_twice(seed):
+    q, kv, _ = make_inputs(seed=seed, s_q=1, topk=8, dtype=jnp.float32)
     once = jnp.asarray([[[3, 5]]], jnp.int32)
     twice = jnp.asarray([[[3, 5, 5]]], jnp.int32)
     kw = dict(sm_scale=1.0, d_v=8, implementation="xla")
@@ -68,8 +68,8 @@ def test_duplicates_count_twice():
     np.testing.assert_allclose(jnp.exp(lse_twice), jnp.exp(lse_once) + jnp.exp(s5)[None], 1e-5)
 
 
-def test_without_scores_returns_three_outputs_under_jit():
-    q, kv, indices = make_inputs(seed=2)
+def test_without_scores_returns_three_outputs_under_jit(seed):
+    q, kv, indices = make_inputs(seed=seed)
     fn = jax.jit(lambda q, kv, i: sparse_mla_prefill(q, kv, i, sm_scale=0.2, d_v=16))
     outputs = fn(q, kv, indices)
     assert len(outputs) == 3
@@ -77,8 +77,8 @@ def test_without_scores_returns_three_outputs_under_jit():
     assert rel_err(outputs[0], ref[0]) < 1e-2
 
 
-def test_vmap_over_batch_axis():
-    batch = [make_inputs(seed=10 + b, s_q=4, topk=70) for b in range(3)]
+def test_vmap_over_batch_axis(seed):
+    batch = [make_inputs(seed=seed + b, s_q=4, topk=70) for b in range(3)]
     q, kv, indices = (jnp.stack(xs) for xs in zip(*batch, strict=True))
     fn = jax.vmap(lambda q, kv, i: sparse_mla_prefill(
         q, kv, i, sm_scale=0.25, d_v=16, return_scores=True))
@@ -91,11 +91,11 @@ def test_vmap_over_batch_axis():
 
 
 @pytest.mark.parametrize("with_scores", [False, True])
-def test_gradients_match_float64_dense_reference(with_scores):
-    q, kv, indices = make_inputs(seed=3, s_q=5, h_q=2, s_kv=30, d_qk=16, topk=72,
+def test_gradients_match_float64_dense_reference(with_scores, seed):
+    q, kv, indices = make_inputs(seed=seed, s_q=5, h_q=2, s_kv=30, d_qk=16, topk=72,
                                  dtype=jnp.float32)
     sm_scale, d_v = 0.4, 12
-    rng = np.random.default_rng(4)
+    rng = np.random.default_rng(seed + 1)
     w_out = rng.standard_normal((5, 2, d_v))
     w_lse = rng.standard_normal((5, 2))
     w_scores = rng.standard_normal((5, 2, 72)) if with_scores else np.zeros((5, 2, 72))
@@ -121,8 +121,8 @@ def test_gradients_match_float64_dense_reference(with_scores):
     np.testing.assert_array_equal(np.asarray(dq[-1]), 0.0)  # the all-invalid row
 
 
-def test_bfloat16_gradients_under_vmap():
-    batch = [make_inputs(seed=20 + b, s_q=3, topk=64) for b in range(2)]
+def test_bfloat16_gradients_under_vmap(seed):
+    batch = [make_inputs(seed=seed + b, s_q=3, topk=64) for b in range(2)]
     q, kv, indices = (jnp.stack(xs) for xs in zip(*batch, strict=True))
 
     def loss(q, kv, i):

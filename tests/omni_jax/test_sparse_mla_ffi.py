@@ -51,10 +51,10 @@ def kernel_inputs(seed, *, s_q=5, h_q=128, s_kv=300, topk=192):
     (400, 64, 64, 300), (300, 128, 192, 300),
 ])
 @pytest.mark.parametrize("return_scores", [False, True])
-def test_kernel_matches_float64_reference(s_q, h_q, topk, s_kv, return_scores):
+def test_kernel_matches_float64_reference(s_q, h_q, topk, s_kv, return_scores, seed):
     """1 block (padded pair), 3 blocks (odd), 2 pairs, 16 pairs (barrier phases wrap); with
     s_q in the hundreds, more items than SMs: every persistent CTA runs several."""
-    q, kv, indices = kernel_inputs(seed=topk + h_q + s_q, s_q=s_q, h_q=h_q, topk=topk,
+    q, kv, indices = kernel_inputs(seed=seed, s_q=s_q, h_q=h_q, topk=topk,
                                    s_kv=s_kv)
     outputs = jax.jit(lambda q, kv, i: sparse_mla_prefill(
         q, kv, i, sm_scale=SM_SCALE, return_scores=return_scores, implementation="ffi"))(
@@ -72,8 +72,8 @@ def test_kernel_matches_float64_reference(s_q, h_q, topk, s_kv, return_scores):
     assert np.isneginf(np.asarray(outputs[2][-1])).all()
 
 
-def test_kernel_matches_portable_path_under_vmap():
-    batch = [kernel_inputs(seed=40 + b, s_q=3, topk=128) for b in range(3)]
+def test_kernel_matches_portable_path_under_vmap(seed):
+    batch = [kernel_inputs(seed=seed + b, s_q=3, topk=128) for b in range(3)]
     q, kv, indices = (jnp.stack(xs) for xs in zip(*batch, strict=True))
 
     def run(implementation):
@@ -87,16 +87,16 @@ def test_kernel_matches_portable_path_under_vmap():
         assert rel_err(got, want) < 1e-5
 
 
-def test_default_dispatch_uses_the_kernel():
-    q, kv, indices = kernel_inputs(seed=7, s_q=2, topk=64)
+def test_default_dispatch_uses_the_kernel(seed):
+    q, kv, indices = kernel_inputs(seed=seed, s_q=2, topk=64)
     text = jax.jit(lambda q, kv, i: sparse_mla_prefill(q, kv, i, sm_scale=SM_SCALE)).lower(
         q, kv, indices).as_text()
     assert kernel.TARGET_NAME in text
 
 
-def test_gradients_through_the_kernel_forward_match_the_portable_path():
-    q, kv, indices = kernel_inputs(seed=8, s_q=3, h_q=64, topk=128)
-    w = jnp.asarray(np.random.default_rng(9).standard_normal((3, 64, D_V)), jnp.float32)
+def test_gradients_through_the_kernel_forward_match_the_portable_path(seed):
+    q, kv, indices = kernel_inputs(seed=seed, s_q=3, h_q=64, topk=128)
+    w = jnp.asarray(np.random.default_rng(seed + 1).standard_normal((3, 64, D_V)), jnp.float32)
 
     def grads(implementation):
         def loss(q, kv):
@@ -109,7 +109,7 @@ def test_gradients_through_the_kernel_forward_match_the_portable_path():
         assert rel_err(got, want) < 2e-2
 
 
-def test_handler_rejects_bad_shapes_with_a_message():
+def test_handler_rejects_bad_shapes_with_a_message(seed):
     q = jnp.ones((2, 64, 512), jnp.bfloat16)  # d_qk 512 instead of 576
     kv = jnp.ones((8, 1, 512), jnp.bfloat16)
     indices = jnp.zeros((2, 1, 64), jnp.int32)
@@ -121,7 +121,7 @@ _SANITIZED_SCRIPT = textwrap.dedent("""
     import jax
     from omni_jax import sparse_mla_prefill
     from tests.omni_jax.test_sparse_mla_ffi import kernel_inputs, SM_SCALE
-    q, kv, indices = kernel_inputs(seed=0, s_q=2, h_q=64, s_kv=100, topk=192)
+    q, kv, indices = kernel_inputs(seed=seed, s_q=2, h_q=64, s_kv=100, topk=192)
     for scores in (False, True):
         jax.block_until_ready(sparse_mla_prefill(
             q, kv, indices, sm_scale=SM_SCALE, return_scores=scores, implementation="ffi"))

@@ -29,9 +29,9 @@ def kv_padding_mask():
 
 
 @pytest.mark.parametrize("masking", ["causal_mask", "is_causal", "kv_padding_and_causal"])
-def test_nnx_multi_head_attention(masking):
+def test_nnx_multi_head_attention(masking, seed):
     flax_mha, omni_mha = nnx_pair()
-    x = jax.random.normal(jax.random.key(1), (BATCH, SEQ, FEATURES))
+    x = jax.random.normal(jax.random.key(seed), (BATCH, SEQ, FEATURES))
     kwargs = {
         "causal_mask": dict(mask=nnx.make_causal_mask(jnp.ones((BATCH, SEQ)))),
         "is_causal": dict(is_causal=True),
@@ -40,9 +40,9 @@ def test_nnx_multi_head_attention(masking):
     assert relative_error(omni_mha(x, **kwargs), flax_mha(x, **kwargs)) < TOLERANCE
 
 
-def test_nnx_multi_head_attention_decode():
+def test_nnx_multi_head_attention_decode(seed):
     flax_mha, omni_mha = nnx_pair()
-    x = jax.random.normal(jax.random.key(2), (BATCH, 6, FEATURES))
+    x = jax.random.normal(jax.random.key(seed), (BATCH, 6, FEATURES))
     for mha in (flax_mha, omni_mha):
         mha.init_cache((BATCH, 8, FEATURES))
     for t in range(6):
@@ -51,18 +51,18 @@ def test_nnx_multi_head_attention_decode():
         assert relative_error(omni_mha(token, decode=True), expected) < TOLERANCE
 
 
-def test_linen_multi_head_dot_product_attention():
-    x = jax.random.normal(jax.random.key(3), (BATCH, SEQ, FEATURES))
+def test_linen_multi_head_dot_product_attention(seed):
+    x = jax.random.normal(jax.random.key(seed), (BATCH, SEQ, FEATURES))
     mask = nn.make_causal_mask(jnp.ones((BATCH, SEQ)))
     flax_mha = nn.MultiHeadDotProductAttention(num_heads=HEADS)
     omni_mha = nn.MultiHeadDotProductAttention(num_heads=HEADS, attention_fn=ATTENTION_FN)
-    variables = flax_mha.init(jax.random.key(4), x, mask=mask)
+    variables = flax_mha.init(jax.random.key(seed + 1), x, mask=mask)
     expected = flax_mha.apply(variables, x, mask=mask)
     assert relative_error(omni_mha.apply(variables, x, mask=mask), expected) < TOLERANCE
 
 
-def test_extra_batch_dims_bias_and_mask_match_flax():
-    keys = jax.random.split(jax.random.key(5), 4)
+def test_extra_batch_dims_bias_and_mask_match_flax(seed):
+    keys = jax.random.split(jax.random.key(seed), 4)
     q, k, v = (jax.random.normal(key, (2, 2, 12, HEADS, 8)) for key in keys[:3])
     bias = jax.random.normal(keys[3], (2, 2, HEADS, 12, 12))
     mask = jnp.tril(jnp.ones((12, 12), bool)) | (jnp.arange(12) < 3)
@@ -76,8 +76,8 @@ def test_extra_batch_dims_bias_and_mask_match_flax():
     assert relative_error(grad, expected_grad) < 1e-4
 
 
-def test_block_mask_from_dense_round_trips():
-    mask = jax.random.bernoulli(jax.random.key(6), 0.3, (2, 1, 19, 27))
+def test_block_mask_from_dense_round_trips(seed):
+    mask = jax.random.bernoulli(jax.random.key(seed), 0.3, (2, 1, 19, 27))
     mask = mask.at[:, :, :8, :8].set(True).at[:, :, 8:16, :8].set(False)  # FULL and empty
     block_mask = block_mask_from_dense(mask, (8, 8))
     np.testing.assert_array_equal(np.asarray(block_mask.to_dense()).reshape(mask.shape),

@@ -84,9 +84,9 @@ def test_segment_positions_restart_in_every_document():
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_layer_matches_reference(case):
+def test_layer_matches_reference(case, seed):
     layer = make_layer(case)
-    x = jax.random.normal(jax.random.key(1), (BATCH, SEQ, FEATURES))
+    x = jax.random.normal(jax.random.key(seed), (BATCH, SEQ, FEATURES))
     kwargs, reference_kwargs = call_arguments(case)
     out = layer(x, **kwargs)
     with jax.enable_x64(True):
@@ -96,11 +96,11 @@ def test_layer_matches_reference(case):
     assert relative_error(out, expected) < TOLERANCE
 
 
-def test_gradients_match_reference_under_nnx_jit():
+def test_gradients_match_reference_under_nnx_jit(seed):
     case = CASES[1]
-    layer = make_layer(case, seed=2)
-    x = jax.random.normal(jax.random.key(3), (BATCH, SEQ, FEATURES))
-    weights = jax.random.normal(jax.random.key(4), (BATCH, SEQ, FEATURES))
+    layer = make_layer(case, seed=seed)
+    x = jax.random.normal(jax.random.key(seed + 1), (BATCH, SEQ, FEATURES))
+    weights = jax.random.normal(jax.random.key(seed + 2), (BATCH, SEQ, FEATURES))
     kwargs, reference_kwargs = call_arguments(case)
 
     @nnx.jit
@@ -121,9 +121,9 @@ def test_gradients_match_reference_under_nnx_jit():
 
 
 @pytest.mark.parametrize("masks", ["documents", "window"])
-def test_decode_with_cache_equals_full_sequence(masks):
-    layer = make_layer(CASES[1], seed=5)
-    x = jax.random.normal(jax.random.key(6), (BATCH, SEQ, FEATURES))
+def test_decode_with_cache_equals_full_sequence(masks, seed):
+    layer = make_layer(CASES[1], seed=seed)
+    x = jax.random.normal(jax.random.key(seed + 1), (BATCH, SEQ, FEATURES))
     if masks == "documents":
         full_kwargs = dict(is_causal=True, segment_ids=jnp.asarray(SEGMENTS))
         step_kwargs = lambda s: dict(segment_ids=jnp.asarray(SEGMENTS[:, s]))
@@ -142,7 +142,7 @@ def test_decode_with_cache_equals_full_sequence(masks):
     assert relative_error(jnp.concatenate(outs, axis=1), full) < TOLERANCE
 
 
-def test_nnx_scan_over_stacked_layers():
+def test_nnx_scan_over_stacked_layers(seed):
     num_layers = 3
 
     @nnx.split_rngs(splits=num_layers)
@@ -151,7 +151,7 @@ def test_nnx_scan_over_stacked_layers():
         return Attention(4, FEATURES, num_kv_heads=2, implementation="xla", rngs=rngs)
 
     layers = create(nnx.Rngs(0))
-    x = jax.random.normal(jax.random.key(7), (BATCH, SEQ, FEATURES))
+    x = jax.random.normal(jax.random.key(seed), (BATCH, SEQ, FEATURES))
     segments = jnp.asarray(SEGMENTS)
 
     @nnx.jit
@@ -181,11 +181,11 @@ def test_sharding_annotations():
     assert specs["sinks"].get_value() == jax.sharding.PartitionSpec("model")
 
 
-def test_heads_sharded_over_two_devices_match_unsharded():
+def test_heads_sharded_over_two_devices_match_unsharded(seed):
     if len(jax.devices()) < 2:
         pytest.skip("needs 2 devices (conftest forces 2 CPU devices)")
     mesh = jax.make_mesh((2,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
-    x = jax.random.normal(jax.random.key(8), (BATCH, SEQ, FEATURES))
+    x = jax.random.normal(jax.random.key(seed), (BATCH, SEQ, FEATURES))
     plain = Attention(4, FEATURES, num_kv_heads=2, implementation="xla", rngs=nnx.Rngs(0))
     with jax.set_mesh(mesh):
         sharded = Attention(4, FEATURES, num_kv_heads=2, implementation="xla",

@@ -13,16 +13,16 @@ from tests.reference import dense_mask, relative_error
 SEGMENTS = np.array([[1] * 6 + [2] * 10, [1] * 16], np.int32)
 
 
-def test_linen_attention_matches_reference_and_trains():
+def test_linen_attention_matches_reference_and_trains(seed):
     module = omni_linen.Attention(num_heads=4, in_features=32, num_kv_heads=2, qk_norm=True,
                                   learnable_sinks=True, softcap=8.0, implementation="xla")
-    x = jax.random.normal(jax.random.key(0), (2, 16, 32))
+    x = jax.random.normal(jax.random.key(seed), (2, 16, 32))
     segments = jnp.asarray(SEGMENTS)
-    variables = module.init(jax.random.key(1), x, is_causal=True, segment_ids=segments)
+    variables = module.init(jax.random.key(seed + 1), x, is_causal=True, segment_ids=segments)
     params = variables["params"]["attention"]
     # Random sinks and norm scales, so they are really used.
-    params["sinks"] = jax.random.normal(jax.random.key(2), (4,))
-    params["query_norm"]["scale"] = 1 + jax.random.normal(jax.random.key(3), (8,)) / 2
+    params["sinks"] = jax.random.normal(jax.random.key(seed + 2), (4,))
+    params["query_norm"]["scale"] = 1 + jax.random.normal(jax.random.key(seed + 3), (8,)) / 2
     out = module.apply(variables, x, is_causal=True, segment_ids=segments)
 
     flat = {"/".join(path): np.asarray(value, np.float64)
