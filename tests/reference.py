@@ -74,19 +74,28 @@ def reference_attention(q, k, v, mask: np.ndarray | None, *, scale: float | None
     return jnp.einsum("bhqk,bkhd->bqhd", p, v), lse
 
 
-def relative_error(actual, expected) -> float:
-    """||actual - expected|| / ||expected|| in float64 (inf if actual has NaN/inf where
-    expected is finite)."""
+def _finite_difference(actual, expected) -> tuple[np.ndarray, np.ndarray] | None:
+    """(actual - expected, expected) in float64 with the entries where ``expected`` is not
+    finite zeroed, or None when ``actual`` differs there (NaN, another infinity)."""
     actual = np.asarray(actual, np.float64)
     expected = np.asarray(expected, np.float64)
     assert actual.shape == expected.shape, (actual.shape, expected.shape)
     finite = np.isfinite(expected)
-    if not np.array_equal(np.isfinite(actual), finite):
+    if not np.array_equal(np.isfinite(actual), finite) or not np.array_equal(
+            actual[~finite], expected[~finite]):
+        return None
+    expected = np.where(finite, expected, 0)
+    return np.where(finite, actual, 0) - expected, expected
+
+
+def relative_error(actual, expected) -> float:
+    """||actual - expected|| / ||expected|| in float64 (inf if actual has NaN/inf where
+    expected is finite)."""
+    parts = _finite_difference(actual, expected)
+    if parts is None:
         return float("inf")
-    if not np.array_equal(actual[~finite], expected[~finite]):
-        return float("inf")
-    diff = np.linalg.norm(actual[finite] - expected[finite])
-    return float(diff / max(np.linalg.norm(expected[finite]), 1e-30))
+    diff, expected = parts
+    return float(np.linalg.norm(diff) / max(np.linalg.norm(expected), 1e-30))
 
 
 def worst_block_error(actual, expected, axis: int, rows: int = 32,
@@ -98,14 +107,10 @@ def worst_block_error(actual, expected, axis: int, rows: int = 32,
     square block norm if larger: a block of gradients too small for the dtype (1e-8 in
     float16 rounds to zero) is judged on the tensor's scale, not its own.
     """
-    actual = np.asarray(actual, np.float64)
-    expected = np.asarray(expected, np.float64)
-    finite = np.isfinite(expected)
-    if not np.array_equal(np.isfinite(actual), finite) or not np.array_equal(
-            actual[~finite], expected[~finite]):
+    parts = _finite_difference(actual, expected)
+    if parts is None:
         return float("inf")
-    expected = np.where(finite, expected, 0)
-    diff = np.where(finite, actual, 0) - expected
+    diff, expected = parts
     cuts = list(range(rows, expected.shape[axis], rows))
     block_norms = [np.linalg.norm(e) for e in np.split(expected, cuts, axis)]
     scale = floor * np.sqrt(np.mean(np.square(block_norms)))

@@ -11,16 +11,7 @@ import pytest
 from omni_jax import sparse_mla_prefill
 from omni_jax.sparse_mla import kernel
 from tests.omni_jax.sparse_mla_reference import dense_loss_fn, reference_forward
-
-
-def rel_err(actual, expected) -> float:
-    actual = np.asarray(actual, np.float64)
-    expected = np.asarray(expected, np.float64)
-    finite = np.isfinite(expected)
-    np.testing.assert_array_equal(np.isfinite(actual), finite)
-    np.testing.assert_array_equal(actual[~finite], expected[~finite])
-    scale = max(np.linalg.norm(expected[finite]), 1e-30)
-    return float(np.linalg.norm(actual[finite] - expected[finite]) / scale)
+from tests.reference import relative_error
 
 
 def make_inputs(seed, *, s_q=6, h_q=4, s_kv=40, d_qk=24, topk=80, dtype=jnp.bfloat16,
@@ -49,10 +40,10 @@ def test_forward_matches_float64_reference(dtype, tol, topk, seed):
     assert out.dtype == dtype and out.shape == (6, 4, d_v)
     assert max_logits.dtype == lse.dtype == scores.dtype == jnp.float32
     assert not np.isnan(np.asarray(out, np.float32)).any()
-    assert rel_err(out, ref[0]) < tol
-    assert rel_err(max_logits, ref[1]) < 1e-5
-    assert rel_err(lse, ref[2]) < 1e-5
-    assert rel_err(scores, ref[3]) < 1e-5
+    assert relative_error(out, ref[0]) < tol
+    assert relative_error(max_logits, ref[1]) < 1e-5
+    assert relative_error(lse, ref[2]) < 1e-5
+    assert relative_error(scores, ref[3]) < 1e-5
     np.testing.assert_array_equal(np.asarray(out[-1], np.float32), 0.0)
     assert np.all(np.isneginf(lse[-1])) and np.all(np.isneginf(max_logits[-1]))
 
@@ -74,7 +65,7 @@ def test_without_scores_returns_three_outputs_under_jit(seed):
     outputs = fn(q, kv, indices)
     assert len(outputs) == 3
     ref = reference_forward(q, kv, indices, sm_scale=0.2, d_v=16)
-    assert rel_err(outputs[0], ref[0]) < 1e-2
+    assert relative_error(outputs[0], ref[0]) < 1e-2
 
 
 def test_vmap_over_batch_axis(seed):
@@ -85,9 +76,9 @@ def test_vmap_over_batch_axis(seed):
     outputs = jax.jit(fn)(q, kv, indices)
     for b in range(3):
         ref = reference_forward(*batch[b], sm_scale=0.25, d_v=16)
-        assert rel_err(outputs[0][b], ref[0]) < 1e-2
-        assert rel_err(outputs[2][b], ref[2]) < 1e-5
-        assert rel_err(outputs[3][b], ref[3]) < 1e-5
+        assert relative_error(outputs[0][b], ref[0]) < 1e-2
+        assert relative_error(outputs[2][b], ref[2]) < 1e-5
+        assert relative_error(outputs[3][b], ref[3]) < 1e-5
 
 
 @pytest.mark.parametrize("with_scores", [False, True])
@@ -116,8 +107,8 @@ def test_gradients_match_float64_dense_reference(with_scores, seed):
         ref_dq, ref_dkv = jax.grad(ref_loss, argnums=(0, 1))(
             jnp.asarray(q, jnp.float64), jnp.asarray(kv, jnp.float64))
         ref_dq, ref_dkv = np.asarray(ref_dq), np.asarray(ref_dkv)
-    assert rel_err(dq, ref_dq) < 1e-4
-    assert rel_err(dkv, ref_dkv) < 1e-4
+    assert relative_error(dq, ref_dq) < 1e-4
+    assert relative_error(dkv, ref_dkv) < 1e-4
     np.testing.assert_array_equal(np.asarray(dq[-1]), 0.0)  # the all-invalid row
 
 
@@ -135,8 +126,8 @@ def test_bfloat16_gradients_under_vmap(seed):
                                      weights=(np.ones((3, 4, 16)), 0.0, 0.0))
             ref = jax.grad(ref_loss, argnums=(0, 1))(
                 jnp.asarray(batch[b][0], jnp.float64), jnp.asarray(batch[b][1], jnp.float64))
-        assert rel_err(dq[b], ref[0]) < 3e-2
-        assert rel_err(dkv[b], ref[1]) < 3e-2
+        assert relative_error(dq[b], ref[0]) < 3e-2
+        assert relative_error(dkv[b], ref[1]) < 3e-2
 
 
 def test_memory_is_blockwise():

@@ -17,7 +17,8 @@ import pytest
 from omni_jax import ffi, sparse_mla_prefill
 from omni_jax.sparse_mla import kernel
 from tests.omni_jax.sparse_mla_reference import reference_forward
-from tests.omni_jax.test_sparse_mla import make_inputs, rel_err
+from tests.omni_jax.test_sparse_mla import make_inputs
+from tests.reference import relative_error
 
 
 def _kernel_unavailable_reason() -> str | None:
@@ -63,11 +64,11 @@ def test_kernel_matches_float64_reference(s_q, h_q, topk, s_kv, return_scores, s
     ref = reference_forward(q, kv, indices, sm_scale=SM_SCALE, d_v=D_V)
     out = np.asarray(outputs[0], np.float32)
     assert not np.isnan(out).any()
-    assert rel_err(outputs[0], ref[0]) < 1e-2
-    assert rel_err(outputs[1], ref[1]) < 1e-5
-    assert rel_err(outputs[2], ref[2]) < 1e-5
+    assert relative_error(outputs[0], ref[0]) < 1e-2
+    assert relative_error(outputs[1], ref[1]) < 1e-5
+    assert relative_error(outputs[2], ref[2]) < 1e-5
     if return_scores:
-        assert rel_err(outputs[3], ref[3]) < 1e-5
+        assert relative_error(outputs[3], ref[3]) < 1e-5
     np.testing.assert_array_equal(out[-1], 0.0)  # the row without a valid index
     assert np.isneginf(np.asarray(outputs[2][-1])).all()
 
@@ -82,9 +83,9 @@ def test_kernel_matches_portable_path_under_vmap(seed):
                 q, kv, indices)
 
     fast, portable = run("ffi"), run("xla")
-    assert rel_err(fast[0], portable[0]) < 1e-2
+    assert relative_error(fast[0], portable[0]) < 1e-2
     for got, want in zip(fast[1:], portable[1:], strict=True):
-        assert rel_err(got, want) < 1e-5
+        assert relative_error(got, want) < 1e-5
 
 
 def test_default_dispatch_uses_the_kernel(seed):
@@ -106,7 +107,7 @@ def test_gradients_through_the_kernel_forward_match_the_portable_path(seed):
         return jax.jit(jax.grad(loss, argnums=(0, 1)))(q, kv)
 
     for got, want in zip(grads("ffi"), grads("xla"), strict=True):
-        assert rel_err(got, want) < 2e-2
+        assert relative_error(got, want) < 2e-2
 
 
 def test_handler_rejects_bad_shapes_with_a_message(seed):
