@@ -221,7 +221,11 @@ def check_case(implementation: str | None, case: Case, dtype: str,
             continue
         assert grad.shape == ref.shape, (context, name)
         error = relative_error(grad, ref)
-        assert error < 2 * tolerance, (context, name, error)
+        # dsinks and dcaptured sum over every score of a head, where the terms cancel
+        # and the rounded output's error (through rowsum(dO * O)) does not: random
+        # problems as small as 10 x 7 give 8-10% in bfloat16 on every backend, XLA too.
+        limit = 4 * tolerance if block_rows and name in ("dsinks", "dcaptured") else 2 * tolerance
+        assert error < limit, (context, name, error)
         if block_rows and name in ("dq", "dk", "dv"):
             error = worst_block_error(grad, ref, 1, block_rows)
             assert error < 4 * tolerance, (context, f"{name} by rows", error)
