@@ -12,7 +12,7 @@
 #              (tests that force the interpreter run at CPU speed; CI covers them) -> tests.log/.xml
 #   bench      python -m benchmarks all                               -> benchmarks/, bench.log
 # Run stages separately when one command may only take a few minutes.
-# Environment: PYTHON (default python), PYTEST_ARGS (extra pytest arguments), BENCH_ARGS
+# Environment: PYTHON (default python), PYTEST_ARGS (extra pytest arguments, shell-quoted: "-k 'not random'"), BENCH_ARGS
 # (extra arguments of `python -m benchmarks all`, e.g. --attention-args "...").
 # Never installs from the internet; at most `pip install -e . --no-deps --no-build-isolation`.
 set -u
@@ -63,9 +63,11 @@ for s in $STAGES; do
         || note "WARNING: JAX sees no GPU; GPU tests will skip and timings are not GPU timings"
       ;;
     gpu-tests)
-      stage gpu-tests "$PY" -m pytest -m gpu -q -rfEs --junitxml="$OUT_DIR/gpu-tests.xml" ${PYTEST_ARGS:-} ;;
+      eval "set -- ${PYTEST_ARGS:-}"
+      stage gpu-tests "$PY" -m pytest -m gpu -q -rfEs --junitxml="$OUT_DIR/gpu-tests.xml" "$@" ;;
     tests)
-      stage tests "$PY" -m pytest -m "not gpu and not interpreted" -q -rfEs --junitxml="$OUT_DIR/tests.xml" ${PYTEST_ARGS:-} ;;
+      eval "set -- ${PYTEST_ARGS:-}"
+      stage tests "$PY" -m pytest -m "not gpu and not interpreted" -q -rfEs --junitxml="$OUT_DIR/tests.xml" "$@" ;;
     bench)
       eval "set -- ${BENCH_ARGS:-}"
       stage bench "$PY" -m benchmarks all --out-dir "$OUT_DIR/benchmarks" "$@"

@@ -119,10 +119,11 @@ def test_handler_rejects_bad_shapes_with_a_message(seed):
 
 
 _SANITIZED_SCRIPT = textwrap.dedent("""
+    import sys
     import jax
     from omni_jax import sparse_mla_prefill
     from tests.omni_jax.test_sparse_mla_ffi import kernel_inputs, SM_SCALE
-    q, kv, indices = kernel_inputs(seed=seed, s_q=2, h_q=64, s_kv=100, topk=192)
+    q, kv, indices = kernel_inputs(seed=int(sys.argv[1]), s_q=2, h_q=64, s_kv=100, topk=192)
     for scores in (False, True):
         jax.block_until_ready(sparse_mla_prefill(
             q, kv, indices, sm_scale=SM_SCALE, return_scores=scores, implementation="ffi"))
@@ -140,7 +141,7 @@ def _compute_sanitizer() -> str | None:
 
 
 @pytest.mark.skipif(_compute_sanitizer() is None, reason="compute-sanitizer not found")
-def test_compute_sanitizer_memcheck_is_clean_on_a_small_case():
+def test_compute_sanitizer_memcheck_is_clean_on_a_small_case(seed):
     """memcheck only: under synccheck the launch itself fails ("unspecified launch failure",
     measured on the H100 with CUDA 13.0) although memcheck and the tests above pass, so
     synccheck does not support this warp-specialised wgmma/setmaxnreg kernel."""
@@ -153,7 +154,7 @@ def test_compute_sanitizer_memcheck_is_clean_on_a_small_case():
     )
     result = subprocess.run(
         [_compute_sanitizer(), "--tool", "memcheck", "--kernel-name", "kns=SparseMlaPrefill",
-         "--error-exitcode", "99", sys.executable, "-c", _SANITIZED_SCRIPT],
+         "--error-exitcode", "99", sys.executable, "-c", _SANITIZED_SCRIPT, str(seed)],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900,
     )
     report = result.stdout + result.stderr
