@@ -5,6 +5,11 @@ device time once the launch queue is saturated; each sample runs the function
 ``inner`` times back to back so launch gaps are amortised. Inputs are rotated
 among several copies so repeated runs do not just measure the L2 cache.
 
+A call shorter than `CHAIN_BELOW_MS` (a small GEMM: microseconds of kernel against tens
+of microseconds of host dispatch) would time the host: such a function is timed as
+`CHAIN_CALLS` calls inside one jitted executable, each on its own parameters so that XLA
+keeps them all, which the GPU runs back to back as it would inside a jitted model.
+
 Implementations that are compared are timed together with `bench_interleaved`:
 their samples alternate (sample 0 of each, then sample 1 of each, ...) instead of
 all samples of one followed by all samples of the next. The GPU's clocks, its
@@ -17,6 +22,7 @@ round also starts at the next implementation, so none always runs first.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
@@ -29,6 +35,9 @@ import jax
 MIN_SAMPLE_MS = 2.0
 # Most calls per sample, however short the call.
 MAX_INNER = 200
+# Calls shorter than this are timed CHAIN_CALLS to an executable (see the module docstring).
+CHAIN_BELOW_MS = 0.25
+CHAIN_CALLS = 16
 
 Key = TypeVar("Key", bound=Hashable)
 
@@ -62,31 +71,71 @@ def bench_interleaved(fns: Mapping[Key, Callable[..., Any]], arg_sets: Sequence[
     if samples < 1 or inner < 1:
         raise ValueError(f"samples and inner must be at least 1, got {samples} and {inner}")
     failures: dict[Key, Exception] = {}
-    inners: dict[Key, int] = {}
+    prepared: dict[Key, _Timed] = {}
     for name, fn in fns.items():
         try:
-            for i in range(warmup):
-                jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
-            call_ms = _sample_ms(fn, arg_sets, inner, first=0)
+            prepared[name] = _prepare(fn, arg_sets, warmup=warmup, inner=inner)
         except Exception as error:  # noqa: BLE001 - reported per function
             failures[name] = error
-            continue
-        inners[name] = max(inner, min(MAX_INNER, math.ceil(MIN_SAMPLE_MS / max(call_ms, 1e-3))))
 
-    times: dict[Key, list[float]] = {name: [] for name in inners}
+    times: dict[Key, list[float]] = {name: [] for name in prepared}
     for sample in range(samples):
-        live = [name for name in inners if name not in failures]
+        live = [name for name in prepared if name not in failures]
         if not live:
             break
         start = sample % len(live)
         for name in live[start:] + live[:start]:
             try:
-                times[name].append(_sample_ms(fns[name], arg_sets, inners[name],
-                                              first=sample * inners[name]))
+                times[name].append(prepared[name].sample_ms(sample))
             except Exception as error:  # noqa: BLE001 - reported per function
                 failures[name] = error
     return {name: failures[name] if name in failures else statistics.median(times[name])
             for name in fns}
+
+
+@dataclasses.dataclass
+class _Timed:
+    """How one function is timed: ``fn`` runs ``calls_each`` calls of the timed function,
+    and a sample invokes it ``inner`` times, cycling through ``arg_sets``."""
+
+    fn: Callable[..., Any]
+    arg_sets: Sequence[Sequence[Any]]
+    calls_each: int = 1
+    inner: int = 1
+
+    def sample_ms(self, sample: int) -> float:
+        """Milliseconds per timed call in sample number ``sample``."""
+        calls = _sample_ms(self.fn, self.arg_sets, self.inner, first=sample * self.inner)
+        return calls / self.calls_each
+
+
+def _prepare(fn: Callable[..., Any], arg_sets: Sequence[Sequence[Any]], *, warmup: int,
+             inner: int) -> _Timed:
+    """Warms ``fn`` up, chains it if a call is short, sizes a sample to `MIN_SAMPLE_MS`."""
+    timed = _Timed(fn, arg_sets, inner=inner)
+    for i in range(warmup):
+        jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
+    call_ms = timed.sample_ms(0)
+    if call_ms < CHAIN_BELOW_MS:
+        timed = _chained(fn, arg_sets)
+        for _ in range(warmup):
+            jax.block_until_ready(timed.fn(*timed.arg_sets[0]))
+        call_ms = timed.sample_ms(0)
+    calls = min(MAX_INNER, max(inner, math.ceil(MIN_SAMPLE_MS / max(call_ms, 1e-3))))
+    timed.inner = max(1, math.ceil(calls / timed.calls_each))
+    return timed
+
+
+def _chained(fn: Callable[..., Any], arg_sets: Sequence[Sequence[Any]]) -> _Timed:
+    """`CHAIN_CALLS` calls of ``fn`` in one jitted executable, each on its own parameters
+    (bound to the argument sets in turn), so that XLA keeps every call."""
+    arity = len(arg_sets[0])
+
+    def chain(*flat_args):
+        return [fn(*flat_args[i * arity:(i + 1) * arity]) for i in range(CHAIN_CALLS)]
+
+    flat = [x for i in range(CHAIN_CALLS) for x in arg_sets[i % len(arg_sets)]]
+    return _Timed(jax.jit(chain), [flat], calls_each=CHAIN_CALLS)
 
 
 def _sample_ms(fn: Callable[..., Any], arg_sets: Sequence[Sequence[Any]], calls: int, *,

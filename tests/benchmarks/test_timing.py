@@ -26,6 +26,13 @@ def _recording(name: str, calls: list[str], fail_after: int | None = None):
     return fn
 
 
+@pytest.fixture(autouse=True)
+def _no_chaining(monkeypatch):
+    """Every call timed on its own (the call-counting tests below count Python calls);
+    the chaining test turns it back on."""
+    monkeypatch.setattr(timing, "CHAIN_BELOW_MS", 0.0)
+
+
 def test_medians_for_good_functions_and_errors_for_failing_ones():
     def broken(x):
         raise RuntimeError("no kernel for this")
@@ -100,3 +107,22 @@ def test_rejects_empty_samples(kwargs):
         timing.bench_interleaved({"f": jnp.sin}, [(1.0,)], **kwargs)
     with pytest.raises(ValueError, match="one set of arguments"):
         timing.bench_interleaved({"f": jnp.sin}, [])
+
+
+def test_short_calls_are_chained_in_one_executable_without_merging(monkeypatch):
+    monkeypatch.setattr(timing, "CHAIN_BELOW_MS", math.inf)
+    fn = jax.jit(lambda x, y: jnp.sin(x) * y)
+    arg_sets = [(jax.random.normal(jax.random.key(i), (16,)), jnp.ones(16)) for i in range(2)]
+    prepared = timing._prepare(fn, arg_sets, warmup=1, inner=1)
+    assert prepared.calls_each == timing.CHAIN_CALLS
+    (flat,) = prepared.arg_sets
+    assert len(flat) == 2 * timing.CHAIN_CALLS
+    outputs = prepared.fn(*flat)
+    for i, out in enumerate(outputs):
+        x, y = arg_sets[i % 2]
+        assert jnp.allclose(out, jnp.sin(x) * y)
+    compiled = prepared.fn.lower(*flat).compile().as_text()
+    assert compiled.count("sine(") == timing.CHAIN_CALLS, "XLA merged chained calls"
+
+    timed = timing.bench_interleaved({"f": fn}, arg_sets, warmup=1, samples=2, inner=1)
+    assert 0 < timed["f"] < math.inf
