@@ -101,11 +101,19 @@ def attention(query: Array, key: Array, value: Array, *, mask: BlockMask | None 
         score_mod=converted, has_sinks=sinks is not None, has_user_mask=mask is not None,
         block_size=None if mask is None else mask.block_size)
     plan = plan_attention(implementation, problem)
-    block_mask = _effective_mask(mask, _argument_mask(is_causal, window, segments), plan.problem)
-    static_mask, traced_mask = _split_by_concreteness(block_mask)
-    out, lse = _attention(plan, static_mask, query, key, value, traced_mask, sinks,
-                          tuple(captured))
+    out, lse = _masked_attention(query, key, value, mask, segments, sinks, tuple(captured),
+                                 plan=plan, structure=(is_causal, window))
     return (out, lse) if return_lse else out
+
+
+@functools.partial(jax.jit, static_argnames=("plan", "structure"))
+def _masked_attention(query, key, value, mask, segments, sinks, captured, *,
+                      plan: AttentionPlan, structure: tuple[bool, tuple[int, int] | None]):
+    """The call's BlockMask, then the custom_vjp, under one jit: an eager call (no jit
+    around `attention`) compiles once per plan and shapes, not at every call."""
+    block_mask = _effective_mask(mask, _argument_mask(*structure, segments), plan.problem)
+    static_mask, traced_mask = _split_by_concreteness(block_mask)
+    return _attention(plan, static_mask, query, key, value, traced_mask, sinks, captured)
 
 
 def _argument_mask(is_causal: bool, window: tuple[int, int] | None,

@@ -14,7 +14,7 @@ import numpy as np
 from omni_jax.scores import ConvertedScoreMod
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True)
 class AttentionProblem:
     batch: int
     q_len: int

@@ -67,9 +67,12 @@ def preference_order() -> tuple[str, ...]:
     return runtime.implementation_preference()
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True)
 class AttentionPlan:
-    """The backends chosen for one call, and the problem with its block size set."""
+    """The backends chosen for one call, and the problem with its block size set.
+
+    Equal plans compile alike: a plan is the static key of `omni_jax.attention`'s jit.
+    """
 
     problem: AttentionProblem
     forward: AttentionBackend

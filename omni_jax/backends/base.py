@@ -27,9 +27,19 @@ Array = Any
 
 
 class AttentionBackend(abc.ABC):
-    """One way of computing attention (XLA, Pallas Triton, Pallas Mosaic-GPU, ...)."""
+    """One way of computing attention (XLA, Pallas Triton, Pallas Mosaic-GPU, ...).
+
+    Backends of one class with the same attributes are equal, so that equal plans of
+    separate calls share a compiled computation (`omni_jax.attention`'s jit).
+    """
 
     name: str
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and vars(self) == vars(other)
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.name))
 
     @abc.abstractmethod
     def unavailable_reason(self) -> str | None:

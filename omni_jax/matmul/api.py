@@ -146,7 +146,8 @@ def _batchable(spec: _Spec, has_scale: bool, has_bias: bool):
 
 @functools.cache
 def _differentiable(spec: _Spec):
-    """``custom_vjp`` of the fused GEMM for one static spec."""
+    """``custom_vjp`` of the fused GEMM for one static spec, jitted: an eager call compiles
+    once per spec and shapes, not at every call."""
 
     @jax.custom_vjp
     def fused(a, b, scale, bias):
@@ -174,7 +175,7 @@ def _differentiable(spec: _Spec):
         return d_a, d_b, None, d_bias
 
     fused.defvjp(forward, backward)
-    return fused
+    return jax.jit(fused)
 
 
 def _operand_gradients(spec: _Spec, a, b, d_c):

@@ -99,6 +99,8 @@ def _prefill_bwd(config: _Config, residuals, cotangents):
 
 
 _prefill.defvjp(_prefill_fwd, _prefill_bwd)
+# Eager calls compile once per config and shapes, not at every call.
+_jitted_prefill = jax.jit(_prefill, static_argnums=(3,))
 
 
 def sparse_mla_prefill(
@@ -142,4 +144,4 @@ def sparse_mla_prefill(
         return_scores=return_scores,
         use_kernel=_use_kernel(implementation, shape, q.dtype),
     )
-    return _prefill(q, kv, indices, config)
+    return _jitted_prefill(q, kv, indices, config)
