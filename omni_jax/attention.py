@@ -101,16 +101,20 @@ def attention(query: Array, key: Array, value: Array, *, mask: BlockMask | None 
         score_mod=converted, has_sinks=sinks is not None, has_user_mask=mask is not None,
         block_size=None if mask is None else mask.block_size)
     plan = plan_attention(implementation, problem)
+    trace_keys = (plan.forward.trace_key(plan.problem), plan.backward.trace_key(plan.problem))
     out, lse = _masked_attention(query, key, value, mask, segments, sinks, tuple(captured),
-                                 plan=plan, structure=(is_causal, window))
+                                 plan=plan, structure=(is_causal, window), trace_keys=trace_keys)
     return (out, lse) if return_lse else out
 
 
-@functools.partial(jax.jit, static_argnames=("plan", "structure"))
+@functools.partial(jax.jit, static_argnames=("plan", "structure", "trace_keys"))
 def _masked_attention(query, key, value, mask, segments, sinks, captured, *,
-                      plan: AttentionPlan, structure: tuple[bool, tuple[int, int] | None]):
+                      plan: AttentionPlan, structure: tuple[bool, tuple[int, int] | None],
+                      trace_keys: tuple):
     """The call's BlockMask, then the custom_vjp, under one jit: an eager call (no jit
-    around `attention`) compiles once per plan and shapes, not at every call."""
+    around `attention`) compiles once per plan, backend trace keys and shapes, not at
+    every call."""
+    del trace_keys  # Only a cache key: the backends read the same state while tracing.
     block_mask = _effective_mask(mask, _argument_mask(*structure, segments), plan.problem)
     static_mask, traced_mask = _split_by_concreteness(block_mask)
     return _attention(plan, static_mask, query, key, value, traced_mask, sinks, captured)

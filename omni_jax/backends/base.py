@@ -14,7 +14,7 @@ included; -inf for a query that sees no key and has no sink).
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -52,6 +52,13 @@ class AttentionBackend(abc.ABC):
     def backward_unsupported_reason(self, problem: AttentionProblem) -> str | None:
         """Why the backward pass cannot serve ``problem`` (default: as the forward)."""
         return self.unsupported_reason(problem)
+
+    def trace_key(self, problem: AttentionProblem) -> Hashable:
+        """What else ``forward``/``backward`` read while tracing (kernel configs, interpret
+        mode). `omni_jax.attention` keys its compiled calls by it, so a new config (an
+        autotune winner, a forced benchmark config) or mode traces afresh."""
+        del problem
+        return None
 
     @abc.abstractmethod
     def block_size(self, problem: AttentionProblem) -> tuple[int, int]:

@@ -19,6 +19,7 @@ backward from the next backend that can (Triton on GPUs, else XLA).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Hashable
 
 import jax
 import jax.numpy as jnp
@@ -120,6 +121,10 @@ class MosaicBackend(AttentionBackend):
             config = self._backward_config(problem)
             reason = config if isinstance(config, str) else None
         return reason
+
+    def trace_key(self, problem: AttentionProblem) -> Hashable:
+        return (self._config(problem, causal=False), self._config(problem, causal=True),
+                self._backward_config(problem), runtime.interpret_requested())
 
     def block_size(self, problem: AttentionProblem) -> tuple[int, int]:
         config = self._config(problem, causal=False)

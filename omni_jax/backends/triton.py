@@ -9,7 +9,7 @@ device, CPU included), which is how CI tests them.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -153,6 +153,12 @@ class TritonBackend(AttentionBackend):
 
     def block_size(self, problem: AttentionProblem) -> tuple[int, int]:
         return _default_block_size(problem.q_len, problem.kv_len)
+
+    def trace_key(self, problem: AttentionProblem) -> Hashable:
+        head_dim = max(problem.head_dim, problem.head_dim_v)
+        return (configs.forward_config(head_dim, problem.dtype, _tune_key(problem)),
+                configs.backward_config(head_dim, problem.dtype, _tune_key(problem)),
+                runtime.interpret_requested())
 
     def forward(self, problem, q, k, v, block_mask, sinks, captured):
         mask, layout = kernel_mask(block_mask)

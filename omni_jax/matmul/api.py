@@ -88,7 +88,8 @@ def matmul(
 
     spec = _Spec(bool(transpose_a), bool(transpose_b), activation, out_dtype, "xla")
     problem = spec.problem(a, b, scale, bias)
-    spec = dataclasses.replace(spec, implementation=implementations.choose(implementation, problem))
+    spec = dataclasses.replace(spec, implementation=implementations.choose(implementation, problem),
+                               trace_state=implementations.trace_state())
     return _differentiable(spec)(a, b, scale, bias)
 
 
@@ -101,6 +102,8 @@ class _Spec:
     activation: str | None
     out_dtype: jnp.dtype
     implementation: str
+    # `implementations.trace_state()`: a new state gets its own jitted function.
+    trace_state: Any = None
 
     def problem(self, a, b, scale, bias):
         return problem_of(

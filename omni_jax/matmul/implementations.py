@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+from collections.abc import Hashable
 from types import ModuleType
 
 from pallas_kernels import runtime
@@ -78,3 +79,11 @@ def fallback(preferred: str, problem: GemmProblem) -> str:
     """``preferred`` if it serves ``problem`` (a backward GEMM), else the next that does."""
     order = (preferred, *preference_order(), "xla")
     return next(name for name in order if why_not(name, problem) is None)
+
+
+def trace_state() -> Hashable:
+    """What the kernels read while tracing besides the call itself (interpret mode,
+    autotuned configs): part of `omni_jax.matmul`'s jit key, so that a change traces
+    afresh instead of reusing a call compiled before it."""
+    tuned = getattr(module("mosaic"), "tuned_configs", None)
+    return runtime.interpret_requested(), None if tuned is None else tuned()

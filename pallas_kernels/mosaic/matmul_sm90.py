@@ -616,6 +616,12 @@ def matmul(
 _TUNED: dict[tuple, MatmulConfig] = {}
 
 
+def tuned_configs() -> frozenset:
+    """A hashable snapshot of the autotuned configs (read while tracing, so part of the
+    key under which `omni_jax.matmul` caches its compiled calls)."""
+    return frozenset(_TUNED.items())
+
+
 def tuning_key(p: GemmProblem) -> tuple:
     """What the best config depends on: sizes, layouts and dtypes (not the epilogue)."""
     return (p.m, p.n, p.k, p.transpose_a, p.transpose_b, str(p.in_dtype), str(p.out_dtype))

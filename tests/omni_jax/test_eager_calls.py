@@ -15,7 +15,9 @@ import pytest
 
 import omni_jax
 from omni_jax.matmul import api as matmul_api
+from omni_jax.matmul import implementations
 from omni_jax.sparse_mla import api as sparse_mla_api
+from pallas_kernels.mosaic import matmul_sm90
 
 # The package exports the function `attention` under the module's name.
 attention_module = importlib.import_module("omni_jax.attention")
@@ -74,10 +76,23 @@ def test_attention_recompiles_for_a_different_score_mod(seed):
 def test_matmul_compiles_once(seed):
     a = jnp.asarray(np.random.default_rng(seed).standard_normal((40, 24)), jnp.float32)
     b = jnp.asarray(np.random.default_rng(seed + 1).standard_normal((24, 8)), jnp.float32)
-    jitted = matmul_api._differentiable(matmul_api._Spec(False, False, "gelu",
-                                                         jnp.dtype(jnp.float32), "xla"))
+    jitted = matmul_api._differentiable(matmul_api._Spec(
+        False, False, "gelu", jnp.dtype(jnp.float32), "xla", implementations.trace_state()))
     assert _compiles(jitted, lambda: omni_jax.matmul(a, b, activation="gelu",
                                                      implementation="xla")) == 1
+
+
+def test_matmul_traces_afresh_after_autotuning(monkeypatch, seed):
+    """Autotuned configs are read while tracing: a new winner must not meet a call
+    compiled before it."""
+    a = jnp.asarray(np.random.default_rng(seed).standard_normal((16, 16)), jnp.float32)
+    before = implementations.trace_state()
+    omni_jax.matmul(a, a, implementation="xla")
+    entries = matmul_api._differentiable.cache_info().currsize
+    monkeypatch.setitem(matmul_sm90._TUNED, ("a tuning key",), matmul_sm90.MatmulConfig())
+    assert implementations.trace_state() != before
+    omni_jax.matmul(a, a, implementation="xla")
+    assert matmul_api._differentiable.cache_info().currsize == entries + 1
 
 
 def test_sparse_mla_compiles_once(seed):

@@ -233,5 +233,5 @@ def test_autotuned_configs_serve_later_calls(monkeypatch):
                         lambda *a, **kw: used.append(lookup(*a, **kw)) or used[-1])
     out = omni_jax.attention(q, k, v, is_causal=True, implementation="triton")
     expected = omni_jax.attention(q, k, v, is_causal=True, implementation="xla")
-    assert used == [forward]
+    assert used and all(config == forward for config in used)
     assert relative_error(out, expected) < 1e-5
