@@ -14,12 +14,15 @@ and owns the custom_vjp; the chosen backend only computes forward/backward.
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from omni_jax import validation
 from omni_jax.backends import AttentionPlan, plan_attention
@@ -102,22 +105,59 @@ def attention(query: Array, key: Array, value: Array, *, mask: BlockMask | None 
         block_size=None if mask is None else mask.block_size)
     plan = plan_attention(implementation, problem)
     trace_keys = (plan.forward.trace_key(plan.problem), plan.backward.trace_key(plan.problem))
-    out, lse = _masked_attention(query, key, value, mask, segments, sinks, tuple(captured),
-                                 plan=plan, structure=(is_causal, window), trace_keys=trace_keys)
+    # A concrete BlockMask stays concrete inside the jit (a static argument, compared by
+    # value), so that the kernels still get its walks as constants.
+    concrete_mask = None if mask is None or _is_traced(mask) else _ByValue(mask)
+    out, lse = _masked_attention(
+        query, key, value, None if concrete_mask else mask, segments, sinks, tuple(captured),
+        plan=plan, structure=(is_causal, window, concrete_mask), trace_keys=trace_keys)
     return (out, lse) if return_lse else out
 
 
 @functools.partial(jax.jit, static_argnames=("plan", "structure", "trace_keys"))
 def _masked_attention(query, key, value, mask, segments, sinks, captured, *,
-                      plan: AttentionPlan, structure: tuple[bool, tuple[int, int] | None],
-                      trace_keys: tuple):
+                      plan: AttentionPlan, structure: tuple, trace_keys: tuple):
     """The call's BlockMask, then the custom_vjp, under one jit: an eager call (no jit
-    around `attention`) compiles once per plan, backend trace keys and shapes, not at
-    every call."""
+    around `attention`) compiles once per plan, mask structure, backend trace keys and
+    shapes, not at every call. ``structure``: (is_causal, window, concrete BlockMask)."""
     del trace_keys  # Only a cache key: the backends read the same state while tracing.
-    block_mask = _effective_mask(mask, _argument_mask(*structure, segments), plan.problem)
+    is_causal, window, concrete_mask = structure
+    if concrete_mask is not None:
+        mask = concrete_mask.value
+    block_mask = _effective_mask(mask, _argument_mask(is_causal, window, segments), plan.problem)
     static_mask, traced_mask = _split_by_concreteness(block_mask)
     return _attention(plan, static_mask, query, key, value, traced_mask, sinks, captured)
+
+
+def _is_traced(tree: Any) -> bool:
+    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(tree))
+
+
+class _ByValue:
+    """A concrete pytree as a jit static argument: equal to another of the same structure,
+    shapes, dtypes and values (compared by a digest, computed once per object)."""
+
+    _digests: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def __init__(self, value: Any):
+        self.value = value
+        key = self._digests.get(value)
+        if key is None:
+            leaves, treedef = jax.tree.flatten(value)
+            hasher = hashlib.blake2b(repr(treedef).encode())
+            for leaf in leaves:
+                leaf = np.ascontiguousarray(leaf)
+                hasher.update(f"{leaf.dtype}{leaf.shape}".encode())
+                hasher.update(leaf.tobytes())
+            key = (treedef, hasher.digest())
+            self._digests[value] = key
+        self._key = key
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ByValue) and self._key == other._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
 
 
 def _argument_mask(is_causal: bool, window: tuple[int, int] | None,
@@ -162,8 +202,7 @@ def _split_by_concreteness(block_mask: BlockMask) -> tuple[BlockMask | None, Blo
     from traced arrays (segment ids passed to a jitted function) are ordinary
     arguments.
     """
-    traced = any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(block_mask))
-    return (None, block_mask) if traced else (block_mask, None)
+    return (None, block_mask) if _is_traced(block_mask) else (block_mask, None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))

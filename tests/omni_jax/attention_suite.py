@@ -285,19 +285,25 @@ class AttentionSuite:
                     assert relative_error(got[i], np.asarray(want)) < 2 * TOLERANCE[dtype]
 
     def test_static_mask_reaches_kernels_as_constants(self) -> None:
-        """A mask known at trace time (here causal AND a window) stages no mask op into the
-        traced forward and backward: the walks are sorted and packed while tracing."""
+        """A mask known at trace time (causal AND a window, as arguments or as a concrete
+        BlockMask) stages no mask op into the traced forward and backward: the walks are
+        sorted and packed while tracing."""
         rng = np.random.default_rng()
         q, k, v = (jnp.asarray(rng.standard_normal((1, 64, 2, 64)), self.dtypes[0])
                    for _ in range(3))
+        structured = omni_jax.and_masks(omni_jax.causal_mask, omni_jax.sliding_window_mask(40, 0))
+        for mask_kwargs in (dict(is_causal=True, local_window_size=(40, 0)),
+                            # block_size 128 suits every backend.
+                            dict(mask=omni_jax.create_block_mask(structured, 1, None, 64, 64,
+                                                                 block_size=128))):
 
-        def loss(q, k, v):
-            out = omni_jax.attention(q, k, v, is_causal=True, local_window_size=(40, 0),
-                                     implementation=self.implementation)
-            return out.astype(jnp.float32).sum()
+            def loss(q, k, v, mask_kwargs=mask_kwargs):
+                out = omni_jax.attention(q, k, v, implementation=self.implementation,
+                                         **mask_kwargs)
+                return out.astype(jnp.float32).sum()
 
-        jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v))
-        assert " sort[" not in jaxpr and "argsort" not in jaxpr
+            jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v))
+            assert " sort[" not in jaxpr and "argsort" not in jaxpr, list(mask_kwargs)
 
     def test_no_nan_gradient_for_blind_rows(self) -> None:
         rng = np.random.default_rng()
