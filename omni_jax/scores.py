@@ -12,7 +12,6 @@ cannot capture arrays and custom_vjp must see every differentiable input, so
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,19 +20,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
+from omni_jax.traced_functions import ComparedByJaxpr
+
 Array = Any
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class ConvertedScoreMod:
+class ConvertedScoreMod(ComparedByJaxpr):
     """A score_mod as ``fn(score, b, h, q_idx, kv_idx, *captured)`` on scalars.
 
     ``jaxpr`` is its trace on scalars: ``constvars`` are the captured arrays (in the
     order of ``captured``), ``invars`` the five scalars. Kernels that pass captured
-    arrays as refs evaluate it themselves (`pallas_kernels.captured`).
-
-    Two conversions with the same jaxpr are equal (the captured values are operands,
-    not part of it), so repeated eager calls with one score_mod compile once.
+    arrays as refs evaluate it themselves (`pallas_kernels.captured`). Conversions
+    with the same jaxpr are equal (`ComparedByJaxpr`).
     """
 
     fn: Callable[..., Array]
@@ -42,16 +41,6 @@ class ConvertedScoreMod:
 
     def __call__(self, score, b, h, q_idx, kv_idx, captured: Sequence[Array]):
         return self.fn(score, b, h, q_idx, kv_idx, *captured)
-
-    @functools.cached_property
-    def _identity(self) -> tuple:
-        return (self.fn,) if self.jaxpr is None else (self.num_captured, str(self.jaxpr))
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, ConvertedScoreMod) and self._identity == other._identity
-
-    def __hash__(self) -> int:
-        return hash(self._identity)
 
 
 def convert_score_mod(score_mod: Callable) -> tuple[ConvertedScoreMod, list[Array]]:

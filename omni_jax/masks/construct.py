@@ -11,19 +11,27 @@ stored boolean tile. Built eagerly, identical tiles are stored once. Built
 under a transformation (a mask_mod closing over traced arrays inside
 ``jit``/``vmap``), the number of mixed tiles is not known when tracing, so
 every tile gets a slot: ``num_tiles x block_q x block_kv`` booleans.
+
+The evaluation is jitted with the mask_mod's jaxpr as its static key (the arrays it
+captures are operands), so building masks eagerly in a loop compiles once per mask_mod
+structure, not at every call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core as jex_core
 
 from omni_jax.masks.block_mask import COMPUTED, FULL, MASKED, PARTIAL, BlockMask
 from omni_jax.masks.mask_mods import BlockGrid, MaskMod, has_contiguous_full_tiles
+from omni_jax.traced_functions import ComparedByJaxpr
 
 Array = Any
 MaskFn = Callable[[Array, Array, Array, Array], Array]
@@ -130,25 +138,60 @@ def _row_tiles(mask_mod: MaskFn, grid: BlockGrid, b: Array, h: Array, q_block: A
     return as_tiles(bits), as_tiles(in_bounds)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _HoistedMaskMod(ComparedByJaxpr):
+    """A mask_mod traced on scalars, its captured arrays hoisted: the static part of the
+    jitted evaluation below, so that eager calls with the same mask_mod structure (new
+    closures included) compile once."""
+
+    jaxpr: Any
+
+    def bind(self, captured: Sequence[Array]) -> MaskFn:
+        fun = jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(self.jaxpr, list(captured)))
+        return lambda b, h, q_idx, kv_idx: fun(b, h, q_idx, kv_idx)[0]
+
+
+def _hoisted(mask_mod: MaskFn) -> tuple[_HoistedMaskMod, list[Array]]:
+    index = jax.ShapeDtypeStruct((), jnp.int32)
+    closed = jax.make_jaxpr(mask_mod)(index, index, index, index)
+    return _HoistedMaskMod(closed.jaxpr), list(closed.consts)
+
+
+def _rows(batch: int, heads: int, grid: BlockGrid) -> Array:
+    """Every (b, h, q-block) as rows of a ``[batch * heads * nq, 3]`` array."""
+    return jnp.stack([a.ravel() for a in np.indices((batch, heads, grid.num_q_blocks))],
+                     axis=-1)
+
+
 def _evaluated_block_mask(mask_mod: MaskFn, batch: int, heads: int,
                           grid: BlockGrid) -> BlockMask:
-    nq, nkv = grid.num_q_blocks, grid.num_kv_blocks
-    rows = jnp.stack([a.ravel() for a in np.indices((batch, heads, nq))], axis=-1)
-
-    def classify_row(row):
-        bits, in_bounds = _row_tiles(mask_mod, grid, row[0], row[1], row[2])
-        return bits.any(axis=(1, 2)), (bits | ~in_bounds).all(axis=(1, 2))
-
-    any_visible, all_visible = jax.lax.map(classify_row, rows)
-    shape = (batch, heads, nq, nkv)
-    flags = jnp.where(any_visible, jnp.where(all_visible, FULL, PARTIAL), MASKED).reshape(shape)
+    hoisted, captured = _hoisted(mask_mod)
+    shape = (batch, heads, grid.num_q_blocks, grid.num_kv_blocks)
+    flags = _tile_flags(captured, mask_mod=hoisted, batch=batch, heads=heads,
+                        grid=grid).reshape(shape)
     if isinstance(flags, jax.core.Tracer):
-        partial_ids, partial_masks = _all_tiles_stored(mask_mod, grid, rows, flags)
+        partial_ids, partial_masks = _all_tiles_stored(hoisted.bind(captured), grid,
+                                                       _rows(batch, heads, grid), flags)
     else:
-        partial_ids, partial_masks = _deduplicated_tiles(mask_mod, grid, np.asarray(flags))
+        partial_ids, partial_masks = _deduplicated_tiles(hoisted, captured, grid,
+                                                         np.asarray(flags))
     return BlockMask.from_tile_flags(flags, partial_ids, partial_masks, None, q_len=grid.q_len,
                                      kv_len=grid.kv_len,
                                      block_size=(grid.block_q, grid.block_kv))
+
+
+@functools.partial(jax.jit, static_argnames=("mask_mod", "batch", "heads", "grid"))
+def _tile_flags(captured, *, mask_mod: _HoistedMaskMod, batch: int, heads: int,
+                grid: BlockGrid) -> Array:
+    """MASKED / FULL / PARTIAL per tile, one q-block row of tiles at a time."""
+    fn = mask_mod.bind(captured)
+
+    def classify_row(row):
+        bits, in_bounds = _row_tiles(fn, grid, row[0], row[1], row[2])
+        return bits.any(axis=(1, 2)), (bits | ~in_bounds).all(axis=(1, 2))
+
+    any_visible, all_visible = jax.lax.map(classify_row, _rows(batch, heads, grid))
+    return jnp.where(any_visible, jnp.where(all_visible, FULL, PARTIAL), MASKED)
 
 
 def _all_tiles_stored(mask_mod, grid, rows, flags):
@@ -159,12 +202,10 @@ def _all_tiles_stored(mask_mod, grid, rows, flags):
     return jnp.where(flags == PARTIAL, ids, -1), partial_masks
 
 
-def _deduplicated_tiles(mask_mod, grid, flags: np.ndarray):
-    """Eager construction: evaluates only the PARTIAL tiles and stores each distinct one once."""
-    coords = np.argwhere(flags == PARTIAL).astype(np.int32)
-    partial_ids = np.full(flags.shape, -1, np.int32)
-    if len(coords) == 0:
-        return partial_ids, np.zeros((1, grid.block_q, grid.block_kv), bool)
+@functools.partial(jax.jit, static_argnames=("mask_mod", "grid"))
+def _tiles(coords, captured, *, mask_mod: _HoistedMaskMod, grid: BlockGrid) -> Array:
+    """The visible bits of the tiles at ``coords`` ``[n, 4]`` (b, h, q-block, kv-block)."""
+    fn = mask_mod.bind(captured)
     bq, bkv = grid.block_q, grid.block_kv
 
     def tile(coord):
@@ -172,14 +213,26 @@ def _deduplicated_tiles(mask_mod, grid, flags: np.ndarray):
         q_idx = q_block * bq + jnp.arange(bq)
         kv_idx = kv_block * bkv + jnp.arange(bkv)
         in_bounds = (q_idx < grid.q_len)[:, None] & (kv_idx < grid.kv_len)[None, :]
-        return _evaluate(mask_mod, b, h, q_idx, kv_idx) & in_bounds
+        return _evaluate(fn, b, h, q_idx, kv_idx) & in_bounds
 
+    return jax.lax.map(tile, coords)
+
+
+def _deduplicated_tiles(mask_mod: _HoistedMaskMod, captured, grid, flags: np.ndarray):
+    """Eager construction: evaluates only the PARTIAL tiles and stores each distinct one once."""
+    coords = np.argwhere(flags == PARTIAL).astype(np.int32)
+    partial_ids = np.full(flags.shape, -1, np.int32)
+    if len(coords) == 0:
+        return partial_ids, np.zeros((1, grid.block_q, grid.block_kv), bool)
     unique: dict[bytes, int] = {}
     stored: list[np.ndarray] = []
     for start in range(0, len(coords), _TILES_PER_STEP):
         chunk = coords[start:start + _TILES_PER_STEP]
-        for coord, bits in zip(chunk, np.asarray(jax.lax.map(tile, jnp.asarray(chunk))),
-                               strict=True):
+        # Every step evaluates _TILES_PER_STEP tiles (the last one padded by repeats), so
+        # that all steps share one compiled `_tiles`.
+        padded = np.concatenate([chunk, np.repeat(chunk[-1:], _TILES_PER_STEP - len(chunk), 0)])
+        bits_of_chunk = np.asarray(_tiles(padded, captured, mask_mod=mask_mod, grid=grid))
+        for coord, bits in zip(chunk, bits_of_chunk, strict=False):
             key = np.packbits(bits).tobytes()
             if key not in unique:
                 unique[key] = len(stored)
