@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
-from omni_jax.traced_functions import ComparedByJaxpr
+from omni_jax.traced_functions import ComparedByJaxpr, evaluate
 
 Array = Any
 
@@ -67,8 +67,7 @@ def convert_score_mod(score_mod: Callable) -> tuple[ConvertedScoreMod, list[Arra
     jaxpr = closed.jaxpr
 
     def fn(score, b, h, q_idx, kv_idx, *captured):
-        as_fun = jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(jaxpr, list(captured)))
-        return as_fun(score, b, h, q_idx, kv_idx)[0]
+        return evaluate(jaxpr, captured, score, b, h, q_idx, kv_idx)
 
     return ConvertedScoreMod(fn, len(closed.consts), jaxpr), list(closed.consts)
 

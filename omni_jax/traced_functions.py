@@ -9,8 +9,15 @@ loop that rebuilds the same closure, with new captured values, compiles once.
 from __future__ import annotations
 
 import functools
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any
+
+from jax.extend import core as jex_core
+
+
+def evaluate(jaxpr: Any, captured: Sequence[Any], *args: Any) -> Any:
+    """The single output of ``jaxpr`` (consts: ``captured``) at ``args``."""
+    return jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(jaxpr, list(captured)))(*args)[0]
 
 
 class ComparedByJaxpr:

@@ -27,11 +27,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jex_core
 
 from omni_jax.masks.block_mask import COMPUTED, FULL, MASKED, PARTIAL, BlockMask
 from omni_jax.masks.mask_mods import BlockGrid, MaskMod, has_contiguous_full_tiles
-from omni_jax.traced_functions import ComparedByJaxpr
+from omni_jax.traced_functions import ComparedByJaxpr, evaluate
 
 Array = Any
 MaskFn = Callable[[Array, Array, Array, Array], Array]
@@ -147,8 +146,7 @@ class _HoistedMaskMod(ComparedByJaxpr):
     jaxpr: Any
 
     def bind(self, captured: Sequence[Array]) -> MaskFn:
-        fun = jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(self.jaxpr, list(captured)))
-        return lambda b, h, q_idx, kv_idx: fun(b, h, q_idx, kv_idx)[0]
+        return lambda b, h, q_idx, kv_idx: evaluate(self.jaxpr, captured, b, h, q_idx, kv_idx)
 
 
 def _hoisted(mask_mod: MaskFn) -> tuple[_HoistedMaskMod, list[Array]]:
@@ -232,7 +230,7 @@ def _deduplicated_tiles(mask_mod: _HoistedMaskMod, captured, grid, flags: np.nda
         # that all steps share one compiled `_tiles`.
         padded = np.concatenate([chunk, np.repeat(chunk[-1:], _TILES_PER_STEP - len(chunk), 0)])
         bits_of_chunk = np.asarray(_tiles(padded, captured, mask_mod=mask_mod, grid=grid))
-        for coord, bits in zip(chunk, bits_of_chunk, strict=False):
+        for coord, bits in zip(chunk, bits_of_chunk[:len(chunk)], strict=True):
             key = np.packbits(bits).tobytes()
             if key not in unique:
                 unique[key] = len(stored)
