@@ -95,6 +95,42 @@ def mosaic_kernel(body: Callable[..., None], out_type: Any, **kwargs: Any) -> Ca
     return _mosaic_module().kernel(body, **{_kernel_output_keyword(): out_type}, **kwargs)
 
 
+def mosaic_kernel_accumulating(body: Callable[..., None], out_type: Any, *,
+                               scratch_types: Sequence[Any], grid: tuple[int, ...],
+                               grid_names: tuple[str, ...], num_threads: int,
+                               thread_name: str, compiler_params: Any = None,
+                               interpret: Any = None) -> Callable:
+    """`mosaic_kernel` whose last operand is a buffer the kernel adds into in place.
+
+    ``fn(*operands, init) -> (outputs, accumulated)``: the body sees the buffer
+    as a global-memory ref right after the inputs (for TMA stores with
+    ``reduction_op="add"``). ``plgpu.kernel`` cannot alias an operand to a
+    result, so this goes through ``pl.kernel`` with a ``jax.new_ref`` argument in
+    GMEM (the memory space the interpreter needs). Such a call cannot be batched
+    by `jax.vmap`.
+    """
+    import jax
+
+    plgpu = _mosaic_module()
+    mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=num_threads,
+                      thread_name=thread_name)
+
+    def kernel_body(*refs):
+        pl.run_scoped(functools.partial(body, *refs), *scratch_types,
+                      collective_axes=thread_name)
+
+    def call(*operands):
+        *inputs, init = operands
+        accumulator = jax.new_ref(init, memory_space=plgpu.GMEM)
+        outputs = pl.kernel(kernel_body, out_type=out_type, mesh=mesh,
+                            compiler_params=compiler_params,
+                            interpret=False if interpret is None else interpret,
+                            )(*inputs, accumulator)
+        return outputs, jax.freeze(accumulator)
+
+    return jax.jit(call)  # A ref with a memory space exists only inside a jit.
+
+
 def wgmma_row_layout() -> Any:
     """The layout of a row reduction (``axis=1``) of a WGMMA-layout array."""
     layout = _mosaic_module().Layout
@@ -122,21 +158,23 @@ def wgmma_accumulate(acc: Array, a: Any, b: Any, *, interpret: bool) -> Array:
 def wgmma_accumulate_all(accs: tuple, operands: tuple, *, interpret: bool) -> tuple:
     """`wgmma_accumulate` of several ``(a, b)`` into their ``accs`` with one wait.
 
-    Compiled, every product is issued before the results are read, so the
-    tensor cores run them back to back.
+    An entry of ``operands`` may also be a list of ``(a, b)``, all added to its
+    accumulator. Compiled, every product is issued before the results are
+    read, so the tensor cores run them back to back.
     """
     plgpu = _mosaic_module()
-    if not interpret:
+    pairs = [entry if isinstance(entry, list) else [entry] for entry in operands]
 
-        def update(acc_refs):
-            for acc_ref, (a, b) in zip(acc_refs, operands, strict=True):
+    def issue(acc_refs):
+        for acc_ref, acc_pairs in zip(acc_refs, pairs, strict=True):
+            for a, b in acc_pairs:
                 plgpu.wgmma(acc_ref, a, b)
 
-        return tuple(pl.run_state(update)(tuple(plgpu.ACC.init(acc) for acc in accs)))
+    if not interpret:
+        return tuple(pl.run_state(issue)(tuple(plgpu.ACC.init(acc) for acc in accs)))
 
     def products(*acc_refs):
-        for acc_ref, (a, b) in zip(acc_refs, operands, strict=True):
-            plgpu.wgmma(acc_ref, a, b)
+        issue(acc_refs)
         return tuple(acc_ref[...] for acc_ref in acc_refs)
 
     added = pl.run_scoped(products, *(plgpu.ACC(acc.shape, jnp.float32) for acc in accs))

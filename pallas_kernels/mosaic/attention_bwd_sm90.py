@@ -1,7 +1,8 @@
 """Block-sparse attention backward for Hopper (sm90) in Pallas Mosaic-GPU.
 
-Two warp-specialized kernels, no atomics, both walking the forward's
-BlockMask (q tiles of ``BLOCK_Q = 128`` rows, kv tiles of ``block_kv``):
+Two warp-specialized kernels, both walking the forward's BlockMask (q tiles
+of ``BLOCK_Q = 128`` rows, kv tiles of ``block_kv``), or for masks without
+masked tiles (dense) at head dim 128 the dK/dV kernel alone, adding dQ too:
 
 * dK/dV: one CTA per (kv-block, batch, kv head). Each consumer warpgroup TMA-
   loads its 64 rows of K and V once. The producer warpgroup walks, for each
@@ -30,13 +31,15 @@ Head dims up to 128 (padded to 64 or 128): at 256 the 64-row float32
 accumulators (dK and dV, or dQ) with the score tiles exceed the registers of
 a warpgroup; `MosaicBackend` then takes the backward from Triton.
 
-Cost: the dQ kernel recomputes S and dP, so a tile takes 7 matmuls where
-FlashAttention-3 takes 5 (it adds dQ from the dK/dV kernel by TMA
-reduce-add into a float32 buffer). That is the whole gap to cuDNN's backward
-(benchmarks/RESULTS.md, 2026-11-24). A fused dQ (commit 0e02a52: aliased
-float32 buffer through ``pl.kernel`` + ``jax.new_ref``, TMA reduce-add, the dQ
-kernel only under vmap) was correct but no faster dense and 10-25% slower
-masked: per step it serialized what the dQ kernel runs on its own.
+Fused dQ (`BackwardConfig.fused_dq`): the dQ kernel recomputes S and dP, so a
+tile takes 7 matmuls where FlashAttention-3 takes 5. Fused, each dK/dV consumer
+also stages its dS^T tile in smem, and one step later multiplies both
+consumers' tiles of that step by its 64 columns of K and adds the product to a
+float32 dQ buffer by TMA reduce-add (``pl.kernel`` with a ``jax.new_ref``
+argument, aliased in place). The one-step delay keeps the consumers out of
+lockstep; an earlier form with a rendezvous every step (commit 0e02a52) was no
+faster. Masked tiles keep the dQ kernel (their mask code spills registers in
+the fused kernel), and so does `jax.vmap` (a custom_vmap rule).
 """
 
 from __future__ import annotations
@@ -86,6 +89,10 @@ class BackwardConfig:
     dkv_stages: int
     dq_stages: int
     block_q: int = BLOCK_Q
+    # dQ added from the dK/dV kernel into a float32 buffer by TMA reduce-add (5 matmuls a
+    # tile) instead of the dQ kernel recomputing S and dP (7), for masks without masked
+    # tiles (see `attention_backward`); under `jax.vmap` the dQ kernel serves.
+    fused_dq: bool = False
 
     def __post_init__(self):
         if self.block_q != BLOCK_Q:
@@ -107,7 +114,7 @@ class BackwardConfig:
 # counts are upper bounds that `fit_config` lowers until shared memory fits.
 _CONFIGS = {
     64: BackwardConfig(block_kv=128, dkv_stages=4, dq_stages=3),
-    128: BackwardConfig(block_kv=128, dkv_stages=3, dq_stages=2),
+    128: BackwardConfig(block_kv=128, dkv_stages=3, dq_stages=2, fused_dq=True),
 }
 
 
@@ -118,9 +125,10 @@ def backward_config(head_dim: int, dtype: Any, causal: bool) -> BackwardConfig |
 
 
 def smem_bytes(config: BackwardConfig, head_dim: int, head_dim_v: int, itemsize: int,
-               has_partial: bool, num_q_leaves: int = 0,
-               num_kv_leaves: int = 0) -> tuple[int, int]:
-    """Shared memory of one (dK/dV, dQ) CTA; head dims already padded."""
+               has_partial: bool, num_q_leaves: int = 0, num_kv_leaves: int = 0,
+               fused_dq: bool = False) -> tuple[int, int]:
+    """Shared memory of one (dK/dV, dQ) CTA; head dims already padded. ``fused_dq``:
+    the dK/dV CTA of the fused dQ (which serves masks without masked tiles only)."""
     width = (head_dim + head_dim_v) * itemsize
     dkv_stage = Q_STEP * width + 2 * Q_STEP * 4 + num_q_leaves * Q_STEP * 4
     dq_stage = config.block_kv * width + num_kv_leaves * config.block_kv * 4
@@ -128,12 +136,19 @@ def smem_bytes(config: BackwardConfig, head_dim: int, head_dim_v: int, itemsize:
         dkv_stage += config.block_kv * Q_STEP
         dq_stage += config.block_q * config.block_kv
     dkv = config.block_kv * width + config.dkv_stages * dkv_stage
+    if fused_dq:  # dS^T tiles of two steps, each consumer's float32 dQ stage
+        dkv += (2 * config.block_kv * Q_STEP * itemsize
+                + config.dkv_consumers * Q_STEP * _dq_columns(head_dim, config.dkv_consumers) * 4)
     dq = config.block_q * width + 2 * config.block_q * 4 + config.dq_stages * dq_stage
     return dkv, dq
 
 
 def fit_config(config: BackwardConfig, limit: int, *args, **kwargs) -> BackwardConfig | None:
-    """``config`` with as many stages as fit in ``limit`` bytes (`smem_bytes` arguments)."""
+    """``config`` with as many stages as fit in ``limit`` bytes (`smem_bytes` arguments).
+
+    Fitted without ``fused_dq``, the stages are those of the dQ kernel's path;
+    `attention_backward` fits the fused path's own when it takes that path.
+    """
     while True:
         dkv, dq = smem_bytes(config, *args, **kwargs)
         if dkv <= limit and dq <= limit:
@@ -163,6 +178,7 @@ class _Statics(common.LeafCounts):
     mask_heads: int
     leaf_slots: tuple[tuple[str, int], ...]
     interpret: bool
+    fused_dq: bool = False  # dQ from this kernel (`attention_backward` decides)
 
     @property
     def group_size(self) -> int:
@@ -208,11 +224,12 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
     rows, stages, consumers = ROWS_PER_CONSUMER, cfg.dkv_stages, cfg.dkv_consumers
     partial_ref, q_leaf_ref, kv_leaf_ref, captured_ref, refs = common.split_optional_refs(
         refs, s)
+    dq_sum_ref = refs.pop(0) if s.fused_dq else None
     dk_ref, dv_ref, smem, barriers = refs
     (k_smem, v_smem, walk_smem, q_ring, do_ring, stats_ring, mask_ring, q_leaf_ring,
-     kv_leaf_smem, staging, captured_smem) = smem
+     kv_leaf_smem, staging, captured_smem, ds_smem, dq_stage) = smem
     (walk_barrier, kv_leaf_barrier, k_barriers, v_barriers, q_ready, do_ready, stats_ready,
-     mask_ready, q_leaf_ready, consumed, captured_barrier) = barriers
+     mask_ready, q_leaf_ready, consumed, captured_barrier, ds_ready, ds_free) = barriers
 
     kv_block = lax.axis_index("kv_block")
     batch_head = lax.axis_index("batch_head")
@@ -243,7 +260,7 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
     @pl.when(wg == consumers)
     def _producer():
         if rebalance:
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(24 if s.fused_dq else 40, action="decrease")
         common.load_captured(s, captured_ref, captured_smem, captured_barrier)
         mask_b, mask_h = batch_head_index(walk_ref, batch, first_head)
         plgpu.copy_gmem_to_smem(walk_ref.at[mask_b, pl.ds(mask_h, s.dkv_walk_heads), kv_block],
@@ -293,7 +310,7 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
     @pl.when(wg < consumers)
     def _consumer():
         if rebalance:
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(240 if s.fused_dq else 232, action="increase")
         kv_start = kv_block * cfg.block_kv + wg * rows
         kv_rows = pl.ds(kv_start, rows)
         k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
@@ -320,12 +337,62 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
         plgpu.barrier_wait(v_barriers.at[wg])
         common.wait_captured(s, captured_barrier)
 
+        # Fused dQ. Step t's dS^T tiles (every consumer's) go to ds_smem[t % 2]; one
+        # step later each consumer adds its dQ columns of step t's q rows into the
+        # float32 sum: dS K over all of the CTA's kv rows when the head dim splits into
+        # whole 64-column tiles of K, else over its own kv rows (then both consumers add
+        # all columns). The delay lets the consumers run out of step (one's softmax under
+        # the other's matmuls). ds_ready[p]: both tiles of parity p written; ds_free[p]:
+        # both consumers' products have read them. A zero tile of parity 1 stands for
+        # step -1, so that every step issues its product (a wgmma under a branch would
+        # make ptxas serialize all of the kernel's wgmmas); only its add is skipped.
+        cols = _dq_columns(s.head_dim, consumers)
+        split = cols < s.head_dim
+        dq_col0 = wg * cols if split else 0
+
+        def dq_products(parity):
+            # Own tile first, then the peer's (traced indices: constants would become
+            # run_state outputs, which the Mosaic-GPU lowering rejects).
+            parts = [wg, consumers - 1 - wg] if split else [wg]
+            return [(_transposed(ds_smem.at[parity, c]), k_smem.at[c, :, pl.ds(dq_col0, cols)])
+                    for c in parts]
+
+        def dq_product(parity):
+            plgpu.barrier_wait(ds_ready.at[parity])
+            zeros = plgpu.layout_cast(jnp.zeros((Q_STEP, cols), jnp.float32),
+                                      plgpu.Layout.WGMMA)
+            dq = compat.wgmma_accumulate_all((zeros,), (dq_products(parity),),
+                                             interpret=s.interpret)[0]
+            plgpu.barrier_arrive(ds_free.at[parity])
+            return dq
+
+        def add_dq(dq, head, q_start):
+            adder = wg if _dq_adders(s) > 1 else 0
+            dst = dq_sum_ref.at[adder, batch, pl.ds(q_start, Q_STEP), head,
+                                pl.ds(dq_col0, cols)]
+            if s.interpret:  # No TMA reductions there; CTAs run one at a time.
+                dst[...] = dst[...] + dq
+            else:  # The stage was read by the previous reduction (waited in write_ds).
+                dq_stage.at[wg][...] = dq
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(dq_stage.at[wg], dst, reduction_op="add")
+
+        def write_ds(parity, dscores):
+            if not s.interpret:  # the commit below orders this for the whole warpgroup
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            ds_smem.at[parity, wg][...] = dscores
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(ds_ready.at[parity])
+
+        if s.fused_dq:
+            write_ds(1, jnp.zeros((rows, Q_STEP), s.dtype))
+
         def head_steps(g, carry):
             head = first_head + g
             score_spec = common.with_captured_read(s.scores, captured_smem, batch, head)
 
             def step_fn(j, carry, full: bool):
-                dk, dv, step = carry
+                dk, dv, step, previous = carry
                 slot = lax.rem(step, stages)
                 flags, q_start, _, _ = step_position(g, j)
                 q_half, do_half = q_ring.at[slot], do_ring.at[slot]
@@ -366,11 +433,28 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                     dscores = dscores * slope
                 dscores = (dscores * s.scores.scale).astype(s.dtype)
                 probs = _staged(p_stage, probs.astype(s.dtype))
+                if not s.fused_dq:
+                    dv, dk = compat.wgmma_accumulate_all(
+                        (dv, dk), ((probs, do_half), (_staged(ds_stage, dscores), q_half)),
+                        interpret=s.interpret)
+                    plgpu.barrier_arrive(consumed.at[slot])
+                    return dk, dv, step + 1, (head, q_start)
+
+                parity = lax.rem(step, 2)
+
+                @pl.when(step >= 1)  # Both products of step - 2 have read the tile.
+                def _():
+                    plgpu.barrier_wait(ds_free.at[parity])
+
+                write_ds(parity, dscores)
                 dv, dk = compat.wgmma_accumulate_all(
                     (dv, dk), ((probs, do_half), (_staged(ds_stage, dscores), q_half)),
                     interpret=s.interpret)
                 plgpu.barrier_arrive(consumed.at[slot])
-                return dk, dv, step + 1
+                # After dV and dK: P^T and dS^T are dead, so dQ's accumulator fits.
+                dq = dq_product(1 - parity)
+                pl.when(step >= 1)(lambda: add_dq(dq, *previous))
+                return dk, dv, step + 1, (head, q_start)
 
             # The walk lists FULL tiles first: one loop without mask code, then the rest.
             num_full = 2 * entry(g, 1)
@@ -382,8 +466,23 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
 
         zeros = lambda dim: plgpu.layout_cast(jnp.zeros((rows, dim), jnp.float32),
                                               plgpu.Layout.WGMMA)
-        dk, dv, _ = lax.fori_loop(0, s.group_size, head_steps,
-                                  (zeros(s.head_dim), zeros(s.head_dim_v), jnp.int32(0)))
+        dk, dv, num_steps_done, previous = lax.fori_loop(
+            0, s.group_size, head_steps,
+            (zeros(s.head_dim), zeros(s.head_dim_v), jnp.int32(0),
+             (jnp.int32(0), jnp.int32(0))))
+        if s.fused_dq:
+            # The last step's product (step -1's when there was none).
+            dq = dq_product(lax.rem(num_steps_done + 1, 2))
+            if not s.interpret:  # The previous reduction has read the stage.
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                plgpu.commit_smem()
+            pl.when(num_steps_done >= 1)(lambda: add_dq(dq, *previous))
+
+            # Every product of the last two steps (from step -1 on) has read its dS^T
+            # tile and K (the peer's too) before K's buffer stages dK below.
+            @pl.loop(jnp.maximum(num_steps_done - 2, -1), num_steps_done)
+            def _(t):
+                plgpu.barrier_wait(ds_free.at[lax.rem(t + 2, 2)])
         # K and V are no longer read: their buffers stage dK and dV for the TMA store.
         k_tile[...] = dk.astype(s.dtype)
         v_tile[...] = dv.astype(s.dtype)
@@ -517,7 +616,54 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
     ``rowsum(dO * O) - dlse``, returned for the sink gradient. ``captured`` are
     ``score_mod``'s captured arrays (read by element, as in the forward; their
     own gradients are the caller's); ``has_partial`` False promises no PARTIAL tile.
+    ``config.fused_dq`` applies to masks without masked tiles only: the mask code of
+    COMPUTED and PARTIAL steps, next to dQ's accumulator, spills registers (336 bytes
+    under a causal mask, which then runs 20-35% slower than the dQ kernel). Under
+    `jax.vmap` the dQ kernel serves too (the fused dQ's in-place sum cannot be batched).
     """
+    static = dict(layout=layout, scale=scale, softcap=softcap, score_mod=score_mod,
+                  has_partial=has_partial, interpret_params=interpret_params)
+    fused_config = None
+    if config.fused_dq and not common.has_masked_tiles(layout, has_partial):
+        fused_config = fit_config(
+            config, common.SMEM_LIMIT, padded_head_dim(q.shape[-1]),
+            padded_head_dim(v.shape[-1]), q.dtype.itemsize, False, fused_dq=True)
+    if fused_config is None:
+        return _backward(q, k, v, kmask, out, lse, dout, dlse, captured, fused_dq=False,
+                         config=config, **static)
+    # Concrete mask arrays stay constants of the kernels (`trace_time_eval`): only the
+    # traced ones become operands of the custom_vmap function.
+    mask_leaves, mask_tree = jax.tree.flatten(kmask)
+    traced = [isinstance(x, jax.core.Tracer) for x in mask_leaves]
+
+    def backward(fused_dq, q, k, v, traced_leaves, *rest):
+        given = iter(traced_leaves)
+        leaves = [next(given) if t else x for t, x in zip(traced, mask_leaves, strict=True)]
+        return _backward(q, k, v, jax.tree.unflatten(mask_tree, leaves), *rest,
+                         fused_dq=fused_dq, config=fused_config if fused_dq else config,
+                         **static)
+
+    @jax.custom_batching.custom_vmap
+    def fused(*args):
+        return backward(True, *args)
+
+    @fused.def_vmap
+    def _unfused_under_vmap(axis_size, in_batched, *args):
+        del axis_size
+        in_axes = jax.tree.map(lambda batched: 0 if batched else None, tuple(in_batched))
+        grads = jax.vmap(functools.partial(backward, False), in_axes=in_axes)(*args)
+        return grads, jax.tree.map(lambda _: True, grads)
+
+    traced_leaves = [x for t, x in zip(traced, mask_leaves, strict=True) if t]
+    return fused(q, k, v, traced_leaves, out, lse, dout, dlse, tuple(captured))
+
+
+def _backward(q: Array, k: Array, v: Array, kmask: KernelMask, out: Array, lse: Array,
+              dout: Array, dlse: Array, captured: Sequence[Array], *, layout: MaskLayout,
+              scale: float, softcap: float | None, score_mod: ConvertedScoreMod | None,
+              has_partial: bool, config: BackwardConfig, interpret_params: Any,
+              fused_dq: bool) -> tuple[Array, Array, Array, Array]:
+    """`attention_backward`, dQ from the dK/dV kernel (``fused_dq``) or the dQ kernel."""
     batch, q_len, num_q_heads, head_dim = q.shape
     kv_len, num_kv_heads, head_dim_v = k.shape[1], v.shape[2], v.shape[3]
     if (layout.block_q, layout.block_kv) != (config.block_q, config.block_kv):
@@ -551,7 +697,7 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
         head_dim=dim, head_dim_v=dim_v, dtype=q.dtype, scores=scores, has_partial=has_partial,
         dq_walk_lines=dq_walk.shape[-2], dkv_walk_lines=dkv_walk.shape[-2],
         mask_heads=dq_walk.shape[1], leaf_slots=leaf_slots,
-        interpret=interpret)
+        interpret=interpret, fused_dq=fused_dq)
 
     def operands(walk, partial_tiles):
         extra = [partial_tiles] if has_partial else []
@@ -559,15 +705,23 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
                 *(x for x in (q_leaves, kv_leaves, packed_captured) if x is not None)]
 
     params = plgpu.CompilerParams(approx_math=True)
-    dk, dv = compat.mosaic_kernel(
+    dkv_kernel = functools.partial(
+        compat.mosaic_kernel_accumulating if fused_dq else compat.mosaic_kernel,
         functools.partial(_dkv_kernel, statics),
         (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
         scratch_types=_dkv_scratch(statics),
         # Blocks of one head side by side (the last axis varies fastest), sharing its Q/dO in L2.
         grid=(batch * num_kv_heads, layout.num_kv_blocks), grid_names=("batch_head", "kv_block"),
         num_threads=config.dkv_consumers + 1, thread_name="wg", compiler_params=params,
-        interpret=interpret_params,
-    )(*operands(dkv_walk, partial_masks_kv_major))
+        interpret=interpret_params)
+    dkv_operands = operands(dkv_walk, partial_masks_kv_major)
+    if fused_dq:
+        dq_sum = jnp.zeros((_dq_adders(statics), batch, q_padded, num_q_heads, dim),
+                           jnp.float32)
+        (dk, dv), dq = dkv_kernel()(*dkv_operands, dq_sum)
+        return (dq.sum(0)[:, :q_len, :, :head_dim].astype(q.dtype), dk[:, :kv_len, :, :head_dim],
+                dv[:, :kv_len, :, :head_dim_v], delta)
+    dk, dv = dkv_kernel()(*dkv_operands)
     dq = compat.mosaic_kernel(
         functools.partial(_dq_kernel, statics), jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch_types=_dq_scratch(statics),
@@ -596,8 +750,14 @@ def _dkv_scratch(s: _Statics):
         # Interpreted only: P^T and dS^T staged in smem for their wgmmas.
         common.swizzled((2, consumers, rows, Q_STEP), s.dtype) if s.interpret else None,
         captured_smem,
+        # Fused dQ: dS^T tiles of two steps; compiled, each consumer's float32 dQ stage.
+        common.swizzled((2, consumers, rows, Q_STEP), s.dtype) if s.fused_dq else None,
+        (plgpu.SMEM((consumers, Q_STEP, _dq_columns(s.head_dim, consumers)), jnp.float32)
+         if s.fused_dq and not s.interpret else None),
     )
     ring = lambda: plgpu.Barrier(num_barriers=stages)
+    ds_barrier = (plgpu.Barrier(num_arrivals=consumers, num_barriers=2) if s.fused_dq
+                  else None)
     barriers = (
         plgpu.Barrier(num_barriers=1),
         plgpu.Barrier(num_barriers=1),
@@ -606,8 +766,28 @@ def _dkv_scratch(s: _Statics):
         ring(), ring(), ring(), ring(), ring(),
         plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),
         captured_barrier,
+        ds_barrier,
+        ds_barrier,
     )
     return smem, barriers
+
+
+def _dq_adders(s: _Statics) -> int:
+    """Partial dQ sums of the fused backward. Compiled, one: TMA reductions are atomic.
+    Interpreted, the read-modify-write that stands in for them would race when both
+    consumers add to the same columns, so each then has a sum of its own."""
+    consumers = s.config.dkv_consumers
+    if s.interpret and _dq_columns(s.head_dim, consumers) == s.head_dim:
+        return consumers
+    return 1
+
+
+def _dq_columns(head_dim: int, consumers: int) -> int:
+    """dQ columns a consumer adds in the fused backward: its share of the head dim, over
+    every consumer's kv rows, when that is whole 64-column tiles of K; else all of them,
+    over its own kv rows."""
+    share = head_dim // consumers
+    return share if share >= 64 else head_dim
 
 
 def _dq_scratch(s: _Statics):

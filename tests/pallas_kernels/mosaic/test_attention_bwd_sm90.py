@@ -16,6 +16,9 @@ import numpy as np
 import pytest
 
 import omni_jax
+from omni_jax.masks import BlockMask
+from omni_jax.masks.block_mask import BlockGrid
+from omni_jax.masks.construct import structured_tile_flags
 from pallas_kernels import compat, runtime
 from pallas_kernels.block_sparse import kernel_mask
 from pallas_kernels.mosaic import attention_bwd_sm90 as bwd
@@ -63,6 +66,9 @@ CASES = (
     # Softcap and score_mod chain rule, fp16, causal (COMPUTED diagonal tiles).
     Case("softcap_score_mod_fp16", "float16", 1, 128, 128, 2, 2, 64, 64, 128, True,
          "causal", softcap=5.0, score_mod=True, scale=0.2),
+    # Dense (FULL tiles only), GQA at head dim 128: the fused dQ splits its columns
+    # between the two consumers, and each CTA walks two heads' steps.
+    Case("dense_gqa_d128", "bfloat16", 1, 256, 256, 4, 2, 128, 128, 128, True, "dense"),
 )
 
 
@@ -70,8 +76,16 @@ def _score_mod(s, b, h, i, j):
     return s - 0.05 * (h + 1) * jnp.abs(i - j).astype(s.dtype)
 
 
+def _dense_block_mask(q_len: int, kv_len: int, block_size: tuple[int, int]):
+    grid = BlockGrid(q_len, kv_len, *block_size)
+    return BlockMask.from_tile_flags(structured_tile_flags(None, grid), mask_mod=None,
+                                     q_len=q_len, kv_len=kv_len, block_size=block_size)
+
+
 def _mask(case: Case, rng):
     """(mask_mod for create_block_mask, its mask heads, numpy predicate f(b, h, i, j))."""
+    if case.mask == "dense":
+        return None, None, lambda b, h, i, j: i >= 0
     if case.mask == "partial":
         def fn(b, h, i, j):
             return (i >= 128) & (j < 128) & ((i * 7 + j * 3 + h) % 5 != 0)
@@ -88,8 +102,9 @@ def _mask(case: Case, rng):
 
 
 @pytest.mark.interpreted
+@pytest.mark.parametrize("fused_dq", [False, True], ids=["dq_kernel", "fused_dq"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_gradients_match_float64(case: Case, _interpreted):
+def test_gradients_match_float64(case: Case, fused_dq: bool, _interpreted):
     seed = int(np.random.default_rng().integers(2**31))
     rng = np.random.default_rng(seed)
     shapes = ((case.batch, case.q_len, case.heads, case.head_dim),
@@ -98,8 +113,10 @@ def test_gradients_match_float64(case: Case, _interpreted):
     q, k, v = (jnp.asarray(rng.standard_normal(s), case.dtype) for s in shapes)
     mask_mod, mask_heads, fn = _mask(case, rng)
     mask_batch = case.batch if case.mask == "documents" else None
-    block_mask = omni_jax.create_block_mask(mask_mod, mask_batch, mask_heads, case.q_len,
-                                            case.kv_len, (128, case.block_kv))
+    block_mask = (_dense_block_mask(case.q_len, case.kv_len, (128, case.block_kv))
+                  if mask_mod is None else
+                  omni_jax.create_block_mask(mask_mod, mask_batch, mask_heads, case.q_len,
+                                             case.kv_len, (128, case.block_kv)))
     visible = dense_mask(case.batch, case.heads, case.q_len, case.kv_len, mask_fn=fn)
     score_mod = _score_mod if case.score_mod else None
     dout = rng.standard_normal((case.batch, case.q_len, case.heads, case.head_dim_v))
@@ -119,7 +136,8 @@ def test_gradients_match_float64(case: Case, _interpreted):
     if case.poisoned:
         params = dataclasses.replace(params, uninitialized_memory="nan")
     # Few stages, so that the producers wait for consumed slots before refilling them.
-    config = bwd.BackwardConfig(block_kv=case.block_kv, dkv_stages=2, dq_stages=1)
+    config = bwd.BackwardConfig(block_kv=case.block_kv, dkv_stages=2, dq_stages=1,
+                                fused_dq=fused_dq)
     scale = case.scale if case.scale is not None else 1.0 / np.sqrt(case.head_dim)
     grads = bwd.attention_backward(
         q, k, v, kmask, layout, jnp.asarray(out, case.dtype), jnp.asarray(lse, jnp.float32),
@@ -137,6 +155,33 @@ def test_gradients_match_float64(case: Case, _interpreted):
         assert (np.asarray(grads[0], np.float32)[:, :128] == 0).all()
         assert (np.asarray(grads[1], np.float32)[:, 128:] == 0).all()
         assert (np.asarray(grads[2], np.float32)[:, 128:] == 0).all()
+
+
+@pytest.mark.interpreted
+def test_fused_dq_under_vmap_takes_the_dq_kernel(_interpreted):
+    """The fused dQ's in-place sum cannot be batched: `jax.vmap` gets the dQ kernel,
+    and each example's gradients are those of a call of its own."""
+    rng = np.random.default_rng()
+    shape = (2, 1, 128, 2, 128)  # [vmapped, batch, seq, heads, head dim]
+    q, k, v, dout = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(4))
+    lse = jnp.asarray(rng.standard_normal((2, 1, 2, 128)), jnp.float32) + 5.0
+    out = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+    kmask, layout = kernel_mask(_dense_block_mask(128, 128, (128, 128)))
+    config = bwd.BackwardConfig(block_kv=128, dkv_stages=2, dq_stages=1, fused_dq=True)
+    params = compat.tma_faithful_interpret_params(runtime.mosaic_interpret_params())
+
+    def backward(q, k, v, out, lse, dout):
+        return bwd.attention_backward(q, k, v, kmask, layout, out, lse, dout,
+                                      jnp.zeros_like(lse), scale=0.1, softcap=None,
+                                      score_mod=None, has_partial=False, config=config,
+                                      interpret_params=params)[:3]
+
+    batched = jax.vmap(backward)(q, k, v, out, lse, dout)
+    for i in range(2):
+        single = backward(q[i], k[i], v[i], out[i], lse[i], dout[i])
+        for got, want in zip(batched, single, strict=True):
+            assert relative_error(np.asarray(got[i], np.float64),
+                                  np.asarray(want, np.float64)) < 1e-2
 
 
 def _converted(score_mod):
