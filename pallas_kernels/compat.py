@@ -131,6 +131,46 @@ def mosaic_kernel_accumulating(body: Callable[..., None], out_type: Any, *,
     return jax.jit(call)  # A ref with a memory space exists only inside a jit.
 
 
+def custom_vmap(fn: Callable, vmap_rule: Callable) -> Callable:
+    """``jax.custom_batching.custom_vmap(fn)`` with ``vmap_rule``, where ``fn`` may create
+    and freeze refs inside (`mosaic_kernel_accumulating`).
+
+    Lowering discharges such internal refs through the whole jaxpr; jax 0.10 has
+    no discharge rule for the custom_vmap call, so one is registered that
+    discharges its body.
+    """
+    import jax
+
+    _register_custom_vmap_discharge()
+    wrapped = jax.custom_batching.custom_vmap(fn)
+    wrapped.def_vmap(vmap_rule)
+    return wrapped
+
+
+@functools.cache
+def _register_custom_vmap_discharge() -> None:
+    try:
+        from jax._src import custom_batching
+        from jax._src.state import discharge
+        from jax._src.state.types import AbstractRef
+
+        primitive = custom_batching.custom_vmap_p
+        registered = primitive in discharge._discharge_rules
+    except (ImportError, AttributeError):  # moved internals: a release that needs no rule
+        return
+    if registered:
+        return
+
+    def rule(in_avals, out_avals, *args, call, **params):
+        del out_avals
+        if any(isinstance(aval, AbstractRef) for aval in in_avals):
+            raise NotImplementedError("custom_vmap with ref operands")
+        outs = primitive.bind(*args, call=discharge.discharge_state(call), **params)
+        return [None] * len(args), outs
+
+    discharge.register_discharge_rule(primitive)(rule)
+
+
 def wgmma_row_layout() -> Any:
     """The layout of a row reduction (``axis=1``) of a WGMMA-layout array."""
     layout = _mosaic_module().Layout

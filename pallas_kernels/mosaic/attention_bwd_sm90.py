@@ -385,7 +385,8 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
             plgpu.barrier_arrive(ds_ready.at[parity])
 
         if s.fused_dq:
-            write_ds(1, jnp.zeros((rows, Q_STEP), s.dtype))
+            write_ds(1, plgpu.layout_cast(jnp.zeros((rows, Q_STEP), s.dtype),
+                                          plgpu.Layout.WGMMA))
 
         def head_steps(g, carry):
             head = first_head + g
@@ -643,17 +644,13 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
                          fused_dq=fused_dq, config=fused_config if fused_dq else config,
                          **static)
 
-    @jax.custom_batching.custom_vmap
-    def fused(*args):
-        return backward(True, *args)
-
-    @fused.def_vmap
-    def _unfused_under_vmap(axis_size, in_batched, *args):
+    def unfused_under_vmap(axis_size, in_batched, *args):
         del axis_size
         in_axes = jax.tree.map(lambda batched: 0 if batched else None, tuple(in_batched))
         grads = jax.vmap(functools.partial(backward, False), in_axes=in_axes)(*args)
         return grads, jax.tree.map(lambda _: True, grads)
 
+    fused = compat.custom_vmap(functools.partial(backward, True), unfused_under_vmap)
     traced_leaves = [x for t, x in zip(traced, mask_leaves, strict=True) if t]
     return fused(q, k, v, traced_leaves, out, lse, dout, dlse, tuple(captured))
 
