@@ -650,7 +650,10 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
         grads = jax.vmap(functools.partial(backward, False), in_axes=in_axes)(*args)
         return grads, jax.tree.map(lambda _: True, grads)
 
-    fused = compat.custom_vmap(functools.partial(backward, True), unfused_under_vmap)
+    def fused_backward(*args):
+        return backward(True, *args)
+
+    fused = compat.custom_vmap(fused_backward, unfused_under_vmap)
     traced_leaves = [x for t, x in zip(traced, mask_leaves, strict=True) if t]
     return fused(q, k, v, traced_leaves, out, lse, dout, dlse, tuple(captured))
 
