@@ -372,14 +372,19 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                                 pl.ds(dq_col0, cols)]
             if s.interpret:  # No TMA reductions there; CTAs run one at a time.
                 dst[...] = dst[...] + dq
-            else:  # The stage was read by the previous reduction (waited in write_ds).
+            else:  # The previous reduction has read the stage (`wait_stage_read`).
                 dq_stage.at[wg][...] = dq
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(dq_stage.at[wg], dst, reduction_op="add")
 
-        def write_ds(parity, dscores):
-            if not s.interpret:  # the commit below orders this for the whole warpgroup
+        def wait_stage_read():
+            """The previous reduction has read the dQ stage, once the caller's next
+            `commit_smem` (a warpgroup barrier) has ordered this for every thread."""
+            if not s.interpret:
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        def write_ds(parity, dscores):
+            wait_stage_read()
             ds_smem.at[parity, wg][...] = dscores
             plgpu.commit_smem()
             plgpu.barrier_arrive(ds_ready.at[parity])
@@ -439,7 +444,7 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                         (dv, dk), ((probs, do_half), (_staged(ds_stage, dscores), q_half)),
                         interpret=s.interpret)
                     plgpu.barrier_arrive(consumed.at[slot])
-                    return dk, dv, step + 1, (head, q_start)
+                    return dk, dv, step + 1, previous
 
                 parity = lax.rem(step, 2)
 
@@ -469,14 +474,14 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                                               plgpu.Layout.WGMMA)
         dk, dv, num_steps_done, previous = lax.fori_loop(
             0, s.group_size, head_steps,
+            # The fused dQ carries the previous step's (head, first q row).
             (zeros(s.head_dim), zeros(s.head_dim_v), jnp.int32(0),
-             (jnp.int32(0), jnp.int32(0))))
+             (jnp.int32(0), jnp.int32(0)) if s.fused_dq else ()))
         if s.fused_dq:
             # The last step's product (step -1's when there was none).
             dq = dq_product(lax.rem(num_steps_done + 1, 2))
-            if not s.interpret:  # The previous reduction has read the stage.
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                plgpu.commit_smem()
+            wait_stage_read()
+            plgpu.commit_smem()
             pl.when(num_steps_done >= 1)(lambda: add_dq(dq, *previous))
 
             # Every product of the last two steps (from step -1 on) has read its dS^T
