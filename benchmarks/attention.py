@@ -20,6 +20,7 @@ dense case of the same length was measured, time / (dense time x fraction):
 
     python -m benchmarks.attention                      # all cases, the default impls
     python -m benchmarks.attention --cases s4096 --impls omni_triton,cudnn
+    python -m benchmarks.attention --cases "d128 fwd" --dtype float16
     python -m benchmarks.attention --seqs 1024 4096 32768 --forward-only   # walk lengths
     python -m benchmarks.attention --tiny               # CPU smoke run
 """
@@ -74,7 +75,9 @@ class Case:
     @property
     def name(self) -> str:
         direction = "fwd+bwd" if self.backward else "fwd"
-        return f"{self.mask} b{self.batch} s{self.seq} h{self.heads} d{self.head_dim} {direction}"
+        dtype = "" if self.dtype == "bfloat16" else f" {jnp.dtype(self.dtype).name}"
+        return (f"{self.mask} b{self.batch} s{self.seq} h{self.heads} d{self.head_dim} "
+                f"{direction}{dtype}")
 
 
 def default_cases(tiny: bool) -> list[Case]:
@@ -407,6 +410,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--forward-only", action="store_true",
                         help="leave out the forward+backward cases")
     parser.add_argument("--tiny", action="store_true", help="tiny float32 shapes (CPU smoke run)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16"), default=None,
+                        help="input dtype of the cases (default: bfloat16, float32 with --tiny)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--samples", type=int, default=5)
     parser.add_argument("--inner", type=int, default=3)
@@ -424,6 +429,8 @@ def _selected_cases(args) -> list[Case]:
     cases = length_sweep(args.seqs) if args.seqs else default_cases(args.tiny)
     if args.forward_only:
         cases = [c for c in cases if not c.backward]
+    if args.dtype:
+        cases = [dataclasses.replace(c, dtype=args.dtype) for c in cases]
     wanted = [w for w in args.cases.split(",") if w]
     return [c for c in cases if not wanted or any(w in c.name for w in wanted)]
 

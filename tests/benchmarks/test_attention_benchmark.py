@@ -38,6 +38,19 @@ def test_tiny_run_produces_rows_for_every_impl(monkeypatch, capsys):
     assert "active blocks" in window[0]["note"]
 
 
+def test_dtype_option_sets_every_case(monkeypatch):
+    monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
+    parser = argparse.ArgumentParser()
+    attention.add_arguments(parser)
+    args = parser.parse_args(["--tiny", "--dtype", "float16", "--cases", "dense", "--impls",
+                              "omni_xla", "--warmup", "1", "--samples", "1", "--inner", "1"])
+    assert {c.dtype for c in attention._selected_cases(args)} == {"float16"}
+    rows = attention.run(args)
+    assert [row["case"] for row in rows] == ["dense b1 s128 h2 d32 fwd float16",
+                                             "dense b1 s128 h2 d32 fwd+bwd float16"]
+    assert all(math.isfinite(row["ms"]) for row in rows)
+
+
 def test_cli_help():
     parser = argparse.ArgumentParser()
     attention.add_arguments(parser)
