@@ -123,8 +123,10 @@ class MosaicBackend(AttentionBackend):
         return reason
 
     def trace_key(self, problem: AttentionProblem) -> Hashable:
-        return (self._config(problem, causal=False), self._config(problem, causal=True),
-                self._backward_config(problem), runtime.interpret_requested())
+        # The forward config also depends on the mask's walk lengths: short or not.
+        forward = tuple(self._config(problem, causal, mean_walk)
+                        for causal in (False, True) for mean_walk in (None, 0.0))
+        return forward, self._backward_config(problem), runtime.interpret_requested()
 
     def block_size(self, problem: AttentionProblem) -> tuple[int, int]:
         config = self._config(problem, causal=False)
@@ -136,8 +138,8 @@ class MosaicBackend(AttentionBackend):
         out, lse = fwd.attention_forward(
             q, k, v, kmask, layout, scale=problem.scale, softcap=problem.softcap,
             score_mod=problem.score_mod, has_partial=problem.has_user_mask,
-            config=self._config(problem, causal), captured=captured,
-            interpret_params=_interpret_params())
+            config=self._config(problem, causal, _mean_walk(kmask.kv_num_blocks)),
+            captured=captured, interpret_params=_interpret_params())
         if sinks is None:
             return out, lse
         return _fold_sinks(out, lse, sinks)
@@ -178,9 +180,10 @@ class MosaicBackend(AttentionBackend):
         return score_mod_unsupported_reason(problem, derivative=True) or config
 
     @staticmethod
-    def _config(problem: AttentionProblem, causal: bool) -> fwd.ForwardConfig:
+    def _config(problem: AttentionProblem, causal: bool,
+                mean_walk: float | None = None) -> fwd.ForwardConfig:
         config = fwd.forward_config(max(problem.head_dim, problem.head_dim_v), problem.dtype,
-                                    causal)
+                                    causal, mean_walk)
         if problem.block_size is not None and problem.block_size[1] != config.block_kv:
             config = dataclasses.replace(config, block_kv=problem.block_size[1])
         return config
@@ -190,6 +193,13 @@ class MosaicBackend(AttentionBackend):
         return fwd.smem_bytes(config, fwd.padded_head_dim(problem.head_dim),
                               fwd.padded_head_dim(problem.head_dim_v),
                               np.dtype(problem.dtype).itemsize, problem.has_user_mask)
+
+
+def _mean_walk(kv_num_blocks) -> float | None:
+    """Mean active kv-blocks per q-block of a mask built at trace time, else None."""
+    if isinstance(kv_num_blocks, jax.core.Tracer):
+        return None
+    return float(np.mean(np.asarray(kv_num_blocks)))
 
 
 def _interpret_params():

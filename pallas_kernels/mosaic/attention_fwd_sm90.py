@@ -125,10 +125,10 @@ class ForwardConfig:
 #   serial's 0.96x (2026-11-24 20:55; unstaggered pipelined had lost, 0.83-0.90x).
 # * 128 and 256: pipelined, ahead of serial in every case of the 2026-11-24 A/B run
 #   (d128 1.03-1.08x cuDNN against 0.93-1.02x; d256 1.09-1.10x against 0.93-0.95x).
-#   One q-block per CTA: several measured within the noise at d128 dense and causal,
-#   4% faster on the sliding window and 4-6% slower on documents. Staggered at d128
-#   (2-4% faster dense and causal up to s16384, 8% on the window, 9% with ALiBi, 1%
-#   slower on documents); not at d256, where it lost 13% dense.
+#   One q-block per CTA: several measured within the noise at d128 dense and causal
+#   and 4-6% slower on documents; masks with short walks take two (`SHORT_WALK`).
+#   Staggered at d128 (2-4% faster dense and causal up to s16384, 8% on the window, 9%
+#   with ALiBi, 1% slower on documents); not at d256, where it lost 13% dense.
 _CONFIGS = {
     (64, False): ForwardConfig(block_kv=128, num_stages=3, pipelined=True, staggered=True,
                                q_blocks_per_cta=2),
@@ -141,10 +141,27 @@ _CONFIGS = {
 }
 
 
-def forward_config(head_dim: int, dtype: Any, causal: bool) -> ForwardConfig:
-    """The tuned config for a (padded) head dim; bf16 and fp16 share one table."""
+# Masks whose q-blocks walk at most this many kv-blocks on average (a sliding window of
+# 1024 keys: 9-10) take two q-blocks per CTA at head dim 128: a CTA's fixed cost, several
+# kv steps, then weighs more than pairing the q-blocks loses. Measured on the H100
+# (2026-11-25 16:58): window 7% faster; causal s4096 (16.5 steps) even; causal documents
+# (23) 4% and documents (45) 1-2% slower.
+SHORT_WALK = 12
+
+
+def forward_config(head_dim: int, dtype: Any, causal: bool,
+                   mean_walk: float | None = None) -> ForwardConfig:
+    """The tuned config for a (padded) head dim; bf16 and fp16 share one table.
+
+    ``mean_walk``: the mask's mean count of active kv-blocks per q-block, when known
+    at trace time (a concrete mask); short walks get several q-blocks per CTA.
+    """
     del dtype  # Same tile sizes for both 16-bit types.
-    return _CONFIGS[(padded_head_dim(head_dim), bool(causal))]
+    config = _CONFIGS[(padded_head_dim(head_dim), bool(causal))]
+    if (mean_walk is not None and mean_walk <= SHORT_WALK and padded_head_dim(head_dim) == 128
+            and config.q_blocks_per_cta == 1):
+        config = dataclasses.replace(config, q_blocks_per_cta=2)
+    return config
 
 
 def q_buffers(config: ForwardConfig, head_dim: int, head_dim_v: int, itemsize: int,

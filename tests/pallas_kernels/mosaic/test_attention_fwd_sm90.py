@@ -107,6 +107,66 @@ def test_config_rejects_what_the_kernel_cannot_run(fields, message):
         fwd.ForwardConfig(**{"block_kv": 128, "num_stages": 2, **fields})
 
 
+@pytest.mark.parametrize("head_dim,mean_walk,expected", [
+    (128, None, 1), (128, 40.0, 1), (128, fwd.SHORT_WALK, 2), (128, 3.0, 2),
+    (256, 3.0, 1), (64, 3.0, 2)])
+def test_short_walks_take_two_q_blocks_per_cta(head_dim, mean_walk, expected):
+    config = fwd.forward_config(head_dim, jnp.bfloat16, False, mean_walk)
+    assert config.q_blocks_per_cta == expected
+    base = fwd.forward_config(head_dim, jnp.bfloat16, False)
+    assert dataclasses.replace(config, q_blocks_per_cta=base.q_blocks_per_cta) == base
+
+
+@pytest.mark.parametrize("kwargs,traced_mask,expected", [
+    (dict(local_window_size=(256, 0)), False, 2),  # 2-3 kv-blocks per q-block
+    (dict(), False, 1),  # 16 (dense)
+    (dict(is_causal=True), False, 2),  # 8.5 on average
+    (dict(local_window_size=(256, 0)), True, 1),  # walks unknown at trace time
+])
+def test_forward_picks_q_blocks_per_cta_by_walk_length(kwargs, traced_mask, expected,
+                                                       monkeypatch):
+    """The backend passes a concrete mask's mean walk to `forward_config`; traced only."""
+    import jax
+
+    configs = []
+    real = fwd.attention_forward
+
+    def recording(*args, config, **kw):
+        configs.append(config)
+        return real(*args, config=config, **kw)
+
+    monkeypatch.setattr(fwd, "attention_forward", recording)
+    q = jax.ShapeDtypeStruct((1, 2048, 2, 128), jnp.bfloat16)
+    if traced_mask:
+        def attend(q, k, v, q_ids):
+            return omni_jax.attention(q, k, v, q_segment_ids=q_ids, implementation="mosaic",
+                                      **kwargs)
+        jax.eval_shape(attend, q, q, q, jax.ShapeDtypeStruct((1, 2048), jnp.int32))
+    else:
+        jax.eval_shape(lambda q, k, v: omni_jax.attention(q, k, v, implementation="mosaic",
+                                                          **kwargs), q, q, q)
+    assert [c.q_blocks_per_cta for c in configs] == [expected]
+
+
+def test_trace_key_covers_the_short_walk_config(monkeypatch):
+    """A config forced for short walks only (a benchmark's A/B) must trace afresh: the
+    compiled calls are keyed by the backend's trace key."""
+    import numpy as np
+
+    from omni_jax.backends.mosaic import MosaicBackend
+    from omni_jax.problem import AttentionProblem
+
+    problem = AttentionProblem(
+        batch=1, q_len=2048, kv_len=2048, num_q_heads=2, num_kv_heads=2, head_dim=128,
+        head_dim_v=128, dtype=np.dtype(jnp.bfloat16), scale=0.1, softcap=None,
+        score_mod=None, has_sinks=False, has_user_mask=False)
+    default_key = MosaicBackend().trace_key(problem)
+    default = fwd.forward_config
+    monkeypatch.setattr(fwd, "forward_config", lambda *args: dataclasses.replace(
+        default(*args), q_blocks_per_cta=1))
+    assert MosaicBackend().trace_key(problem) != default_key
+
+
 def test_declines_what_it_cannot_serve():
     q = jnp.ones((1, 64, 1, 64), jnp.float32)
     with pytest.raises(ValueError, match="bfloat16 or float16"):
