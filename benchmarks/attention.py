@@ -75,7 +75,7 @@ class Case:
     @property
     def name(self) -> str:
         direction = "fwd+bwd" if self.backward else "fwd"
-        dtype = "" if self.dtype == "bfloat16" else f" {jnp.dtype(self.dtype).name}"
+        dtype = "" if self.dtype == "bfloat16" else f" {self.dtype}"
         return (f"{self.mask} b{self.batch} s{self.seq} h{self.heads} d{self.head_dim} "
                 f"{direction}{dtype}")
 

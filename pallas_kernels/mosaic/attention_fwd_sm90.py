@@ -159,8 +159,7 @@ def forward_config(head_dim: int, dtype: Any, causal: bool,
     """
     del dtype  # Same tile sizes for both 16-bit types.
     config = _CONFIGS[(padded_head_dim(head_dim), bool(causal))]
-    if (mean_walk is not None and mean_walk <= SHORT_WALK and padded_head_dim(head_dim) == 128
-            and config.q_blocks_per_cta == 1):
+    if mean_walk is not None and mean_walk <= SHORT_WALK and padded_head_dim(head_dim) == 128:
         config = dataclasses.replace(config, q_blocks_per_cta=2)
     return config
 
