@@ -384,4 +384,15 @@ def mosaic_load(ref: Any, layout: Any, *, interpret: bool) -> Array:
 
     The interpreter cannot evaluate ``plgpu.load``; there a plain read is the same.
     """
-    return ref[...] if interpret else _mosaic_module().load(ref, (), layout=layout)
+    if interpret:
+        return ref[...]
+    load = _mosaic_module().load
+    return load(ref, *_load_index_argument(), layout=layout)
+
+
+@functools.cache
+def _load_index_argument() -> tuple:
+    """``plgpu.load`` took a separate index (here: none, ``()``) before it read the index
+    from the ref alone (passing one is deprecated since)."""
+    idx = inspect.signature(_mosaic_module().load).parameters.get("idx")
+    return ((),) if idx is not None and idx.default is inspect.Parameter.empty else ()

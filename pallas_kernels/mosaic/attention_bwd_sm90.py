@@ -195,7 +195,7 @@ def _iota(shape, axis):
 
 
 def _transposed(ref):
-    return plgpu.transpose_ref(ref, (1, 0))
+    return ref.transpose((1, 0))
 
 
 def _products(tile, *operands):

@@ -419,7 +419,7 @@ class _Consumer:
 
     def issue_qk(self, s_ref, step) -> None:
         plgpu.wgmma(s_ref, self.q_smem,
-                    plgpu.transpose_ref(self.k_smem.at[self.slot(step)], (1, 0)))
+                    self.k_smem.at[self.slot(step)].transpose((1, 0)))
 
     def staged(self, probs):
         """P as the P @ V wgmma takes it (the interpreter reads operands from smem only)."""

@@ -429,10 +429,10 @@ def _kernel(
                         plgpu.barrier_wait(full.at[bar(first_step + ki)])
                         a_op = a_smem.at[slot, part]
                         if p.transpose_a:
-                            a_op = plgpu.transpose_ref(a_op, (1, 0))
+                            a_op = a_op.transpose((1, 0))
                         b_op = b_smem.at[slot]
                         if p.transpose_b:
-                            b_op = plgpu.transpose_ref(b_op, (1, 0))
+                            b_op = b_op.transpose((1, 0))
                         plgpu.wgmma(acc_ref, a_op, b_op)
                         # Keep `wgmma_in_flight` products running while the next
                         # slot is awaited; the slot of the one that completed is free.
