@@ -39,6 +39,7 @@ from omni_jax.masks.mask_mods import (
 )
 from omni_jax.problem import AttentionProblem
 from omni_jax.scores import convert_score_mod, zero_cotangent
+from pallas_kernels import compat
 
 Array = Any
 
@@ -126,7 +127,11 @@ def _masked_attention(query, key, value, mask, segments, sinks, captured, *,
         mask = concrete_mask.value
     block_mask = _effective_mask(mask, _argument_mask(is_causal, window, segments), plan.problem)
     static_mask, traced_mask = _split_by_concreteness(block_mask)
-    return _attention(plan, static_mask, query, key, value, traced_mask, sinks, captured)
+    # Inside a jax.shard_map every operand varies along the same mesh axes, so that the
+    # custom_vjp's cotangents have one type (those of replicated operands get summed).
+    operands = (query, key, value, traced_mask, sinks, captured)
+    operands = compat.vary(operands, compat.varying_axes(operands))
+    return _attention(plan, static_mask, *operands)
 
 
 def _is_traced(tree: Any) -> bool:
@@ -178,7 +183,7 @@ def _argument_mask(is_causal: bool, window: tuple[int, int] | None,
 def _effective_mask(mask: BlockMask | None, structured: MaskMod | None,
                     problem: AttentionProblem) -> BlockMask:
     """One BlockMask for the call: the user's mask AND the argument masks."""
-    with trace_time_eval(_grid(problem)):
+    with trace_time_eval(_grid(problem), mask, structured):
         if mask is not None:
             return mask if structured is None else mask.restrict(structured)
         flags = structured_tile_flags(structured, _grid(problem))

@@ -12,12 +12,49 @@ import functools
 from collections.abc import Hashable, Sequence
 from typing import Any
 
+import jax
 from jax.extend import core as jex_core
+
+from pallas_kernels import compat
 
 
 def evaluate(jaxpr: Any, captured: Sequence[Any], *args: Any) -> Any:
     """The single output of ``jaxpr`` (consts: ``captured``) at ``args``."""
-    return jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(jaxpr, list(captured)))(*args)[0]
+    axes = compat.varying_axes(captured, args)
+    if not axes:
+        return jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(jaxpr, list(captured)))(*args)[0]
+    return _evaluate_varying(jaxpr, list(captured), list(args), axes)[0]
+
+
+def _evaluate_varying(jaxpr: Any, consts: list, args: list, axes: frozenset) -> list:
+    """``jaxpr`` at ``args`` inside a `jax.shard_map`, its operands varying along ``axes``.
+
+    The jaxpr was traced on scalars outside any shard_map, so its equations (and calls:
+    jit, custom_jvp, custom_vjp) were typed without mesh axes: each equation's operands
+    first vary along ``axes`` (as ``jnp`` ops arrange for theirs), and calls are inlined.
+    """
+    env: dict = {}
+
+    def read(var):
+        if isinstance(var, jex_core.Literal):
+            return compat.vary(jax.numpy.asarray(var.val, var.aval.dtype), axes)
+        return env[var]
+
+    env.update(zip(jaxpr.constvars, compat.vary(consts, axes), strict=True))
+    env.update(zip(jaxpr.invars, compat.vary(args, axes), strict=True))
+    for eqn in jaxpr.eqns:
+        operands = compat.vary([read(v) for v in eqn.invars], axes)
+        call = next((eqn.params[name] for name in _CALL_JAXPRS if name in eqn.params), None)
+        if call is not None:
+            outputs = _evaluate_varying(call.jaxpr, list(call.consts), operands, axes)
+        else:
+            outputs = compat.bind_equation(eqn, operands)
+        env.update(zip(eqn.outvars, outputs, strict=True))
+    return [read(v) for v in jaxpr.outvars]
+
+
+# The parameters holding the (closed) jaxpr of a call primitive: jit, custom_jvp/vjp.
+_CALL_JAXPRS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
 
 class ComparedByJaxpr:

@@ -3,5 +3,6 @@
 `triton/` holds the portable Triton-lowered kernels (sm80+), `mosaic/` the
 Mosaic-GPU kernels for Hopper. `runtime` decides whether kernels run compiled
 or in Pallas interpret mode (``OMNI_JAX_PALLAS_INTERPRET=1``), and `compat`
-hides the Pallas API differences between the JAX releases we support.
+hides the JAX API differences (Pallas, `jax.shard_map` types) between the releases
+we support.
 """

@@ -98,7 +98,7 @@ class KernelMask:
 def kernel_mask(mask: BlockMask) -> tuple[KernelMask, MaskLayout]:
     """Kernel inputs and static layout of ``mask``; computed while tracing when ``mask`` is
     concrete (`trace_time_eval`), so that a static mask costs no XLA ops per call."""
-    with trace_time_eval(mask.grid):
+    with trace_time_eval(mask.grid, mask):
         return _kernel_mask(mask)
 
 

@@ -1,4 +1,5 @@
-"""Pallas API differences between the JAX releases we support, wrapped in one place.
+"""JAX API differences between the releases we support, wrapped in one place: Pallas
+(Triton and Mosaic GPU) and the types of arrays inside `jax.shard_map`.
 
 Supported: jax 0.10.x (the CPU machines, where kernels run interpreted) and
 0.11.x (the GPU machines). Kernels import whatever moved between releases from
@@ -91,8 +92,13 @@ def _kernel_output_keyword() -> str:
 
 
 def mosaic_kernel(body: Callable[..., None], out_type: Any, **kwargs: Any) -> Callable:
-    """``plgpu.kernel(body, out_type=...)`` under either keyword."""
-    return _mosaic_module().kernel(body, **{_kernel_output_keyword(): out_type}, **kwargs)
+    """``plgpu.kernel(body, out_type=...)`` under either keyword.
+
+    Inside a `jax.shard_map` its results vary along the operands' mesh axes: jax 0.10's
+    ``plgpu.kernel`` traces with the check of those axes off and types them invariant.
+    """
+    kernel = _mosaic_module().kernel(body, **{_kernel_output_keyword(): out_type}, **kwargs)
+    return lambda *operands: vary(kernel(*operands), varying_axes(operands))
 
 
 def mosaic_kernel_accumulating(body: Callable[..., None], out_type: Any, *,
@@ -396,3 +402,54 @@ def _load_index_argument() -> tuple:
     from the ref alone (passing one is deprecated since)."""
     idx = inspect.signature(_mosaic_module().load).parameters.get("idx")
     return ((),) if idx is not None and idx.default is inspect.Parameter.empty else ()
+
+
+# --------------------------------------------------------------------------- shard_map types
+
+
+def varying_axes(*trees: Any) -> frozenset:
+    """The `jax.shard_map` mesh axes along which some array in ``trees`` varies (none
+    outside a shard_map). Arrays carried this in ``aval.vma`` before
+    ``aval.manual_axis_type.varying``."""
+    import jax
+
+    axes: set = set()
+    for leaf in jax.tree.leaves(trees):
+        if not isinstance(leaf, jax.core.Tracer):  # Concrete values vary along no axis.
+            continue
+        aval = jax.typeof(leaf)
+        manual = getattr(aval, "manual_axis_type", None)
+        axes |= manual.varying if manual is not None else getattr(aval, "vma", frozenset())
+    return frozenset(axes)
+
+
+def vary(tree: Any, axes: frozenset) -> Any:
+    """``tree`` with every array varying along ``axes``: a custom_vjp whose inputs all
+    vary alike returns cotangents of one type, and autodiff sums those of the arrays
+    that were replicated over an axis (the transpose of this cast)."""
+    import jax
+    from jax import lax
+
+    def one(x):
+        missing = tuple(axes - varying_axes(x))
+        if not missing:
+            return x
+        if hasattr(lax, "pcast"):
+            return lax.pcast(x, missing, to="varying")
+        return lax.pvary(x, missing)
+
+    return jax.tree.map(one, tree) if axes else tree
+
+
+def result_type(shape: Sequence[int], dtype: Any, axes: frozenset) -> Any:
+    """``jax.ShapeDtypeStruct(shape, dtype)`` of a kernel's result that varies along the
+    shard_map axes ``axes``: ``pallas_call`` and ``ffi_call`` ask for it inside a
+    shard_map (``vma=`` before ``manual_axis_type=``)."""
+    import jax
+
+    if not axes:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    if "manual_axis_type" in inspect.signature(jax.ShapeDtypeStruct).parameters:
+        manual = jax.sharding.ManualAxisType(varying=frozenset(axes))
+        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=manual)
+    return jax.ShapeDtypeStruct(shape, dtype, vma=frozenset(axes))

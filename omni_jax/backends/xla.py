@@ -24,6 +24,7 @@ from omni_jax.backends.base import AttentionBackend
 from omni_jax.masks import COMPUTED, PARTIAL, BlockMask
 from omni_jax.problem import AttentionProblem
 from omni_jax.scores import transform_scores, zero_cotangent
+from pallas_kernels import compat
 
 Array = Any
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -173,6 +174,7 @@ def attention_forward(problem: AttentionProblem, q: Array, k: Array, v: Array,
     rows = q_blocks.shape[:4]
     init = (jnp.full(rows, -jnp.inf, dtype), jnp.zeros(rows, dtype),
             jnp.zeros((*rows, problem.head_dim_v), dtype))
+    init = compat.vary(init, compat.varying_axes(q, k, v, mask, captured))  # In shard_map.
     row_max, row_sum, acc = jax.lax.fori_loop(0, walk.num_blocks.max(), step, init)
     lse = _log_normalizer(row_max, row_sum, sinks)
     seen = row_sum > 0
@@ -224,6 +226,7 @@ def attention_backward(problem: AttentionProblem, q: Array, k: Array, v: Array,
     init = (jnp.zeros(q_blocks.shape, dtype), jnp.zeros((*kv_shape, problem.head_dim), dtype),
             jnp.zeros((*kv_shape, problem.head_dim_v), dtype),
             tuple(jnp.zeros(c.shape, dtype) for c in float_captured))
+    init = compat.vary(init, compat.varying_axes(q, k, v, mask, captured, dout, dlse))
     dq, dk, dv, dfloat = jax.lax.fori_loop(0, walk.num_blocks.max(), step, init)
 
     def sum_groups(x):  # Per-q-head dK/dV summed into their kv head.

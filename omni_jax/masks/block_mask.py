@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from omni_jax.masks.mask_mods import And, BlockGrid, MaskMod, has_contiguous_full_tiles
+from pallas_kernels import compat
 
 Array = Any
 
@@ -66,13 +67,15 @@ def _compact(dense_flags: Array, dense_partial_ids: Array):
 _TRACE_TIME_TILES = 1 << 16
 
 
-def trace_time_eval(grid: Any) -> contextlib.AbstractContextManager:
+def trace_time_eval(grid: Any, *inputs: Any) -> contextlib.AbstractContextManager:
     """Evaluates mask construction for ``grid`` (a `BlockGrid`, or anything else with
     ``num_q_blocks`` and ``num_kv_blocks``) eagerly where its inputs are not traced.
 
-    Only for array code on masks: kernel bodies traced inside it would be evaluated
-    eagerly too."""
-    if grid.num_q_blocks * grid.num_kv_blocks <= _TRACE_TIME_TILES:
+    ``inputs`` (pytrees) are the arrays it reads: where one varies along a `jax.shard_map`
+    axis nothing is eager, as JAX cannot mix eager constants with such arrays. Only for
+    array code on masks: kernel bodies traced inside it would be evaluated eagerly too."""
+    if (grid.num_q_blocks * grid.num_kv_blocks <= _TRACE_TIME_TILES
+            and not compat.varying_axes(inputs)):
         return jax.ensure_compile_time_eval()
     return contextlib.nullcontext()
 

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from omni_jax.matmul import implementations
 from omni_jax.matmul import validation as check
+from pallas_kernels import compat
 from pallas_kernels.matmul_common import ACTIVATIONS, problem_of
 
 # Bias dtypes every GEMM kernel reads as given (widening in its epilogue); others are
@@ -90,7 +91,10 @@ def matmul(
     problem = spec.problem(a, b, scale, bias)
     spec = dataclasses.replace(spec, implementation=implementations.choose(implementation, problem),
                                trace_state=implementations.trace_state())
-    return _differentiable(spec)(a, b, scale, bias)
+    # Inside a jax.shard_map the custom_vjp's operands vary alike: autodiff then sums the
+    # gradients of replicated ones (weights) over the devices.
+    operands = (a, b, scale, bias)
+    return _differentiable(spec)(*compat.vary(operands, compat.varying_axes(operands)))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,7 @@ import jax
 from omni_jax import ffi
 from omni_jax.sparse_mla import kernel, xla
 from omni_jax.sparse_mla.validation import ProblemShape, validate
+from pallas_kernels import compat
 
 
 @dataclass(frozen=True)
@@ -144,4 +145,6 @@ def sparse_mla_prefill(
         return_scores=return_scores,
         use_kernel=_use_kernel(implementation, shape, q.dtype),
     )
+    # Inside a jax.shard_map the custom_vjp's operands vary alike (see omni_jax.attention).
+    q, kv, indices = compat.vary((q, kv, indices), compat.varying_axes(q, kv, indices))
     return _jitted_prefill(q, kv, indices, config)

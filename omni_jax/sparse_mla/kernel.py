@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from omni_jax.sparse_mla.validation import ProblemShape
+from pallas_kernels import compat
 
 KERNEL_D_QK = 576
 KERNEL_D_V = 512
@@ -48,13 +49,14 @@ def forward(
     """(out, max_logits, lse[, scores]) from the CUDA kernel; the library must be registered."""
     s_q, h_q, _ = q.shape
     topk = indices.shape[-1]
+    axes = compat.varying_axes(q, kv, indices)  # Inside a jax.shard_map.
     out_types = [
-        jax.ShapeDtypeStruct((s_q, h_q, KERNEL_D_V), q.dtype),
-        jax.ShapeDtypeStruct((s_q, h_q), jnp.float32),
-        jax.ShapeDtypeStruct((s_q, h_q), jnp.float32),
+        compat.result_type((s_q, h_q, KERNEL_D_V), q.dtype, axes),
+        compat.result_type((s_q, h_q), jnp.float32, axes),
+        compat.result_type((s_q, h_q), jnp.float32, axes),
     ]
     if return_scores:
-        out_types.append(jax.ShapeDtypeStruct((s_q, h_q, topk), jnp.float32))
+        out_types.append(compat.result_type((s_q, h_q, topk), jnp.float32, axes))
     call = jax.ffi.ffi_call(
         SCORES_TARGET_NAME if return_scores else TARGET_NAME,
         out_types,

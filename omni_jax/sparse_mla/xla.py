@@ -20,6 +20,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import compat
+
 TOPK_BLOCK = 64
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -96,6 +98,7 @@ def forward(
         jnp.zeros((s_q, h_q), jnp.float32),
         jnp.zeros((s_q, h_q, d_v), jnp.float32),
     )
+    init = compat.vary(init, compat.varying_axes(q, kv, indices))  # In a jax.shard_map.
     (max_logits, row_sum, acc), block_scores = jax.lax.scan(step, init, (blocks, valid))
 
     has_valid = row_sum > 0
@@ -170,5 +173,6 @@ def backward(
         return (dq, dkv), None
 
     init = (jnp.zeros((s_q, h_q, d_qk), jnp.float32), jnp.zeros((s_kv, d_qk), jnp.float32))
+    init = compat.vary(init, compat.varying_axes(q, kv, indices, d_out, d_lse, d_scores))
     (dq, dkv), _ = jax.lax.scan(step, init, (blocks, valid, d_scores_blocks))
     return dq.astype(q.dtype), dkv.astype(kv.dtype)

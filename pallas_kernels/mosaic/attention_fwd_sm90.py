@@ -53,7 +53,6 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -633,7 +632,7 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
     # TMA boxes into 8-row-tiled smem need sequence lengths that are multiples of 8;
     # padded keys lie past kv_len, in the ragged (COMPUTED, hence masked) last block.
     q, k, v = common.pad_sequence(q), common.pad_sequence(k), common.pad_sequence(v)
-    with trace_time_eval(layout):  # constants when the mask is concrete
+    with trace_time_eval(layout, kmask):  # constants when the mask is concrete
         walk = common.packed_walk(kmask, "kv")
         q_leaves, kv_leaves, leaf_slots = common.stacked_leaves(kmask, layout, batch)
         partial_tiles = kmask.partial_masks.astype(jnp.int8)
@@ -653,8 +652,9 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
         operands.append(partial_tiles)
     operands += [x for x in (q_leaves, kv_leaves, packed_captured) if x is not None]
     q_padded = layout.padded_q_len
-    out_type = (jax.ShapeDtypeStruct((batch, q.shape[1], num_q_heads, dim_v), q.dtype),
-                jax.ShapeDtypeStruct((batch, num_q_heads, q_padded), jnp.float32))
+    axes = compat.varying_axes(operands)  # Inside a jax.shard_map.
+    out_type = (compat.result_type((batch, q.shape[1], num_q_heads, dim_v), q.dtype, axes),
+                compat.result_type((batch, num_q_heads, q_padded), jnp.float32, axes))
     out, lse = compat.mosaic_kernel(
         functools.partial(_kernel, statics), out_type,
         scratch_types=_scratch(statics),

@@ -21,7 +21,6 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -181,14 +180,15 @@ def attention_backward(q: Array, k: Array, v: Array, mask: KernelMask, layout: M
     # Programs for the tiles that hold a row; the last ones' output blocks overhang the
     # arrays (rows past the length, columns past the head dim are not written).
     tkv = dkdv_spec.tile_kv
+    axes = compat.varying_axes(flat)  # Inside a jax.shard_map.
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, treedef=treedef, spec=dkdv_spec, group=group),
         grid=(pl.cdiv(kv_len, tkv), num_kv_heads, batch),
         in_specs=tiles.whole_array_specs(flat),
         out_specs=[pl.BlockSpec((None, tkv, None, dim), lambda i, h, b: (b, i, h, 0)),
                    pl.BlockSpec((None, tkv, None, dim_v), lambda i, h, b: (b, i, h, 0))],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
-                   jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        out_shape=[compat.result_type(k.shape, k.dtype, axes),
+                   compat.result_type(v.shape, v.dtype, axes)],
         compiler_params=params, interpret=interpret, name="omni_attention_dkdv",
     )(*flat)
     tq = dq_spec.tile_q
@@ -197,7 +197,7 @@ def attention_backward(q: Array, k: Array, v: Array, mask: KernelMask, layout: M
         grid=(pl.cdiv(q_len, tq), num_heads, batch),
         in_specs=tiles.whole_array_specs(flat),
         out_specs=pl.BlockSpec((None, tq, None, dim), lambda i, h, b: (b, i, h, 0)),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_shape=compat.result_type(q.shape, q.dtype, axes),
         compiler_params=params, interpret=interpret, name="omni_attention_dq",
     )(*flat)
     return dq, dk, dv, delta

@@ -21,7 +21,6 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -144,6 +143,7 @@ def attention_forward(q: Array, k: Array, v: Array, mask: KernelMask, layout: Ma
     kernel = functools.partial(_forward_kernel, treedef=treedef, spec=spec,
                                num_q_tiles=num_q_tiles, group=num_heads // num_kv_heads,
                                has_sinks=sinks is not None)
+    axes = compat.varying_axes(flat)  # Inside a jax.shard_map.
     out, lse = pl.pallas_call(
         kernel,
         grid=(num_q_tiles, num_heads, batch),
@@ -152,8 +152,8 @@ def attention_forward(q: Array, k: Array, v: Array, mask: KernelMask, layout: Ma
             pl.BlockSpec((None, spec.tile_q, None, dim_v), lambda i, h, b: (b, last - i, h, 0)),
             pl.BlockSpec((None, None, spec.tile_q), lambda i, h, b: (b, h, last - i)),
         ],
-        out_shape=[jax.ShapeDtypeStruct((batch, q_len, num_heads, head_dim_v), q.dtype),
-                   jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32)],
+        out_shape=[compat.result_type((batch, q_len, num_heads, head_dim_v), q.dtype, axes),
+                   compat.result_type((batch, num_heads, q_len), jnp.float32, axes)],
         compiler_params=compat.triton_compiler_params(num_warps=config.num_warps,
                                                       num_stages=config.num_stages),
         interpret=interpret,

@@ -178,7 +178,8 @@ def matmul(
     tiles = pl.cdiv(p.m, config.block_m) * pl.cdiv(p.n, config.block_n)
     out = pl.pallas_call(
         functools.partial(_kernel, p=p, config=config),
-        out_shape=jax.ShapeDtypeStruct((p.batch, p.m, p.n), out_dtype),
+        out_shape=compat.result_type((p.batch, p.m, p.n), out_dtype,
+                                     compat.varying_axes(operands)),
         grid=(tiles, p.batch),
         compiler_params=compat.triton_compiler_params(
             num_warps=config.num_warps, num_stages=config.num_stages

@@ -214,7 +214,7 @@ def mask_operands(mask: KernelMask, layout: MaskLayout, *, q_walk: bool, kv_walk
     """The walks a kernel takes, each packed into one array (`block_sparse.packed_walk`),
     and the stored tiles only when ``partial_tiles``; computed while tracing when the
     mask is concrete, so that a static mask reaches the kernels as constants."""
-    with trace_time_eval(layout):
+    with trace_time_eval(layout, mask):
         return MaskOperands(
             q_walk=packed_walk(mask, "q") if q_walk else None,
             kv_walk=packed_walk(mask, "kv") if kv_walk else None,

@@ -1,0 +1,156 @@
+"""The public ops inside `jax.shard_map`, with its default check of varying mesh axes.
+
+Inside a shard_map JAX types every array by the mesh axes along which it varies: kernel
+results and loop carries must vary like the operands, and the gradients of replicated
+operands (weights, sinks, the shared MLA latent) are summed over the devices. The
+portable implementations run on two CPU devices here; the kernels are traced (JAX's
+Pallas interpreters do not run under a shard_map's axis check) and run on a GPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import omni_jax
+from pallas_kernels import runtime
+from tests.reference import relative_error
+
+KERNELS = ("triton", "mosaic")
+
+
+def _mesh(size: int = 2) -> jax.sharding.Mesh:
+    if len(jax.devices()) < size:
+        pytest.skip(f"needs {size} devices (tests/conftest.py asks XLA for two host devices)")
+    return jax.make_mesh((size,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:size])
+
+
+def _sharded(fn, mesh, in_specs, out_specs):
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+
+
+def _attention_grad(implementation: str, is_causal: bool = True):
+    """(out, d q/k/v/sinks) of a loss on attention with ALiBi and sinks (and segment ids
+    when given)."""
+    slopes = jnp.asarray([0.5, 0.25], jnp.float32)  # captured: replicated
+
+    def loss(q, k, v, sinks, *ids):
+        out = omni_jax.attention(
+            q, k, v, is_causal=is_causal, sinks=sinks, implementation=implementation,
+            q_segment_ids=ids[0] if ids else None,
+            score_mod=lambda s, b, h, i, j: s - slopes[h] * (i - j))
+        return (out.astype(jnp.float32) ** 2).sum(), out
+
+    def grad(*args):
+        (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(*args)
+        return out, grads
+
+    return grad
+
+
+def _attention_inputs(rng, dtype, batch=4, seq=40, heads=2, head_dim=16):
+    q, k, v = (jnp.asarray(rng.standard_normal((batch, seq, heads, head_dim)), dtype)
+               for _ in range(3))
+    sinks = jnp.asarray(rng.standard_normal(heads), jnp.float32)
+    ids = jnp.asarray(np.sort(rng.integers(0, 3, (batch, seq)), axis=1), jnp.int32)
+    return q, k, v, sinks, ids
+
+
+def test_attention_matches_unsharded(seed):
+    mesh = _mesh()
+    args = _attention_inputs(np.random.default_rng(seed), jnp.float32)
+    grad = _attention_grad("xla")
+    batch = P("data")
+    sharded = _sharded(grad, mesh, (batch, batch, batch, P(), batch),
+                       (batch, (batch, batch, batch, P())))
+    out, grads = sharded(*args)
+    out_ref, grads_ref = jax.jit(grad)(*args)
+    for got, want in zip((out, *grads), (out_ref, *grads_ref), strict=True):
+        assert relative_error(got, want) < 1e-5
+
+
+def test_matmul_matches_unsharded(seed):
+    mesh = _mesh()
+    rng = np.random.default_rng(seed)
+    a = jnp.asarray(rng.standard_normal((64, 48)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((48, 40)), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(40), jnp.float32)
+
+    def grad(a, w, bias):  # rows of `a` sharded; the weight and bias replicated
+        loss = lambda *x: (omni_jax.matmul(*x[:2], bias=x[2], activation="gelu",
+                                           implementation="xla") ** 2).sum()
+        return jax.grad(loss, argnums=(0, 1, 2))(a, w, bias)
+
+    got = _sharded(grad, mesh, (P("data"), P(), P()), (P("data"), P(), P()))(a, w, bias)
+    for g, want in zip(got, jax.jit(grad)(a, w, bias), strict=True):
+        assert relative_error(g, want) < 1e-5
+
+
+def test_sparse_mla_matches_unsharded(seed):
+    mesh = _mesh()
+    rng = np.random.default_rng(seed)
+    s_q, s_kv, heads, d_qk, d_v, topk = 8, 24, 4, 32, 16, 8
+    q = jnp.asarray(rng.standard_normal((s_q, heads, d_qk)), jnp.float32)
+    kv = jnp.asarray(rng.standard_normal((s_kv, 1, d_qk)), jnp.float32)
+    indices = jnp.asarray(rng.integers(-2, s_kv + 2, (s_q, 1, topk)), jnp.int32)
+
+    def grad(q, kv, indices):  # query rows sharded; the latent kv replicated
+        def loss(q, kv):
+            out, _, lse, scores = omni_jax.sparse_mla_prefill(
+                q, kv, indices, sm_scale=0.2, d_v=d_v, return_scores=True,
+                implementation="xla")
+            finite = jnp.where(jnp.isfinite(scores), scores, 0.0)
+            return (out ** 2).sum() + jnp.where(jnp.isfinite(lse), lse, 0.0).sum() + finite.sum()
+        return jax.grad(loss, argnums=(0, 1))(q, kv)
+
+    got = _sharded(grad, mesh, (P("data"), P(), P("data")), (P("data"), P()))(q, kv, indices)
+    for g, want in zip(got, jax.jit(grad)(q, kv, indices), strict=True):
+        assert relative_error(g, want) < 1e-5
+
+
+@pytest.mark.parametrize("head_dim", [64, 128], ids=["d64", "d128"])
+@pytest.mark.parametrize("implementation", KERNELS)
+def test_kernels_trace_under_shard_map(implementation, head_dim, monkeypatch):
+    """Forward and backward kernels (the Mosaic backward of a dense d128 mask fuses dQ
+    into a float32 sum) and the GEMMs type-check: results vary like their operands."""
+    if jax.default_backend() != "gpu":
+        monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
+    mesh = _mesh()
+    batch = P("data")
+    q = jax.ShapeDtypeStruct((4, 256, 2, head_dim), jnp.bfloat16)
+    sinks = jax.ShapeDtypeStruct((2,), jnp.float32)
+    ids = jax.ShapeDtypeStruct((4, 256), jnp.int32)  # a traced mask, varying with the batch
+    for is_causal, args in ((False, (q, q, q, sinks)), (True, (q, q, q, sinks, ids))):
+        specs = (batch, batch, batch, P(), batch)[:len(args)]
+        _sharded(_attention_grad(implementation, is_causal), mesh, specs,
+                 (batch, (batch, batch, batch, P()))).trace(*args)
+
+    def matmul_grad(a, w):
+        loss = lambda a, w: omni_jax.matmul(a, w, implementation=implementation).sum()
+        return jax.grad(loss, argnums=(0, 1))(a, w)
+
+    a = jax.ShapeDtypeStruct((256, 128), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((128, 256), jnp.bfloat16)
+    _sharded(matmul_grad, mesh, (batch, P()), (batch, P())).trace(a, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("implementation", KERNELS)
+def test_kernels_under_shard_map_on_gpu(implementation, seed):
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a CUDA GPU")
+    if implementation == "mosaic" and not runtime.can_run_mosaic_hopper():
+        pytest.skip("needs an sm90 GPU")
+    mesh = _mesh(1)
+    args = _attention_inputs(np.random.default_rng(seed), jnp.bfloat16, seq=300, head_dim=64)
+    grad = _attention_grad(implementation)
+    batch = P("data")
+    out, grads = _sharded(grad, mesh, (batch, batch, batch, P(), batch),
+                          (batch, (batch, batch, batch, P())))(*args)
+    out_ref, grads_ref = jax.jit(grad)(*args)
+    for got, want in zip((out, *grads), (out_ref, *grads_ref), strict=True):
+        assert relative_error(got, want) < 1e-6  # the same kernels on the same data
