@@ -29,8 +29,8 @@ def evaluate(jaxpr: Any, captured: Sequence[Any], *args: Any) -> Any:
 def _evaluate_varying(jaxpr: Any, consts: list, args: list, axes: frozenset) -> list:
     """``jaxpr`` at ``args`` inside a `jax.shard_map`, its operands varying along ``axes``.
 
-    The jaxpr was traced on scalars outside any shard_map, so its equations (and calls:
-    jit, custom_jvp, custom_vjp) were typed without mesh axes: each equation's operands
+    The jaxpr was traced on scalars, so its equations (and calls: jit, custom_jvp,
+    custom_vjp) were typed without the operands' mesh axes: each equation's operands
     first vary along ``axes`` (as ``jnp`` ops arrange for theirs), and calls are inlined.
     """
     env: dict = {}
@@ -45,7 +45,9 @@ def _evaluate_varying(jaxpr: Any, consts: list, args: list, axes: frozenset) -> 
     for eqn in jaxpr.eqns:
         operands = compat.vary([read(v) for v in eqn.invars], axes)
         call = next((eqn.params[name] for name in _CALL_JAXPRS if name in eqn.params), None)
-        if call is not None:
+        if eqn.primitive.name in _VARYING_CASTS:  # Traced inside the shard_map: done above.
+            outputs = operands
+        elif call is not None:
             outputs = _evaluate_varying(call.jaxpr, list(call.consts), operands, axes)
         else:
             outputs = compat.bind_equation(eqn, operands)
@@ -55,6 +57,8 @@ def _evaluate_varying(jaxpr: Any, consts: list, args: list, axes: frozenset) -> 
 
 # The parameters holding the (closed) jaxpr of a call primitive: jit, custom_jvp/vjp.
 _CALL_JAXPRS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+# Casts to varying that ``jnp`` records when the function is traced inside a shard_map.
+_VARYING_CASTS = ("pvary", "pcast")
 
 
 class ComparedByJaxpr:

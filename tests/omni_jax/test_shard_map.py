@@ -73,6 +73,29 @@ def test_attention_matches_unsharded(seed):
         assert relative_error(got, want) < 1e-5
 
 
+def test_attention_over_heads_with_a_sharded_capture(seed):
+    """Heads sharded, GQA: each device gets its kv heads' q heads, sinks and the ALiBi
+    slopes of its heads (a score_mod sees head indices within the shard)."""
+    mesh = _mesh()
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((2, 40, 4, 16)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((2, 40, 2, 16)), jnp.float32) for _ in range(2))
+    sinks, slopes = (jnp.asarray(rng.uniform(0.1, 1.0, 4), jnp.float32) for _ in range(2))
+
+    def grad(q, k, v, sinks, slopes):
+        def loss(q, k, v, sinks, slopes):
+            out = omni_jax.attention(q, k, v, is_causal=True, sinks=sinks, implementation="xla",
+                                     score_mod=lambda s, b, h, i, j: s - slopes[h] * (i - j))
+            return (out ** 2).sum()
+        return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, sinks, slopes)
+
+    heads = P(None, None, "data")
+    specs = (heads, heads, heads, P("data"), P("data"))
+    got = _sharded(grad, mesh, specs, specs)(q, k, v, sinks, slopes)
+    for g, want in zip(got, jax.jit(grad)(q, k, v, sinks, slopes), strict=True):
+        assert relative_error(g, want) < 1e-5
+
+
 def test_matmul_matches_unsharded(seed):
     mesh = _mesh()
     rng = np.random.default_rng(seed)
