@@ -96,6 +96,28 @@ def test_attention_over_heads_with_a_sharded_capture(seed):
         assert relative_error(g, want) < 1e-5
 
 
+def test_score_mod_with_jitted_and_custom_jvp_functions(seed):
+    """A score_mod's jaxpr holds calls (``jnp.where`` is jitted) and custom_jvp functions
+    (relu, softplus): evaluated on varying operands, with a replicated capture."""
+    mesh = _mesh()
+    rng = np.random.default_rng(seed)
+    q, k, v = (jnp.asarray(rng.standard_normal((4, 32, 2, 16)), jnp.float32) for _ in range(3))
+    bias = jnp.asarray(rng.standard_normal(2), jnp.float32)
+
+    def loss(q, k, v, bias):
+        def score_mod(s, b, h, i, j):
+            return jnp.where(i >= j, jax.nn.softplus(s) + jax.nn.relu(s) * bias[h], s / 2)
+        return (omni_jax.attention(q, k, v, score_mod=score_mod, implementation="xla") ** 2).sum()
+
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3))
+
+    batch = P("data")
+    specs = (batch, batch, batch, P())
+    got = _sharded(grad, mesh, specs, specs)(q, k, v, bias)
+    for g, want in zip(got, jax.jit(grad)(q, k, v, bias), strict=True):
+        assert relative_error(g, want) < 1e-5
+
+
 def test_matmul_matches_unsharded(seed):
     mesh = _mesh()
     rng = np.random.default_rng(seed)
