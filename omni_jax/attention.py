@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from omni_jax import validation
+from omni_jax import explicit_sharding, validation
 from omni_jax.backends import AttentionPlan, plan_attention
 from omni_jax.masks import BlockGrid, BlockMask
 from omni_jax.masks.block_mask import trace_time_eval
@@ -109,9 +109,18 @@ def attention(query: Array, key: Array, value: Array, *, mask: BlockMask | None 
     # A concrete BlockMask stays concrete inside the jit (a static argument, compared by
     # value), so that the kernels still get its walks as constants.
     concrete_mask = None if mask is None or _is_traced(mask) else _ByValue(mask)
-    out, lse = _masked_attention(
-        query, key, value, None if concrete_mask else mask, segments, sinks, tuple(captured),
-        plan=plan, structure=(is_causal, window, concrete_mask), trace_keys=trace_keys)
+    call = functools.partial(_masked_attention, plan=plan,
+                             structure=(is_causal, window, concrete_mask), trace_keys=trace_keys)
+    operands = (query, key, value, None if concrete_mask else mask, segments, sinks,
+                tuple(captured))
+    if explicit_sharding.any_sharded(operands):
+        # out is laid out as query ([B, Sq, H, D]), lse as [B, H, Sq].
+        batch_, rows, heads, _ = explicit_sharding.dims(explicit_sharding.spec_of(query), 4)
+        out_specs = (explicit_sharding.unique((batch_, rows, heads, None)),
+                     explicit_sharding.unique((batch_, heads, rows)))
+        out, lse = explicit_sharding.run_with_auto_axes(call, out_specs, *operands)
+    else:
+        out, lse = call(*operands)
     return (out, lse) if return_lse else out
 
 

@@ -21,6 +21,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from omni_jax.traced_functions import ComparedByJaxpr, evaluate
+from pallas_kernels import compat
 
 Array = Any
 
@@ -55,7 +56,8 @@ def convert_score_mod(score_mod: Callable) -> tuple[ConvertedScoreMod, list[Arra
     index = jax.ShapeDtypeStruct((), jnp.int32)
     example = (jax.ShapeDtypeStruct((), jnp.float32), index, index, index, index)
     try:
-        closed = jax.make_jaxpr(score_mod)(*example)
+        with compat.without_explicit_mesh():
+            closed = jax.make_jaxpr(score_mod)(*example)
     except Exception as error:  # noqa: BLE001 - reported with context below
         raise TypeError(f"score_mod failed when called as score_mod(score, batch_idx, head_idx, "
                         f"q_idx, kv_idx) on scalars: {error}") from error

@@ -453,3 +453,18 @@ def result_type(shape: Sequence[int], dtype: Any, axes: frozenset) -> Any:
         manual = jax.sharding.ManualAxisType(varying=frozenset(axes))
         return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=manual)
     return jax.ShapeDtypeStruct(shape, dtype, vma=frozenset(axes))
+
+
+def without_explicit_mesh() -> Any:
+    """A context for tracing a user's function on scalars (score_mod, mask_mod) whose jaxpr
+    is evaluated elsewhere: under a mesh with Explicit axes (`jax.set_mesh`) the trace
+    would bind that mesh into every aval, and evaluating it where those axes are Auto
+    (`jax.sharding.auto_axes`) fails; traced without a mesh it runs in either."""
+    import contextlib
+
+    import jax
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if not getattr(mesh, "explicit_axes", ()):
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))

@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from omni_jax import explicit_sharding
 from omni_jax.matmul import implementations
 from omni_jax.matmul import validation as check
 from pallas_kernels import compat
@@ -94,7 +95,14 @@ def matmul(
     # Inside a jax.shard_map the custom_vjp's operands vary alike: autodiff then sums the
     # gradients of replicated ones (weights) over the devices.
     operands = (a, b, scale, bias)
-    return _differentiable(spec)(*compat.vary(operands, compat.varying_axes(operands)))
+    call = lambda *x: _differentiable(spec)(*compat.vary(x, compat.varying_axes(x)))
+    if not explicit_sharding.any_sharded(operands):
+        return call(*operands)
+    a_rows, a_cols = explicit_sharding.dims(explicit_sharding.spec_of(a), 2)
+    b_rows, b_cols = explicit_sharding.dims(explicit_sharding.spec_of(b), 2)
+    rows, cols = (a_cols if transpose_a else a_rows), (b_rows if transpose_b else b_cols)
+    return explicit_sharding.run_with_auto_axes(
+        call, explicit_sharding.unique((rows, cols)), *operands)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import jax
 
-from omni_jax import ffi
+from omni_jax import explicit_sharding, ffi
 from omni_jax.sparse_mla import kernel, xla
 from omni_jax.sparse_mla.validation import ProblemShape, validate
 from pallas_kernels import compat
@@ -147,4 +147,11 @@ def sparse_mla_prefill(
     )
     # Inside a jax.shard_map the custom_vjp's operands vary alike (see omni_jax.attention).
     q, kv, indices = compat.vary((q, kv, indices), compat.varying_axes(q, kv, indices))
-    return _jitted_prefill(q, kv, indices, config)
+    if not explicit_sharding.any_sharded(q, kv, indices):
+        return _jitted_prefill(q, kv, indices, config)
+    rows, heads, _ = explicit_sharding.dims(explicit_sharding.spec_of(q), 3)
+    per_row = explicit_sharding.unique((rows, heads))
+    per_feature = explicit_sharding.unique((rows, heads, None))
+    out_specs = (per_feature, per_row, per_row, *((per_feature,) if return_scores else ()))
+    return explicit_sharding.run_with_auto_axes(
+        lambda *x: _jitted_prefill(*x, config), out_specs, q, kv, indices)

@@ -1,0 +1,60 @@
+"""The ops on arrays sharded along Explicit mesh axes (`jax.sharding.AxisType.Explicit`).
+
+In explicit sharding mode every array's `PartitionSpec` is part of its type, and each
+operation must resolve its output's (a gather or a contraction over a sharded axis
+raises `ShardingTypeError` otherwise). The ops run with those axes turned Auto
+(`jax.sharding.auto_axes`), as under a plain jit with sharded inputs, and give their
+results the sharding the inputs imply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import PartitionSpec
+
+Array = Any
+
+
+def spec_of(x: Array) -> PartitionSpec | None:
+    """``x``'s PartitionSpec when ``x`` is sharded along an Explicit mesh axis, else None
+    (replicated, Auto axes, or no mesh: nothing to resolve)."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    explicit = set(getattr(getattr(sharding, "mesh", None), "explicit_axes", ()))
+    spec = getattr(sharding, "spec", None)
+    named = lambda entry: set(entry if isinstance(entry, tuple) else (entry,))
+    if spec is None or not any(named(entry) & explicit for entry in spec):
+        return None
+    return spec
+
+
+def any_sharded(*arrays: Array) -> bool:
+    return any(spec_of(x) is not None for x in jax.tree.leaves(arrays))
+
+
+def dims(spec: PartitionSpec | None, ndim: int) -> tuple:
+    """The spec's entry per dimension (None where unsharded or ``spec`` is None)."""
+    entries = tuple(spec) if spec is not None else ()
+    return (*entries, *(None,) * (ndim - len(entries)))
+
+
+def unique(entries: Sequence) -> PartitionSpec:
+    """A PartitionSpec of ``entries`` with each mesh axis used once (its first use)."""
+    seen: set = set()
+    result = []
+    for entry in entries:
+        names = entry if isinstance(entry, tuple) else (entry,)
+        if entry is None or seen & set(names):
+            result.append(None)
+            continue
+        seen |= set(names)
+        result.append(entry)
+    return PartitionSpec(*result)
+
+
+def run_with_auto_axes(fn: Callable, out_specs: Any, *args: Any) -> Any:
+    """``fn(*args)`` with the Explicit mesh axes Auto inside; results sharded as
+    ``out_specs`` (a pytree of PartitionSpecs matching the results)."""
+    return jax.sharding.auto_axes(fn, out_sharding=out_specs)(*args)

@@ -1,0 +1,125 @@
+"""The public ops on arrays sharded along Explicit mesh axes (sharding in types).
+
+Without `omni_jax.explicit_sharding` their gathers and backward contractions raise
+`ShardingTypeError`; now they run as under a plain jit and give their results the
+sharding the inputs imply.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import omni_jax
+from omni_jax import explicit_sharding
+from pallas_kernels import runtime
+from tests.reference import relative_error
+
+
+@pytest.fixture
+def mesh():
+    if len(jax.devices()) < 2:
+        pytest.skip("needs two devices (tests/conftest.py asks XLA for two host devices)")
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,),
+                         devices=jax.devices()[:2])
+    with jax.set_mesh(mesh):
+        yield mesh
+
+
+def _check(fn, args, specs, want_specs):
+    """``fn`` on ``args`` placed by ``specs`` matches ``fn`` on unsharded ``args``, and its
+    results are sharded as ``want_specs``."""
+    sharded = [jax.device_put(x, spec) for x, spec in zip(args, specs, strict=True)]
+    got = jax.jit(fn)(*sharded)
+    want = jax.jit(fn)(*args)
+    for g, w, spec in zip(got, want, want_specs, strict=True):
+        assert relative_error(g, w) < 1e-5
+        assert jax.typeof(g).sharding.spec == spec
+
+
+def _attention_grad(implementation="xla"):
+    def loss(q, k, v, sinks, ids):
+        out = omni_jax.attention(q, k, v, is_causal=True, sinks=sinks, q_segment_ids=ids,
+                                 score_mod=lambda s, b, h, i, j: s - 0.1 * h * (i - j),
+                                 implementation=implementation)
+        return (out.astype(jnp.float32) ** 2).sum(), out
+
+    def grad(*args):
+        (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(*args)
+        return out, *grads
+
+    return grad
+
+
+def test_attention(mesh, seed):
+    rng = np.random.default_rng(seed)
+    q, k, v = (jnp.asarray(rng.standard_normal((4, 40, 2, 16)), jnp.float32) for _ in range(3))
+    sinks = jnp.asarray(rng.standard_normal(2), jnp.float32)
+    ids = jnp.asarray(np.sort(rng.integers(0, 3, (4, 40)), axis=1), jnp.int32)
+    batch = P("data")
+    _check(_attention_grad(), (q, k, v, sinks, ids), (batch, batch, batch, P(), batch),
+           (P("data", None, None, None),) * 4 + (P(None),))
+
+
+def test_attention_lse_follows_query(mesh, seed):
+    rng = np.random.default_rng(seed)
+    q = jax.device_put(jnp.asarray(rng.standard_normal((2, 32, 4, 8)), jnp.float32),
+                       P(None, None, "data"))  # heads sharded
+    out, lse = jax.jit(lambda q: omni_jax.attention(q, q, q, return_lse=True,
+                                                    implementation="xla"))(q)
+    assert jax.typeof(out).sharding.spec == P(None, None, "data", None)
+    assert jax.typeof(lse).sharding.spec == P(None, "data", None)
+
+
+def test_matmul(mesh, seed):
+    rng = np.random.default_rng(seed)
+    a = jnp.asarray(rng.standard_normal((64, 48)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((48, 40)), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(40), jnp.float32)
+
+    def grad(a, w, bias):  # the backward contracts over the sharded rows
+        loss = lambda *x: (omni_jax.matmul(*x[:2], bias=x[2], activation="gelu",
+                                           implementation="xla") ** 2).sum()
+        return jax.grad(loss, argnums=(0, 1, 2))(a, w, bias)
+
+    _check(grad, (a, w, bias), (P("data"), P(), P()),
+           (P("data", None), P(None, None), P(None)))
+
+
+def test_sparse_mla(mesh, seed):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((8, 4, 32)), jnp.float32)
+    kv = jnp.asarray(rng.standard_normal((24, 1, 32)), jnp.float32)
+    indices = jnp.asarray(rng.integers(-2, 26, (8, 1, 8)), jnp.int32)
+
+    def fn(q, kv, indices):
+        out, _, lse, scores = omni_jax.sparse_mla_prefill(
+            q, kv, indices, sm_scale=0.2, d_v=16, return_scores=True, implementation="xla")
+        d_q = jax.grad(lambda q: (omni_jax.sparse_mla_prefill(
+            q, kv, indices, sm_scale=0.2, d_v=16, implementation="xla")[0] ** 2).sum())(q)
+        finite = lambda x: jnp.where(jnp.isfinite(x), x, 0.0)
+        return out, finite(lse), finite(scores), d_q
+
+    rows = P("data", None, None)
+    _check(fn, (q, kv, indices), (P("data"), P(), P("data")),
+           (rows, P("data", None), rows, rows))
+
+
+@pytest.mark.parametrize("implementation", ["triton", "mosaic"])
+def test_kernels_trace(mesh, implementation, monkeypatch):
+    if jax.default_backend() != "gpu":
+        monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
+    batch = P("data")
+    q = jax.ShapeDtypeStruct((4, 256, 2, 64), jnp.bfloat16, sharding=batch)
+    sinks = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=P())
+    ids = jax.ShapeDtypeStruct((4, 256), jnp.int32, sharding=batch)
+    jax.jit(_attention_grad(implementation)).trace(q, q, q, sinks, ids)
+
+
+def test_unique_keeps_each_axis_once():
+    assert explicit_sharding.unique(("data", "data", None)) == P("data", None, None)
+    assert explicit_sharding.unique((("data", "model"), "model")) == P(("data", "model"), None)
+    assert explicit_sharding.dims(None, 2) == (None, None)
