@@ -113,15 +113,15 @@ def attention(query: Array, key: Array, value: Array, *, mask: BlockMask | None 
                              structure=(is_causal, window, concrete_mask), trace_keys=trace_keys)
     operands = (query, key, value, None if concrete_mask else mask, segments, sinks,
                 tuple(captured))
-    if explicit_sharding.any_sharded(operands):
-        # out is laid out as query ([B, Sq, H, D]), lse as [B, H, Sq].
-        batch_, rows, heads, _ = explicit_sharding.dims(explicit_sharding.spec_of(query), 4)
-        out_specs = (explicit_sharding.unique((batch_, rows, heads, None)),
-                     explicit_sharding.unique((batch_, heads, rows)))
-        out, lse = explicit_sharding.run_with_auto_axes(call, out_specs, *operands)
-    else:
-        out, lse = call(*operands)
+    out, lse = explicit_sharding.call(call, operands, lambda: _out_specs(query))
     return (out, lse) if return_lse else out
+
+
+def _out_specs(query: Array) -> tuple:
+    """Where out ``[B, Sq, H, D]`` and lse ``[B, H, Sq]`` lie: as the query."""
+    batch, rows, heads, _ = explicit_sharding.dims(explicit_sharding.spec_of(query), 4)
+    return (explicit_sharding.unique((batch, rows, heads, None)),
+            explicit_sharding.unique((batch, heads, rows)))
 
 
 @functools.partial(jax.jit, static_argnames=("plan", "structure", "trace_keys"))

@@ -54,7 +54,10 @@ def unique(entries: Sequence) -> PartitionSpec:
     return PartitionSpec(*result)
 
 
-def run_with_auto_axes(fn: Callable, out_specs: Any, *args: Any) -> Any:
-    """``fn(*args)`` with the Explicit mesh axes Auto inside; results sharded as
-    ``out_specs`` (a pytree of PartitionSpecs matching the results)."""
-    return jax.sharding.auto_axes(fn, out_sharding=out_specs)(*args)
+def call(fn: Callable, operands: Sequence, out_specs: Callable[[], Any]) -> Any:
+    """``fn(*operands)``; where an operand is sharded along an Explicit mesh axis, with
+    those axes Auto inside and the results sharded as ``out_specs()`` (a pytree of
+    PartitionSpecs matching the results)."""
+    if not any_sharded(operands):
+        return fn(*operands)
+    return jax.sharding.auto_axes(fn, out_sharding=out_specs())(*operands)

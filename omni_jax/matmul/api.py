@@ -96,13 +96,15 @@ def matmul(
     # gradients of replicated ones (weights) over the devices.
     operands = (a, b, scale, bias)
     call = lambda *x: _differentiable(spec)(*compat.vary(x, compat.varying_axes(x)))
-    if not explicit_sharding.any_sharded(operands):
-        return call(*operands)
+    return explicit_sharding.call(call, operands, lambda: _out_spec(spec, a, b))
+
+
+def _out_spec(spec: _Spec, a: jax.Array, b: jax.Array):
+    """Where the (M, N) result lies: rows as a's M, columns as b's N."""
     a_rows, a_cols = explicit_sharding.dims(explicit_sharding.spec_of(a), 2)
     b_rows, b_cols = explicit_sharding.dims(explicit_sharding.spec_of(b), 2)
-    rows, cols = (a_cols if transpose_a else a_rows), (b_rows if transpose_b else b_cols)
-    return explicit_sharding.run_with_auto_axes(
-        call, explicit_sharding.unique((rows, cols)), *operands)
+    return explicit_sharding.unique((a_cols if spec.transpose_a else a_rows,
+                                     b_rows if spec.transpose_b else b_cols))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -147,11 +147,13 @@ def sparse_mla_prefill(
     )
     # Inside a jax.shard_map the custom_vjp's operands vary alike (see omni_jax.attention).
     q, kv, indices = compat.vary((q, kv, indices), compat.varying_axes(q, kv, indices))
-    if not explicit_sharding.any_sharded(q, kv, indices):
-        return _jitted_prefill(q, kv, indices, config)
+    return explicit_sharding.call(lambda *x: _jitted_prefill(*x, config), (q, kv, indices),
+                                  lambda: _out_specs(q, return_scores))
+
+
+def _out_specs(q: jax.Array, return_scores: bool) -> tuple:
+    """Where the results lie: their (row, head) axes as q's."""
     rows, heads, _ = explicit_sharding.dims(explicit_sharding.spec_of(q), 3)
     per_row = explicit_sharding.unique((rows, heads))
     per_feature = explicit_sharding.unique((rows, heads, None))
-    out_specs = (per_feature, per_row, per_row, *((per_feature,) if return_scores else ()))
-    return explicit_sharding.run_with_auto_axes(
-        lambda *x: _jitted_prefill(*x, config), out_specs, q, kv, indices)
+    return (per_feature, per_row, per_row, *((per_feature,) if return_scores else ()))
