@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import omni_jax
+from omni_jax import explicit_sharding
 from omni_jax.flax.cache import decode_mask, write_cache
 from omni_jax.flax.rope import apply_rope, segment_positions
 from omni_jax.masks import BlockMask
@@ -154,7 +155,8 @@ class Attention(nnx.Module):
         Returns:
           ``[batch, seq, out_features]``.
         """
-        query, key, value = self.query(x), self.key(x), self.value(x)
+        query, key, value = (_project(linear, x, 1) for linear in (self.query, self.key,
+                                                                     self.value))
         if self.query_norm is not None:
             query, key = self.query_norm(query), self.key_norm(key)
         sinks = None if self.sinks is None else self.sinks[...]
@@ -162,7 +164,7 @@ class Attention(nnx.Module):
         if decode:
             out = self._decode(query, key, value, positions, segment_ids, mask, score_mod,
                                local_window_size, common)
-            return self.out(out)
+            return _project(self.out, out, 2)
         if positions is None:
             positions = (jnp.arange(x.shape[1], dtype=jnp.int32)[None] if segment_ids is None
                          else segment_positions(segment_ids))
@@ -170,7 +172,7 @@ class Attention(nnx.Module):
         out = omni_jax.attention(query, key, value, mask=mask, is_causal=is_causal,
                                  local_window_size=local_window_size,
                                  q_segment_ids=segment_ids, score_mod=score_mod, **common)
-        return self.out(out)
+        return _project(self.out, out, 2)
 
     def _rotate(self, query: Array, key: Array, positions: Array) -> tuple[Array, Array]:
         if self.rope_base is None:
@@ -218,3 +220,17 @@ class Attention(nnx.Module):
         return omni_jax.attention(query, keys.astype(query.dtype), values.astype(query.dtype),
                                   mask=step_mask, q_segment_ids=segment_ids,
                                   kv_segment_ids=kv_segments, **common)
+
+
+def _project(linear: nnx.LinearGeneral, inputs: Array, num_contracted: int) -> Array:
+    """``linear(inputs)``, contracting the last ``num_contracted`` axes. Under explicit
+    sharding (`jax.sharding.AxisType.Explicit`) the result's sharding is named: the
+    inputs' leading axes, then the kernel's output axes (a contraction over a sharded
+    axis is ambiguous there)."""
+    kernel = linear.kernel[...]
+    if not explicit_sharding.any_sharded(inputs, kernel):
+        return linear(inputs)
+    leading = explicit_sharding.dims(explicit_sharding.spec_of(inputs), inputs.ndim)
+    outputs = explicit_sharding.dims(explicit_sharding.spec_of(kernel), kernel.ndim)
+    spec = explicit_sharding.unique((*leading[:-num_contracted], *outputs[num_contracted:]))
+    return linear(inputs, out_sharding=spec)

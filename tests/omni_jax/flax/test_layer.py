@@ -195,6 +195,28 @@ def test_heads_sharded_over_two_devices_match_unsharded(seed):
     assert relative_error(out, plain(x, is_causal=True)) < TOLERANCE
 
 
+@pytest.mark.parametrize("axis_names", [AxisNames(), AxisNames(embed="model", heads=None)],
+                         ids=["heads", "embed"])
+def test_explicitly_sharded_layer_matches_unsharded(axis_names, seed):
+    """Explicit mesh axes (sharding in types): heads sharded, or the embedding that the
+    projections contract over."""
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 devices (conftest forces 2 CPU devices)")
+    mesh = jax.make_mesh((2,), ("model",), axis_types=(jax.sharding.AxisType.Explicit,))
+    x = jax.random.normal(jax.random.key(seed), (BATCH, SEQ, FEATURES))
+    kwargs = dict(num_kv_heads=2, implementation="xla", learnable_sinks=True)
+    plain = Attention(4, FEATURES, **kwargs, rngs=nnx.Rngs(0))
+    loss = lambda layer, x: (layer(x, is_causal=True) ** 2).sum()
+    with jax.set_mesh(mesh):
+        sharded = Attention(4, FEATURES, **kwargs, axis_names=axis_names, rngs=nnx.Rngs(0))
+        out = nnx.jit(lambda layer, x: layer(x, is_causal=True))(sharded, x)
+        grads = nnx.jit(nnx.grad(loss))(sharded, x)
+    assert relative_error(out, plain(x, is_causal=True)) < TOLERANCE
+    want = nnx.grad(loss)(plain, x)
+    assert relative_error(grads["query"]["kernel"][...], want["query"]["kernel"][...]) < TOLERANCE
+    assert relative_error(grads["sinks"][...], want["sinks"][...]) < TOLERANCE
+
+
 def test_errors_name_the_problem():
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         Attention(4, FEATURES, num_kv_heads=3, rngs=nnx.Rngs(0))
