@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import PartitionSpec
 
 Array = Any
@@ -52,6 +53,21 @@ def unique(entries: Sequence) -> PartitionSpec:
         seen |= set(names)
         result.append(entry)
     return PartitionSpec(*result)
+
+
+def without_explicit_mesh(tree: Any) -> Any:
+    """``tree`` with its concrete arrays placed on an explicit mesh copied to plain
+    (single-device) constants: typed by that mesh, they cannot enter code where its axes
+    are Auto (`call`); other leaves are kept."""
+
+    def one(x):
+        mesh = getattr(getattr(x, "sharding", None), "mesh", None)
+        if isinstance(x, jax.core.Tracer) or not getattr(mesh, "explicit_axes", ()):
+            return x
+        with jax.ensure_compile_time_eval():
+            return jax.numpy.asarray(np.asarray(x))
+
+    return jax.tree.map(one, tree)
 
 
 def call(fn: Callable, operands: Sequence, out_specs: Callable[[], Any]) -> Any:
