@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import omni_jax
 from omni_jax import explicit_sharding
-from pallas_kernels import runtime
+from tests.omni_jax.test_shard_map import CUSTOM_CALLS
 from tests.reference import relative_error
 
 
@@ -133,14 +133,14 @@ def test_sparse_mla(mesh, seed):
 
 
 @pytest.mark.parametrize("implementation", ["triton", "mosaic"])
-def test_kernels_trace(mesh, implementation, monkeypatch):
-    if jax.default_backend() != "gpu":
-        monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
+def test_kernels_lower_for_cuda(mesh, implementation, compiled_kernels):
     batch = P("data")
     q = jax.ShapeDtypeStruct((4, 256, 2, 64), jnp.bfloat16, sharding=batch)
     sinks = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=P())
     ids = jax.ShapeDtypeStruct((4, 256), jnp.int32, sharding=batch)
-    jax.jit(_attention_grad(implementation)).trace(q, q, q, sinks, ids)
+    lowered = jax.jit(_attention_grad(implementation)).trace(q, q, q, sinks, ids).lower(
+        lowering_platforms=("cuda",))
+    assert lowered.as_text().count(CUSTOM_CALLS[implementation]) >= 3
 
 
 def test_unique_keeps_each_axis_once():

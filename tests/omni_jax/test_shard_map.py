@@ -3,8 +3,8 @@
 Inside a shard_map JAX types every array by the mesh axes along which it varies: kernel
 results and loop carries must vary like the operands, and the gradients of replicated
 operands (weights, sinks, the shared MLA latent) are summed over the devices. The
-portable implementations run on two CPU devices here; the kernels are traced (JAX's
-Pallas interpreters do not run under a shard_map's axis check) and run on a GPU.
+portable implementations run on two CPU devices here; the kernels are lowered for CUDA
+(JAX's Pallas interpreters do not run under a shard_map's axis check) and run on a GPU.
 """
 
 from __future__ import annotations
@@ -157,13 +157,19 @@ def test_sparse_mla_matches_unsharded(seed):
         assert relative_error(g, want) < 1e-5
 
 
+# The custom call each implementation's kernels lower to.
+CUSTOM_CALLS = {"triton": "xla.gpu.triton", "mosaic": "mosaic_gpu"}
+
+
+def _lowered_for_cuda(fn, *args) -> str:
+    return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
 @pytest.mark.parametrize("head_dim", [64, 128], ids=["d64", "d128"])
 @pytest.mark.parametrize("implementation", KERNELS)
-def test_kernels_trace_under_shard_map(implementation, head_dim, monkeypatch):
+def test_kernels_lower_for_cuda_under_shard_map(implementation, head_dim, compiled_kernels):
     """Forward and backward kernels (the Mosaic backward of a dense d128 mask fuses dQ
-    into a float32 sum) and the GEMMs type-check: results vary like their operands."""
-    if jax.default_backend() != "gpu":
-        monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
+    into a float32 sum) and the GEMMs lower as on a GPU: results vary like operands."""
     mesh = _mesh()
     batch = P("data")
     q = jax.ShapeDtypeStruct((4, 256, 2, head_dim), jnp.bfloat16)
@@ -171,8 +177,9 @@ def test_kernels_trace_under_shard_map(implementation, head_dim, monkeypatch):
     ids = jax.ShapeDtypeStruct((4, 256), jnp.int32)  # a traced mask, varying with the batch
     for is_causal, args in ((False, (q, q, q, sinks)), (True, (q, q, q, sinks, ids))):
         specs = (batch, batch, batch, P(), batch)[:len(args)]
-        _sharded(_attention_grad(implementation, is_causal), mesh, specs,
-                 (batch, (batch, batch, batch, P()))).trace(*args)
+        fn = _sharded(_attention_grad(implementation, is_causal), mesh, specs,
+                      (batch, (batch, batch, batch, P())))
+        assert _lowered_for_cuda(fn, *args).count(CUSTOM_CALLS[implementation]) >= 3
 
     def matmul_grad(a, w):
         loss = lambda a, w: omni_jax.matmul(a, w, implementation=implementation).sum()
@@ -180,7 +187,8 @@ def test_kernels_trace_under_shard_map(implementation, head_dim, monkeypatch):
 
     a = jax.ShapeDtypeStruct((256, 128), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((128, 256), jnp.bfloat16)
-    _sharded(matmul_grad, mesh, (batch, P()), (batch, P())).trace(a, w)
+    fn = _sharded(matmul_grad, mesh, (batch, P()), (batch, P()))
+    assert CUSTOM_CALLS[implementation] in _lowered_for_cuda(fn, a, w)
 
 
 @pytest.mark.gpu
