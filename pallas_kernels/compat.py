@@ -94,11 +94,18 @@ def _kernel_output_keyword() -> str:
 def mosaic_kernel(body: Callable[..., None], out_type: Any, **kwargs: Any) -> Callable:
     """``plgpu.kernel(body, out_type=...)`` under either keyword.
 
-    Inside a `jax.shard_map` its results vary along the operands' mesh axes: jax 0.10's
-    ``plgpu.kernel`` traces with the check of those axes off and types them invariant.
+    Inside a `jax.shard_map` its results vary along the operands' mesh axes, typed so in
+    ``out_type`` and cast after the call: jax 0.10's ``plgpu.kernel`` traces with the
+    check of those axes off and types them invariant.
     """
-    kernel = _mosaic_module().kernel(body, **{_kernel_output_keyword(): out_type}, **kwargs)
-    return lambda *operands: vary(kernel(*operands), varying_axes(operands))
+
+    def call(*operands):
+        axes = varying_axes(operands)
+        kernel = _mosaic_module().kernel(
+            body, **{_kernel_output_keyword(): _results_varying(out_type, axes)}, **kwargs)
+        return vary(kernel(*operands), axes)
+
+    return call
 
 
 def mosaic_kernel_accumulating(body: Callable[..., None], out_type: Any, *,
@@ -126,9 +133,10 @@ def mosaic_kernel_accumulating(body: Callable[..., None], out_type: Any, *,
                       collective_axes=thread_name)
 
     def call(*operands):
+        axes = varying_axes(operands)  # Inside a jax.shard_map: see `mosaic_kernel`.
         *inputs, init = operands
-        accumulator = jax.new_ref(init, memory_space=plgpu.GMEM)
-        outputs = pl.kernel(kernel_body, out_type=out_type, mesh=mesh,
+        accumulator = jax.new_ref(vary(init, axes), memory_space=plgpu.GMEM)
+        outputs = pl.kernel(kernel_body, out_type=_results_varying(out_type, axes), mesh=mesh,
                             compiler_params=compiler_params,
                             interpret=False if interpret is None else interpret,
                             )(*inputs, accumulator)
@@ -453,6 +461,13 @@ def result_type(shape: Sequence[int], dtype: Any, axes: frozenset) -> Any:
         manual = jax.sharding.ManualAxisType(varying=frozenset(axes))
         return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=manual)
     return jax.ShapeDtypeStruct(shape, dtype, vma=frozenset(axes))
+
+
+def _results_varying(out_type: Any, axes: frozenset) -> Any:
+    """``out_type`` (ShapeDtypeStructs) varying along ``axes`` (`result_type`)."""
+    import jax
+
+    return jax.tree.map(lambda s: result_type(s.shape, s.dtype, axes), out_type)
 
 
 def without_explicit_mesh() -> Any:

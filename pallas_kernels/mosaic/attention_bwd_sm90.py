@@ -710,11 +710,10 @@ def _backward(q: Array, k: Array, v: Array, kmask: KernelMask, out: Array, lse: 
                 *(x for x in (q_leaves, kv_leaves, packed_captured) if x is not None)]
 
     params = plgpu.CompilerParams(approx_math=True)
-    axes = compat.varying_axes(operands(dq_walk, partial_masks))  # Inside a jax.shard_map.
     dkv_kernel = functools.partial(
         compat.mosaic_kernel_accumulating if fused_dq else compat.mosaic_kernel,
         functools.partial(_dkv_kernel, statics),
-        (compat.result_type(k.shape, k.dtype, axes), compat.result_type(v.shape, v.dtype, axes)),
+        (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
         scratch_types=_dkv_scratch(statics),
         # Blocks of one head side by side (the last axis varies fastest), sharing its Q/dO in L2.
         grid=(batch * num_kv_heads, layout.num_kv_blocks), grid_names=("batch_head", "kv_block"),
@@ -722,14 +721,14 @@ def _backward(q: Array, k: Array, v: Array, kmask: KernelMask, out: Array, lse: 
         interpret=interpret_params)
     dkv_operands = operands(dkv_walk, partial_masks_kv_major)
     if fused_dq:
-        dq_sum = compat.vary(jnp.zeros((_dq_adders(statics), batch, q_padded, num_q_heads, dim),
-                                       jnp.float32), axes)
+        dq_sum = jnp.zeros((_dq_adders(statics), batch, q_padded, num_q_heads, dim),
+                           jnp.float32)
         (dk, dv), dq = dkv_kernel()(*dkv_operands, dq_sum)
         return (dq.sum(0)[:, :q_len, :, :head_dim].astype(q.dtype), dk[:, :kv_len, :, :head_dim],
                 dv[:, :kv_len, :, :head_dim_v], delta)
     dk, dv = dkv_kernel()(*dkv_operands)
     dq = compat.mosaic_kernel(
-        functools.partial(_dq_kernel, statics), compat.result_type(q.shape, q.dtype, axes),
+        functools.partial(_dq_kernel, statics), jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch_types=_dq_scratch(statics),
         grid=(batch * num_q_heads, layout.num_q_blocks), grid_names=("batch_head", "q_block"),
         num_threads=NUM_DQ_CONSUMERS + 1, thread_name="wg", compiler_params=params,

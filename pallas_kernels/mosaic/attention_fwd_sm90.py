@@ -53,6 +53,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -652,9 +653,8 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
         operands.append(partial_tiles)
     operands += [x for x in (q_leaves, kv_leaves, packed_captured) if x is not None]
     q_padded = layout.padded_q_len
-    axes = compat.varying_axes(operands)  # Inside a jax.shard_map.
-    out_type = (compat.result_type((batch, q.shape[1], num_q_heads, dim_v), q.dtype, axes),
-                compat.result_type((batch, num_q_heads, q_padded), jnp.float32, axes))
+    out_type = (jax.ShapeDtypeStruct((batch, q.shape[1], num_q_heads, dim_v), q.dtype),
+                jax.ShapeDtypeStruct((batch, num_q_heads, q_padded), jnp.float32))
     out, lse = compat.mosaic_kernel(
         functools.partial(_kernel, statics), out_type,
         scratch_types=_scratch(statics),

@@ -592,7 +592,7 @@ def matmul(
         functools.partial(
             _kernel, p=p, config=config, num_programs=num_programs, untiled_tma=untiled_tma
         ),
-        compat.result_type((p.batch, p.m, p.n), out_dtype, compat.varying_axes(a, b, scale, bias)),
+        jax.ShapeDtypeStruct((p.batch, p.m, p.n), out_dtype),
         grid=(num_programs,),
         grid_names=("sm",),
         **(cluster if config.cluster_n > 1 else {}),
