@@ -133,13 +133,12 @@ def _masked_attention(query, key, value, mask, segments, sinks, captured, *,
     del trace_keys  # Only a cache key: the backends read the same state while tracing.
     is_causal, window, concrete_mask = structure
     if concrete_mask is not None:
-        mask = explicit_sharding.without_explicit_mesh(concrete_mask.value)
+        mask = explicit_sharding.plain_constants(concrete_mask.value)
     block_mask = _effective_mask(mask, _argument_mask(is_causal, window, segments), plan.problem)
     static_mask, traced_mask = _split_by_concreteness(block_mask)
     # Inside a jax.shard_map every operand varies along the same mesh axes, so that the
     # custom_vjp's cotangents have one type (those of replicated operands get summed).
-    operands = (query, key, value, traced_mask, sinks, captured)
-    operands = compat.vary(operands, compat.varying_axes(operands))
+    operands = compat.vary_alike((query, key, value, traced_mask, sinks, captured))
     return _attention(plan, static_mask, *operands)
 
 

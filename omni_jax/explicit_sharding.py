@@ -9,6 +9,7 @@ results the sharding the inputs imply.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -55,7 +56,17 @@ def unique(entries: Sequence) -> PartitionSpec:
     return PartitionSpec(*result)
 
 
-def without_explicit_mesh(tree: Any) -> Any:
+def tracing_without_explicit_mesh() -> contextlib.AbstractContextManager:
+    """A context for tracing a user's function on scalars (score_mod, mask_mod) whose jaxpr
+    is evaluated elsewhere: under a mesh with Explicit axes (`jax.set_mesh`) the trace
+    would bind that mesh into every aval, and evaluating it where those axes are Auto
+    (`call`) fails; traced without a mesh it runs in either."""
+    if not getattr(jax.sharding.get_abstract_mesh(), "explicit_axes", ()):
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))
+
+
+def plain_constants(tree: Any) -> Any:
     """``tree`` with its concrete arrays placed on an explicit mesh copied to plain
     (single-device) constants: typed by that mesh, they cannot enter code where its axes
     are Auto (`call`); other leaves are kept."""

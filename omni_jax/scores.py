@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
+from omni_jax import explicit_sharding
 from omni_jax.traced_functions import ComparedByJaxpr, evaluate
-from pallas_kernels import compat
 
 Array = Any
 
@@ -56,7 +56,7 @@ def convert_score_mod(score_mod: Callable) -> tuple[ConvertedScoreMod, list[Arra
     index = jax.ShapeDtypeStruct((), jnp.int32)
     example = (jax.ShapeDtypeStruct((), jnp.float32), index, index, index, index)
     try:
-        with compat.without_explicit_mesh():
+        with explicit_sharding.tracing_without_explicit_mesh():
             closed = jax.make_jaxpr(score_mod)(*example)
     except Exception as error:  # noqa: BLE001 - reported with context below
         raise TypeError(f"score_mod failed when called as score_mod(score, batch_idx, head_idx, "

@@ -449,6 +449,11 @@ def vary(tree: Any, axes: frozenset) -> Any:
     return jax.tree.map(one, tree) if axes else tree
 
 
+def vary_alike(tree: Any) -> Any:
+    """``tree`` with every array varying along every axis some array of it varies along."""
+    return vary(tree, varying_axes(tree))
+
+
 def result_type(shape: Sequence[int], dtype: Any, axes: frozenset) -> Any:
     """``jax.ShapeDtypeStruct(shape, dtype)`` of a kernel's result that varies along the
     shard_map axes ``axes``: ``pallas_call`` and ``ffi_call`` ask for it inside a
@@ -468,18 +473,3 @@ def _results_varying(out_type: Any, axes: frozenset) -> Any:
     import jax
 
     return jax.tree.map(lambda s: result_type(s.shape, s.dtype, axes), out_type)
-
-
-def without_explicit_mesh() -> Any:
-    """A context for tracing a user's function on scalars (score_mod, mask_mod) whose jaxpr
-    is evaluated elsewhere: under a mesh with Explicit axes (`jax.set_mesh`) the trace
-    would bind that mesh into every aval, and evaluating it where those axes are Auto
-    (`jax.sharding.auto_axes`) fails; traced without a mesh it runs in either."""
-    import contextlib
-
-    import jax
-
-    mesh = jax.sharding.get_abstract_mesh()
-    if not getattr(mesh, "explicit_axes", ()):
-        return contextlib.nullcontext()
-    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))

@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from omni_jax import explicit_sharding
 from omni_jax.masks.block_mask import COMPUTED, FULL, MASKED, PARTIAL, BlockMask
 from omni_jax.masks.mask_mods import BlockGrid, MaskMod, has_contiguous_full_tiles
 from omni_jax.traced_functions import ComparedByJaxpr, evaluate
-from pallas_kernels import compat
 
 Array = Any
 MaskFn = Callable[[Array, Array, Array, Array], Array]
@@ -152,7 +152,7 @@ class _HoistedMaskMod(ComparedByJaxpr):
 
 def _hoisted(mask_mod: MaskFn) -> tuple[_HoistedMaskMod, list[Array]]:
     index = jax.ShapeDtypeStruct((), jnp.int32)
-    with compat.without_explicit_mesh():
+    with explicit_sharding.tracing_without_explicit_mesh():
         closed = jax.make_jaxpr(mask_mod)(index, index, index, index)
     return _HoistedMaskMod(closed.jaxpr), list(closed.consts)
 

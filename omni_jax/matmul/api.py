@@ -95,7 +95,7 @@ def matmul(
     # Inside a jax.shard_map the custom_vjp's operands vary alike: autodiff then sums the
     # gradients of replicated ones (weights) over the devices.
     operands = (a, b, scale, bias)
-    call = lambda *x: _differentiable(spec)(*compat.vary(x, compat.varying_axes(x)))
+    call = lambda *x: _differentiable(spec)(*compat.vary_alike(x))
     return explicit_sharding.call(call, operands, lambda: _out_spec(spec, a, b))
 
 

@@ -146,7 +146,7 @@ def sparse_mla_prefill(
         use_kernel=_use_kernel(implementation, shape, q.dtype),
     )
     # Inside a jax.shard_map the custom_vjp's operands vary alike (see omni_jax.attention).
-    q, kv, indices = compat.vary((q, kv, indices), compat.varying_axes(q, kv, indices))
+    q, kv, indices = compat.vary_alike((q, kv, indices))
     return explicit_sharding.call(lambda *x: _jitted_prefill(*x, config), (q, kv, indices),
                                   lambda: _out_specs(q, return_scores))
 
