@@ -39,7 +39,7 @@ float32 dQ buffer by TMA reduce-add (``pl.kernel`` with a ``jax.new_ref``
 argument, aliased in place). The one-step delay keeps the consumers out of
 lockstep; an earlier form with a rendezvous every step (commit 0e02a52) was no
 faster. Masked tiles keep the dQ kernel (their mask code spills registers in
-the fused kernel), and so does `jax.vmap` (a custom_vmap rule).
+the fused kernel), and so do `jax.vmap` (a custom_vmap rule) and `jax.shard_map`.
 """
 
 from __future__ import annotations
@@ -625,12 +625,16 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
     ``config.fused_dq`` applies to masks without masked tiles only: the mask code of
     COMPUTED and PARTIAL steps, next to dQ's accumulator, spills registers (336 bytes
     under a causal mask, which then runs 20-35% slower than the dQ kernel). Under
-    `jax.vmap` the dQ kernel serves too (the fused dQ's in-place sum cannot be batched).
+    `jax.vmap` the dQ kernel serves too (the fused dQ's in-place sum cannot be batched),
+    and inside a `jax.shard_map` (jax 0.11 rejects a kernel's ref that varies along
+    the mesh axes, as the per-device sum does).
     """
     static = dict(layout=layout, scale=scale, softcap=softcap, score_mod=score_mod,
                   has_partial=has_partial, interpret_params=interpret_params)
     fused_config = None
-    if config.fused_dq and not common.has_masked_tiles(layout, has_partial):
+    in_shard_map = bool(compat.varying_axes(q, k, v, out, dout))
+    if config.fused_dq and not in_shard_map and not common.has_masked_tiles(layout,
+                                                                            has_partial):
         fused_config = fit_config(
             config, common.SMEM_LIMIT, padded_head_dim(q.shape[-1]),
             padded_head_dim(v.shape[-1]), q.dtype.itemsize, False, fused_dq=True)
