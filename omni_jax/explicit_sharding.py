@@ -61,7 +61,7 @@ def tracing_without_explicit_mesh() -> contextlib.AbstractContextManager:
     is evaluated elsewhere: under a mesh with Explicit axes (`jax.set_mesh`) the trace
     would bind that mesh into every aval, and evaluating it where those axes are Auto
     (`call`) fails; traced without a mesh it runs in either."""
-    if not getattr(jax.sharding.get_abstract_mesh(), "explicit_axes", ()):
+    if not explicit_mesh():
         return contextlib.nullcontext()
     return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))
 
@@ -81,10 +81,20 @@ def plain_constants(tree: Any) -> Any:
     return jax.tree.map(one, tree)
 
 
+def explicit_mesh() -> bool:
+    """Whether tracing happens under a mesh with Explicit axes (`jax.set_mesh`)."""
+    return bool(getattr(jax.sharding.get_abstract_mesh(), "explicit_axes", ()))
+
+
 def call(fn: Callable, operands: Sequence, out_specs: Callable[[], Any]) -> Any:
     """``fn(*operands)``; where an operand is sharded along an Explicit mesh axis, with
     those axes Auto inside and the results sharded as ``out_specs()`` (a pytree of
-    PartitionSpecs matching the results)."""
-    if not any_sharded(operands):
+    PartitionSpecs matching the results).
+
+    Under `jax.vmap` an operand's type shows one example, not the mapped axis, which may
+    be sharded: under an explicit mesh every call goes through `auto_axes`, whose batching
+    keeps the mapped axis's sharding, so the kernels never see a sharded type.
+    """
+    if not any_sharded(operands) and not explicit_mesh():
         return fn(*operands)
     return jax.sharding.auto_axes(fn, out_sharding=out_specs())(*operands)

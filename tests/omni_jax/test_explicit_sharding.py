@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import omni_jax
 from omni_jax import explicit_sharding
+from pallas_kernels import runtime
 from tests.omni_jax.test_shard_map import CUSTOM_CALLS
 from tests.reference import relative_error
 
@@ -132,6 +133,30 @@ def test_sparse_mla(mesh, seed):
            (rows, P("data", None), rows, rows))
 
 
+def _vmapped(implementation="xla"):
+    """attention's and matmul's gradients, vmapped over a leading (sharded) axis: inside
+    the vmap an operand's type shows no sharding, the kernels' batched operands would."""
+
+    def grads(q, w):
+        def loss(q, w):
+            x = omni_jax.matmul(q.reshape(-1, q.shape[-1]), w, implementation=implementation)
+            x = x.reshape(q.shape).astype(q.dtype)
+            out = omni_jax.attention(x, x, x, is_causal=True, implementation=implementation)
+            return (out.astype(jnp.float32) ** 2).sum()
+
+        return jax.grad(loss, argnums=(0, 1))(q, w)
+
+    return jax.vmap(grads, in_axes=(0, None))
+
+
+def test_vmap_over_a_sharded_axis(mesh, seed):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((4, 2, 40, 2, 16)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((16, 16)) / 4, jnp.float32)
+    _check(_vmapped(), (q, w), (P("data"), P()),
+           (P("data", None, None, None, None), P("data", None, None)))
+
+
 @pytest.mark.parametrize("implementation", ["triton", "mosaic"])
 def test_kernels_lower_for_cuda(mesh, implementation, compiled_kernels):
     batch = P("data")
@@ -141,6 +166,29 @@ def test_kernels_lower_for_cuda(mesh, implementation, compiled_kernels):
     lowered = jax.jit(_attention_grad(implementation)).trace(q, q, q, sinks, ids).lower(
         lowering_platforms=("cuda",))
     assert lowered.as_text().count(CUSTOM_CALLS[implementation]) >= 3
+    q = jax.ShapeDtypeStruct((2, 2, 256, 2, 64), jnp.bfloat16, sharding=batch)
+    w = jax.ShapeDtypeStruct((64, 64), jnp.bfloat16, sharding=P())
+    lowered = jax.jit(_vmapped(implementation)).trace(q, w).lower(lowering_platforms=("cuda",))
+    assert lowered.as_text().count(CUSTOM_CALLS[implementation]) >= 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("implementation", ["triton", "mosaic"])
+def test_kernels_on_gpus(mesh, implementation, seed):
+    """The kernels run (on gathered operands) for arrays sharded over two GPUs."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs CUDA GPUs")
+    if implementation == "mosaic" and not runtime.can_run_mosaic_hopper():
+        pytest.skip("needs sm90 GPUs")
+    rng = np.random.default_rng(seed)
+    q, k, v = (jnp.asarray(rng.standard_normal((4, 300, 2, 64)), jnp.bfloat16)
+               for _ in range(3))
+    sinks = jnp.asarray(rng.standard_normal(2), jnp.float32)
+    ids = jnp.asarray(np.sort(rng.integers(0, 3, (4, 300)), axis=1), jnp.int32)
+    batch = P("data")
+    _check(_attention_grad(implementation), (q, k, v, sinks, ids),
+           (batch, batch, batch, P(), batch),
+           (P("data", None, None, None),) * 4 + (P(None),))
 
 
 def test_unique_keeps_each_axis_once():
