@@ -168,8 +168,8 @@ def _lowered_for_cuda(fn, *args) -> str:
 @pytest.mark.parametrize("head_dim", [64, 128], ids=["d64", "d128"])
 @pytest.mark.parametrize("implementation", KERNELS)
 def test_kernels_lower_for_cuda_under_shard_map(implementation, head_dim, compiled_kernels):
-    """Forward and backward kernels (the Mosaic backward of a dense d128 mask fuses dQ
-    into a float32 sum) and the GEMMs lower as on a GPU: results vary like operands."""
+    """Forward and backward kernels and the GEMMs lower as on a GPU: results vary like
+    operands. (The Mosaic backward of a dense d128 mask takes the dQ kernel here.)"""
     mesh = _mesh()
     batch = P("data")
     q = jax.ShapeDtypeStruct((4, 256, 2, head_dim), jnp.bfloat16)
@@ -194,16 +194,19 @@ def test_kernels_lower_for_cuda_under_shard_map(implementation, head_dim, compil
 @pytest.mark.gpu
 @pytest.mark.parametrize("implementation", KERNELS)
 def test_kernels_under_shard_map_on_gpu(implementation, seed):
+    """The kernels per shard on up to two GPUs (one where the machine has one)."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a CUDA GPU")
     if implementation == "mosaic" and not runtime.can_run_mosaic_hopper():
         pytest.skip("needs an sm90 GPU")
-    mesh = _mesh(1)
+    mesh = _mesh(min(2, len(jax.devices())))
     args = _attention_inputs(np.random.default_rng(seed), jnp.bfloat16, seq=300, head_dim=64)
     grad = _attention_grad(implementation)
     batch = P("data")
     out, grads = _sharded(grad, mesh, (batch, batch, batch, P(), batch),
                           (batch, (batch, batch, batch, P())))(*args)
     out_ref, grads_ref = jax.jit(grad)(*args)
+    # The same kernels on the same data; the sinks' gradient is summed over the devices
+    # in another order.
     for got, want in zip((out, *grads), (out_ref, *grads_ref), strict=True):
-        assert relative_error(got, want) < 1e-6  # the same kernels on the same data
+        assert relative_error(got, want) < 1e-5
