@@ -241,7 +241,8 @@ def tma_faithful_interpret_params(params):
     Hardware TMA zero-fills out-of-bounds loads and clips out-of-bounds stores;
     the 0.10 interpreter instead raises on such loads and drops such stores
     whole, and it cannot read transposed wgmma operands. This reads
-    out-of-bounds as zeros and installs (once) the store and wgmma shims below.
+    out-of-bounds as zeros and installs (once) the store and wgmma shims below
+    where the interpreter lacks them (0.11's clips and transposes itself).
     """
     _install_interpreter_shims()
     return dataclasses.replace(
@@ -255,6 +256,12 @@ def _install_interpreter_shims() -> None:
         from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as cb
         from jax._src.state.types import TransposeTransform
     except ImportError:  # pragma: no cover - interpreter internals moved
+        return
+    if getattr(getattr(cb, "AsyncCopySmemToGmemTask", None),
+               "clips_out_of_bounds_destination", False):
+        # jax 0.11's interpreter clips TMA stores and reads transposed operands itself.
+        _register_layout_cast_on_cpu()
+        _cache_thread_compilation()
         return
     if not hasattr(cb, "_get_shared_memory") or not hasattr(cb, "HostAllocationKey"):
         return  # pragma: no cover - interpreter internals moved
