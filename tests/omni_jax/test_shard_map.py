@@ -206,7 +206,8 @@ def test_kernels_under_shard_map_on_gpu(implementation, seed):
     out, grads = _sharded(grad, mesh, (batch, batch, batch, P(), batch),
                           (batch, (batch, batch, batch, P())))(*args)
     out_ref, grads_ref = jax.jit(grad)(*args)
-    # The same kernels on the same data; the sinks' gradient is summed over the devices
-    # in another order.
+    # The same kernels on the same data, up to a few bf16 roundings (XLA fuses the glue
+    # around the kernels per program, and the sinks' gradient is summed over the devices
+    # in another order: 2e-5 seen on two H100s). A wrong shard would be off by O(1).
     for got, want in zip((out, *grads), (out_ref, *grads_ref), strict=True):
-        assert relative_error(got, want) < 1e-5
+        assert relative_error(got, want) < 1e-3
