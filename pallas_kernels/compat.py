@@ -120,7 +120,8 @@ def mosaic_kernel_accumulating(body: Callable[..., None], out_type: Any, *,
     ``reduction_op="add"``). ``plgpu.kernel`` cannot alias an operand to a
     result, so this goes through ``pl.kernel`` with a ``jax.new_ref`` argument in
     GMEM (the memory space the interpreter needs). Such a call cannot be batched
-    by `jax.vmap`.
+    by `jax.vmap`, nor run inside a `jax.shard_map` (jax 0.11 rejects a ref that
+    varies along its mesh axes): callers take another path there.
     """
     import jax
 
@@ -133,10 +134,9 @@ def mosaic_kernel_accumulating(body: Callable[..., None], out_type: Any, *,
                       collective_axes=thread_name)
 
     def call(*operands):
-        axes = varying_axes(operands)  # Inside a jax.shard_map: see `mosaic_kernel`.
         *inputs, init = operands
-        accumulator = jax.new_ref(vary(init, axes), memory_space=plgpu.GMEM)
-        outputs = pl.kernel(kernel_body, out_type=_results_varying(out_type, axes), mesh=mesh,
+        accumulator = jax.new_ref(init, memory_space=plgpu.GMEM)
+        outputs = pl.kernel(kernel_body, out_type=out_type, mesh=mesh,
                             compiler_params=compiler_params,
                             interpret=False if interpret is None else interpret,
                             )(*inputs, accumulator)

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 import omni_jax
 from omni_jax import explicit_sharding
 from pallas_kernels import runtime
-from tests.omni_jax.test_shard_map import CUSTOM_CALLS
+from tests.omni_jax.test_shard_map import CUSTOM_CALLS, _attention_inputs
 from tests.reference import relative_error
 
 
@@ -180,13 +180,9 @@ def test_kernels_on_gpus(mesh, implementation, seed):
         pytest.skip("needs CUDA GPUs")
     if implementation == "mosaic" and not runtime.can_run_mosaic_hopper():
         pytest.skip("needs sm90 GPUs")
-    rng = np.random.default_rng(seed)
-    q, k, v = (jnp.asarray(rng.standard_normal((4, 300, 2, 64)), jnp.bfloat16)
-               for _ in range(3))
-    sinks = jnp.asarray(rng.standard_normal(2), jnp.float32)
-    ids = jnp.asarray(np.sort(rng.integers(0, 3, (4, 300)), axis=1), jnp.int32)
+    args = _attention_inputs(np.random.default_rng(seed), jnp.bfloat16, seq=300, head_dim=64)
     batch = P("data")
-    _check(_attention_grad(implementation), (q, k, v, sinks, ids),
+    _check(_attention_grad(implementation), args,
            (batch, batch, batch, P(), batch),
            (P("data", None, None, None),) * 4 + (P(None),))
 
