@@ -40,7 +40,7 @@ import jaxlib
 import numpy as np
 
 import omni_jax
-from benchmarks.timing import bench_interleaved, tflops
+from benchmarks.timing import add_sustain_argument, bench_interleaved, tflops
 
 BASELINE = "cudnn"
 IMPLS = ("omni_xla", "omni_triton", "omni_mosaic", "cudnn", "jax_xla", "jax_pallas_mha",
@@ -417,6 +417,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=int, default=5)
     parser.add_argument("--inner", type=int, default=3)
     parser.add_argument("--plot", default="", help="save a TFLOP/s bar chart to this path")
+    add_sustain_argument(parser)
 
 
 def length_sweep(seqs: list[int]) -> list[Case]:
@@ -468,8 +469,10 @@ def run(args) -> list[dict]:
             except Exception as error:  # noqa: BLE001 - a peer failing must not stop the table
                 notes[impl] = _failure_note(error)
         # Timed together, samples alternating: clock drift hits every implementation alike.
+        power: dict[str, str] = {}
         timed = bench_interleaved(fns, _inputs(case, 2), warmup=args.warmup,
-                                  samples=args.samples, inner=args.inner)
+                                  samples=args.samples, inner=args.inner,
+                                  sustain_s=args.sustain, telemetry=power)
         case_rows = []
         for impl in impls:
             ms = timed.get(impl)
@@ -482,6 +485,7 @@ def run(args) -> list[dict]:
             note = _skip_note(case, dense_ms, impl, ms)
             if impl == "jax_mgpu":
                 note = "; ".join(filter(None, ["float16 inputs (bf16 unsupported)", note]))
+            note = "; ".join(filter(None, [note, power.get(impl)]))
             case_rows.append(_row(case, impl, ms, tflops(flops, ms), note))
         baseline = next((r["ms"] for r in case_rows if r["impl"] == BASELINE
                          and np.isfinite(r["ms"])), None)

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import jaxlib
 
 import omni_jax
-from benchmarks.timing import bench_interleaved, tflops
+from benchmarks.timing import add_sustain_argument, bench_interleaved, tflops
 from omni_jax.matmul import implementations
 from pallas_kernels.matmul_common import GemmProblem, problem_of
 
@@ -74,6 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--samples", type=int, default=10)
     parser.add_argument("--inner", type=int, default=5)
+    add_sustain_argument(parser)
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
 
 
@@ -282,6 +283,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     timing = dict(warmup=args.warmup, samples=args.samples, inner=args.inner)
     if args.tiny:
         timing = dict(warmup=1, samples=2, inner=1)
+    timing["sustain_s"] = args.sustain
     impls = list(args.impls)
     if args.tiny and "xla" not in impls:
         impls.append("xla")
@@ -312,14 +314,16 @@ def run(args: argparse.Namespace) -> list[dict]:
                 except Exception as error:  # noqa: BLE001 - a failing peer is a row, not a crash
                     failures[impl] = error
             # Timed together, samples alternating: clock drift hits every implementation alike.
-            timed = {**failures, **bench_interleaved(fns, arg_sets, **timing)}
+            power: dict[str, str] = {}
+            timed = {**failures, **bench_interleaved(fns, arg_sets, **timing, telemetry=power)}
             case_rows = []
             for impl in impls:
                 ms = timed.get(impl, math.nan)  # NaN: skipped, the note says why
                 if isinstance(ms, Exception):
                     notes[impl], ms = f"failed: {ms!s:.200}", math.nan
+                note = "; ".join(filter(None, [notes[impl], power.get(impl)]))
                 case_rows.append(dict(case=case, impl=impl, ms=ms, tflops=tflops(2 * m * n * k, ms),
-                                      ratio=None, note=notes[impl]))
+                                      ratio=None, note=note))
             baseline = next(r["ms"] for r in case_rows if r["impl"] == BASELINE)
             for row in case_rows:
                 if not math.isnan(row["ms"]):

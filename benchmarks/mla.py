@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 
-from benchmarks.timing import bench_interleaved, tflops
+from benchmarks.timing import add_sustain_argument, bench_interleaved, tflops
 from omni_jax import sparse_mla_prefill
 from omni_jax.sparse_mla import kernel, kernel_platform_reason
 from omni_jax.sparse_mla.validation import ProblemShape
@@ -40,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--samples", type=int, default=10)
     parser.add_argument("--inner", type=int, default=3)
+    add_sustain_argument(parser)
 
 
 def _inputs(sizes: dict, seed: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -76,6 +77,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     timing = dict(warmup=args.warmup, samples=args.samples, inner=args.inner)
     if args.tiny:
         timing = dict(warmup=1, samples=2, inner=1)
+    timing["sustain_s"] = args.sustain
 
     notes, fns = {}, {}
     for impl in args.impls:
@@ -91,7 +93,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         if impl.endswith("+scores"):
             notes[impl] += ", fp32 scores [s_q, h_q, topk] written"
     # Timed together, samples alternating: clock drift hits every implementation alike.
-    timed = bench_interleaved(fns, arg_sets, **timing)
+    power: dict[str, str] = {}
+    timed = bench_interleaved(fns, arg_sets, **timing, telemetry=power)
 
     rows = []
     for impl in args.impls:
@@ -109,6 +112,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         without_scores = ms_of.get(row["impl"].removesuffix("+scores"), math.nan)
         if row["impl"].endswith("+scores") and not math.isnan(row["ms"] / without_scores):
             row["note"] += f" ({row['ms'] / without_scores - 1:+.1%} time vs without)"
+        row["note"] = "; ".join(filter(None, [row["note"], power.get(row["impl"])]))
     return rows
 
 

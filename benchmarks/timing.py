@@ -10,6 +10,10 @@ of microseconds of host dispatch) would time the host: such a function is timed 
 `CHAIN_CALLS` calls inside one jitted executable, each on its own parameters so that XLA
 keeps them all, which the GPU runs back to back as it would inside a jitted model.
 
+``sustain_s`` makes every sample last that long instead: the GPU then runs at the clock
+its power limit allows under continuous load (`benchmarks.gpu_telemetry`), and
+``telemetry`` collects the mean SM clock and power of each function's samples.
+
 Implementations that are compared are timed together with `bench_interleaved`:
 their samples alternate (sample 0 of each, then sample 1 of each, ...) instead of
 all samples of one followed by all samples of the next. The GPU's clocks, its
@@ -22,6 +26,7 @@ round also starts at the next implementation, so none always runs first.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import statistics
@@ -30,6 +35,8 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import jax
+
+from benchmarks import gpu_telemetry
 
 # Shortest sample worth timing: below this, launch gaps and timer jitter dominate.
 MIN_SAMPLE_MS = 2.0
@@ -40,6 +47,14 @@ CHAIN_BELOW_MS = 0.25
 CHAIN_CALLS = 16
 
 Key = TypeVar("Key", bound=Hashable)
+
+
+def add_sustain_argument(parser: argparse.ArgumentParser) -> None:
+    """The ``--sustain SECONDS`` option of the benchmark CLIs (see the module docstring)."""
+    parser.add_argument("--sustain", type=float, default=0.0, metavar="SECONDS",
+                        help="make every sample last this long, so the GPU runs at the clock "
+                             "its power limit allows under continuous load, and note each "
+                             "implementation's mean SM clock and power (from nvidia-smi)")
 
 
 def bench(fn: Callable[..., Any], arg_sets: Sequence[Sequence[Any]], *, warmup: int = 3,
@@ -57,24 +72,32 @@ def bench(fn: Callable[..., Any], arg_sets: Sequence[Sequence[Any]], *, warmup: 
 
 
 def bench_interleaved(fns: Mapping[Key, Callable[..., Any]], arg_sets: Sequence[Sequence[Any]],
-                      *, warmup: int = 3, samples: int = 10,
-                      inner: int = 5) -> dict[Key, float | Exception]:
+                      *, warmup: int = 3, samples: int = 10, inner: int = 5,
+                      sustain_s: float = 0.0,
+                      telemetry: dict[Key, str] | None = None) -> dict[Key, float | Exception]:
     """Median milliseconds of one call of each of ``fns``, their samples taken in turn.
 
     Every function runs on the same ``arg_sets`` and gets its own ``inner`` (at
-    least ``inner``, more if a sample would last under `MIN_SAMPLE_MS`). Returns,
-    per name in the order of ``fns``, the median or the exception the function
-    raised (while warming up or later): the others are still timed.
+    least ``inner``, more if a sample would last under `MIN_SAMPLE_MS`, or under
+    ``sustain_s`` seconds when that is set). Returns, per name in the order of
+    ``fns``, the median or the exception the function raised (while warming up or
+    later): the others are still timed. With ``sustain_s``, ``telemetry`` (when given)
+    receives each timed function's `gpu_telemetry.summary` (empty without nvidia-smi).
     """
     if not arg_sets:
         raise ValueError("bench needs at least one set of arguments")
     if samples < 1 or inner < 1:
         raise ValueError(f"samples and inner must be at least 1, got {samples} and {inner}")
+    if sustain_s < 0:
+        raise ValueError(f"sustain_s must be >= 0, got {sustain_s}")
+    if sustain_s and telemetry is not None:
+        gpu_telemetry.start()
     failures: dict[Key, Exception] = {}
     prepared: dict[Key, _Timed] = {}
     for name, fn in fns.items():
         try:
-            prepared[name] = _prepare(fn, arg_sets, warmup=warmup, inner=inner)
+            prepared[name] = _prepare(fn, arg_sets, warmup=warmup, inner=inner,
+                                      sustain_ms=1e3 * sustain_s)
         except Exception as error:  # noqa: BLE001 - reported per function
             failures[name] = error
 
@@ -89,6 +112,9 @@ def bench_interleaved(fns: Mapping[Key, Callable[..., Any]], arg_sets: Sequence[
                 times[name].append(prepared[name].sample_ms(sample))
             except Exception as error:  # noqa: BLE001 - reported per function
                 failures[name] = error
+    if sustain_s and telemetry is not None:
+        telemetry.update({name: gpu_telemetry.summary(timed.windows)
+                          for name, timed in prepared.items() if name not in failures})
     return {name: failures[name] if name in failures else statistics.median(times[name])
             for name in fns}
 
@@ -102,16 +128,21 @@ class _Timed:
     arg_sets: Sequence[Sequence[Any]]
     calls_each: int = 1
     inner: int = 1
+    # (start, end) perf_counter times of the samples taken.
+    windows: list[tuple[float, float]] = dataclasses.field(default_factory=list)
 
     def sample_ms(self, sample: int) -> float:
         """Milliseconds per timed call in sample number ``sample``."""
+        start = time.perf_counter()
         calls = _sample_ms(self.fn, self.arg_sets, self.inner, first=sample * self.inner)
+        self.windows.append((start, time.perf_counter()))
         return calls / self.calls_each
 
 
 def _prepare(fn: Callable[..., Any], arg_sets: Sequence[Sequence[Any]], *, warmup: int,
-             inner: int) -> _Timed:
-    """Warms ``fn`` up, chains it if a call is short, sizes a sample to `MIN_SAMPLE_MS`."""
+             inner: int, sustain_ms: float = 0.0) -> _Timed:
+    """Warms ``fn`` up, chains it if a call is short, sizes a sample to `MIN_SAMPLE_MS`
+    (at most `MAX_INNER` calls), or to ``sustain_ms`` when that is set."""
     timed = _Timed(fn, arg_sets, inner=inner)
     for i in range(warmup):
         jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
@@ -121,8 +152,11 @@ def _prepare(fn: Callable[..., Any], arg_sets: Sequence[Sequence[Any]], *, warmu
         for _ in range(warmup):
             jax.block_until_ready(timed.fn(*timed.arg_sets[0]))
         call_ms = timed.sample_ms(0)
-    calls = min(MAX_INNER, max(inner, math.ceil(MIN_SAMPLE_MS / max(call_ms, 1e-3))))
+    calls = max(inner, math.ceil(max(MIN_SAMPLE_MS, sustain_ms) / max(call_ms, 1e-3)))
+    if not sustain_ms:
+        calls = min(MAX_INNER, calls)
     timed.inner = max(1, math.ceil(calls / timed.calls_each))
+    timed.windows.clear()  # calibration is no sample
     return timed
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from benchmarks import mla
+from benchmarks import gpu_telemetry, mla
 
 
 def test_tiny_run_produces_rows_for_every_impl():
@@ -45,3 +45,13 @@ def test_implementations_are_timed_together_and_a_failure_is_a_row(monkeypatch,
     failed = rows["portable+scores"]
     assert failed["note"].startswith("failed: RuntimeError: scores kernel exploded"), failed
     assert math.isnan(failed["ms"]) and failed["ratio"] is None
+
+
+def test_sustained_samples_note_the_clock_and_power(monkeypatch):
+    monkeypatch.setattr(gpu_telemetry, "summary",
+                        lambda windows: "SM 1500 MHz, 690 W" if windows else "")
+    parser = argparse.ArgumentParser()
+    mla.add_arguments(parser)
+    rows = mla.run(parser.parse_args(["--tiny", "--impls", "portable", "--sustain", "0.01"]))
+    assert rows[0]["ms"] > 0
+    assert rows[0]["note"].endswith("; SM 1500 MHz, 690 W")

@@ -126,3 +126,28 @@ def test_short_calls_are_chained_in_one_executable_without_merging(monkeypatch):
 
     timed = timing.bench_interleaved({"f": fn}, arg_sets, warmup=1, samples=2, inner=1)
     assert 0 < timed["f"] < math.inf
+
+
+def test_sustained_samples_last_sustain_s_and_report_telemetry(monkeypatch):
+    clock = itertools.count(step=0.001)  # every perf_counter() reading: +1 ms
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    monkeypatch.setattr(timing.gpu_telemetry, "start", lambda: True)
+    # The fake clock moves only when read: a sample spans a few milliseconds of it.
+    monkeypatch.setattr(timing.gpu_telemetry, "_readings",
+                        [(t / 1000, 1500.0, 690.0, True) for t in range(20)])
+    calls: list[str] = []
+    telemetry: dict[str, str] = {}
+    timing.bench_interleaved({"f": _recording("f", calls)}, [(1.0,)], warmup=0, samples=1,
+                             inner=1, sustain_s=0.5, telemetry=telemetry)
+    # 1 ms a call: 500 calls a sample, past MAX_INNER (the cap of ordinary samples).
+    assert len(calls) == 1 + 500 > timing.MAX_INNER
+    assert telemetry == {"f": "SM 1500 MHz, 690 W, power-capped 100%"}
+
+
+def test_telemetry_stays_empty_without_sustain():
+    telemetry: dict[str, str] = {}
+    timing.bench_interleaved({"f": jax.jit(jnp.sin)}, [(1.0,)], warmup=1, samples=1, inner=1,
+                             telemetry=telemetry)
+    assert telemetry == {}
+    with pytest.raises(ValueError, match="sustain_s"):
+        timing.bench_interleaved({"f": jnp.sin}, [(1.0,)], sustain_s=-1.0)
