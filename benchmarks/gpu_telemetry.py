@@ -14,6 +14,7 @@ implementation ran at: at the cap, a ratio of times is a ratio of energy per cal
 
 from __future__ import annotations
 
+import atexit
 import bisect
 import os
 import shutil
@@ -73,6 +74,7 @@ def start() -> bool:
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     except OSError:
         return False
+    atexit.register(_process.terminate)
     threading.Thread(target=_read, args=(_process,), daemon=True).start()
     return True
 
