@@ -1,7 +1,7 @@
 """SM clock and board power of the GPU while benchmark samples run, read from nvidia-smi.
 
 Under sustained load an H100 holds its power limit (700 W here) by lowering its SM
-clock: with random bf16 inputs our kernels and their peers ran at 1.4-1.7 GHz instead of
+clock: with random bf16 inputs our kernels and their peers ran at 1.3-1.9 GHz instead of
 1.98, with the driver's "SW power cap" clock event active (benchmarks/RESULTS.md,
 2026-11-26). Short samples see a partly boosted clock, long ones the capped clock, so the
 two measure different things; ``--sustain`` samples report the clock and power each
@@ -55,8 +55,7 @@ def _read(process: subprocess.Popen) -> None:
     for line in process.stdout:
         parsed = _parse(line)
         if parsed is not None:
-            with _lock:
-                _readings.append((time.perf_counter(), *parsed))
+            record((time.perf_counter(), *parsed))
 
 
 def start() -> bool:
@@ -97,7 +96,6 @@ def summary(windows: Sequence[tuple[float, float]]) -> str:
 
 
 def record(reading: tuple[float, float, float, bool]) -> None:
-    """Adds one (perf_counter, SM MHz, watts, capped) reading, in time order (tests feed
-    these)."""
+    """Adds one (perf_counter, SM MHz, watts, capped) reading, in time order."""
     with _lock:
         _readings.append(reading)
