@@ -106,9 +106,12 @@ def attention(query: Array, key: Array, value: Array, *, mask: BlockMask | None 
         block_size=None if mask is None else mask.block_size)
     plan = plan_attention(implementation, problem)
     trace_keys = (plan.forward.trace_key(plan.problem), plan.backward.trace_key(plan.problem))
-    # A concrete BlockMask stays concrete inside the jit (a static argument, compared by
-    # value), so that the kernels still get its walks as constants.
-    concrete_mask = None if mask is None or _is_traced(mask) else _ByValue(mask)
+    # In a traced call a concrete BlockMask stays concrete inside the jit (a static
+    # argument, compared by value), so that the kernels still get its walks as constants.
+    # An eager call passes it as an operand: masks that differ in values alone (a new
+    # document mask at every step) then share one compile.
+    concrete_mask = (_ByValue(mask) if mask is not None and not _is_traced(mask)
+                     and _is_traced((query, key, value)) else None)
     call = functools.partial(_masked_attention, plan=plan,
                              structure=(is_causal, window, concrete_mask), trace_keys=trace_keys)
     operands = (query, key, value, None if concrete_mask else mask, segments, sinks,

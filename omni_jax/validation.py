@@ -5,6 +5,7 @@ Every message names the argument, what was expected and what was given.
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any
 
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from omni_jax.masks import BlockMask
+from omni_jax.masks.mask_mods import segment_ids_as_int32
 
 Array = Any
 
@@ -83,7 +85,6 @@ def check_segment_ids(q_segment_ids: Array | None, kv_segment_ids: Array | None,
                              f"pass both q_segment_ids and kv_segment_ids")
         q_segment_ids = kv_segment_ids if q_segment_ids is None else q_segment_ids
         kv_segment_ids = q_segment_ids
-    result = []
     for name, ids, length in (("q_segment_ids", q_segment_ids, q_len),
                               ("kv_segment_ids", kv_segment_ids, kv_len)):
         shape = _shape_of(name, ids)
@@ -92,8 +93,7 @@ def check_segment_ids(q_segment_ids: Array | None, kv_segment_ids: Array | None,
                              f"got {shape}")
         if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise TypeError(f"{name} must be an integer array, got dtype {ids.dtype}")
-        result.append(jnp.asarray(ids, jnp.int32))
-    return result[0], result[1]
+    return segment_ids_as_int32(jnp.asarray(q_segment_ids), jnp.asarray(kv_segment_ids))
 
 
 def check_block_mask(mask: Any, *, batch: int, num_q_heads: int, q_len: int,
@@ -119,8 +119,9 @@ def check_scalar(name: str, value: Any, *, positive: bool) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a Python float (static), got {type(value).__name__}")
-    if positive and not value > 0:
-        raise ValueError(f"{name} must be positive, got {value}")
+    if not math.isfinite(value) or positive and not value > 0:
+        raise ValueError(f"{name} must be a finite{' positive' if positive else ''} number, "
+                         f"got {value}")
     return float(value)
 
 

@@ -154,6 +154,10 @@ def _hoisted(mask_mod: MaskFn) -> tuple[_HoistedMaskMod, list[Array]]:
     index = jax.ShapeDtypeStruct((), jnp.int32)
     with explicit_sharding.tracing_without_explicit_mesh():
         closed = jax.make_jaxpr(mask_mod)(index, index, index, index)
+    results = [(aval.shape, aval.dtype) for aval in closed.out_avals]
+    if results != [((), jnp.dtype(bool))]:
+        raise TypeError(f"mask_mod(b, h, q_idx, kv_idx) must return one bool scalar (True = "
+                        f"may attend), got {[f'{d}{list(s)}' for s, d in results]}")
     return _HoistedMaskMod(closed.jaxpr), list(closed.consts)
 
 

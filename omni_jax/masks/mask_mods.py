@@ -43,6 +43,9 @@ Array = Any
 # column, which kernels walk without reading block indices (`BlockMask.contiguous_full`).
 # None: no promise (documents: segment ids need not be sorted).
 RowIntervals = Literal["prefix", "interval"] | None
+# Masks compute with int32 indices; a window or chunk this wide covers every position,
+# so larger sizes are clamped to it (the predicates then cannot overflow).
+INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,12 +187,18 @@ class SlidingWindow(MaskMod):
     left: int | None
     right: int | None
 
+    def __post_init__(self):
+        for side in ("left", "right"):
+            if getattr(self, side) is not None:
+                object.__setattr__(self, side, min(getattr(self, side), INT32_MAX))
+
     def predicate(self, q_idx, kv_idx):
+        # Differences of two int32 indices, unlike i + right, never overflow.
         visible = jnp.ones(jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx)), bool)
         if self.left is not None:
-            visible &= kv_idx >= q_idx - self.left
+            visible &= q_idx - kv_idx <= self.left
         if self.right is not None:
-            visible &= kv_idx <= q_idx + self.right
+            visible &= kv_idx - q_idx <= self.right
         return visible
 
     def classify(self, grid):
@@ -215,6 +224,9 @@ class Chunked(MaskMod):
     """Query i sees keys j in the same chunk: i // chunk_size == j // chunk_size."""
 
     chunk_size: int
+
+    def __post_init__(self):
+        object.__setattr__(self, "chunk_size", min(self.chunk_size, INT32_MAX))
 
     def predicate(self, q_idx, kv_idx):
         return q_idx // self.chunk_size == kv_idx // self.chunk_size
@@ -368,10 +380,14 @@ causal_mask = Causal()
 def sliding_window_mask(left: int | None, right: int | None = 0) -> MaskMod:
     """Keys within ``[i - left, i + right]`` of query i (``right=0``: causal window)."""
     for name, value in (("left", left), ("right", right)):
-        if value is not None and (not isinstance(value, (int, np.integer)) or value < 0):
+        if value is not None and (not _is_size(value) or value < 0):
             raise ValueError(f"sliding_window_mask: {name} must be a non-negative int or None, "
                              f"got {value!r}")
     return SlidingWindow(None if left is None else int(left), None if right is None else int(right))
+
+
+def _is_size(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def _as_segment_ids(name: str, ids: Array) -> Array:
@@ -381,7 +397,27 @@ def _as_segment_ids(name: str, ids: Array) -> Array:
     if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError(f"{name} must be an integer array [batch, seq_len] or [seq_len], "
                          f"got shape {ids.shape} dtype {ids.dtype}")
-    return ids.astype(jnp.int32)
+    return ids
+
+
+def segment_ids_as_int32(q_ids: Array, kv_ids: Array) -> tuple[Array, Array]:
+    """Integer segment ids as the int32 ids that kernels compare, equal exactly where the
+    given ones are equal.
+
+    Ids of up to 32 bits are cast (uint32 wraps around, which keeps them distinct).
+    64-bit ids (``jax_enable_x64``) are cast when they are concrete and fit int32;
+    otherwise each becomes its rank among all the ids, which keeps their order too.
+    """
+    if max(q_ids.dtype.itemsize, kv_ids.dtype.itemsize) <= 4:
+        return q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
+    bounds = np.iinfo(np.int32)
+    if not any(isinstance(ids, jax.core.Tracer) for ids in (q_ids, kv_ids)) and all(
+            ids.size == 0 or bounds.min <= int(ids.min()) and int(ids.max()) <= bounds.max
+            for ids in (q_ids, kv_ids)):
+        return q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
+    ordered = jnp.sort(jnp.concatenate([q_ids.ravel(), kv_ids.ravel()]))
+    rank = lambda ids: jnp.searchsorted(ordered, ids).astype(jnp.int32)
+    return rank(q_ids), rank(kv_ids)
 
 
 def document_mask(q_segment_ids: Array, kv_segment_ids: Array | None = None) -> MaskMod:
@@ -392,7 +428,7 @@ def document_mask(q_segment_ids: Array, kv_segment_ids: Array | None = None) -> 
     if q_ids.shape[0] != kv_ids.shape[0] and 1 not in (q_ids.shape[0], kv_ids.shape[0]):
         raise ValueError(f"document_mask: q_segment_ids batch {q_ids.shape[0]} and "
                          f"kv_segment_ids batch {kv_ids.shape[0]} differ")
-    return Document(q_ids, kv_ids)
+    return Document(*segment_ids_as_int32(q_ids, kv_ids))
 
 
 def prefix_lm_mask(prefix_lengths: Array | int) -> MaskMod:
@@ -403,12 +439,14 @@ def prefix_lm_mask(prefix_lengths: Array | int) -> MaskMod:
     if lengths.ndim != 1 or not jnp.issubdtype(lengths.dtype, jnp.integer):
         raise ValueError(f"prefix_lengths must be an int or an integer array [batch], got "
                          f"shape {lengths.shape} dtype {lengths.dtype}")
+    if jnp.iinfo(lengths.dtype).max > INT32_MAX:  # a longer prefix covers every key too
+        lengths = jnp.minimum(lengths, INT32_MAX)
     return Or(Causal(), KeyPrefix(lengths.astype(jnp.int32)))
 
 
 def chunked_mask(chunk_size: int, causal: bool = True) -> MaskMod:
     """Chunked local attention (Llama 4): keys in the query's chunk, causal by default."""
-    if not isinstance(chunk_size, (int, np.integer)) or chunk_size <= 0:
+    if not _is_size(chunk_size) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     chunks = Chunked(int(chunk_size))
     return And(Causal(), chunks) if causal else chunks

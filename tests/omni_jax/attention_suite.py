@@ -46,6 +46,7 @@ CASES = (
     Case("causal", is_causal=True),
     Case("causal_ragged", q_len=45, kv_len=77, is_causal=True),
     Case("window", q_len=96, kv_len=96, window=(17, 5)),
+    Case("window_wider_than_int32", q_len=45, kv_len=77, window=(3, 2**40)),
     Case("documents", q_len=80, kv_len=80, segments="packed"),
     Case("documents_causal_window", q_len=96, kv_len=96, segments="packed", is_causal=True,
          window=(24, 0)),
@@ -131,7 +132,7 @@ def random_case(rng: np.random.Generator, head_dims: tuple[int, ...],
     segments = pick((None, None, "packed", "orphans"))
     window = None
     if rng.random() < 0.3:
-        window = (int(rng.integers(0, 300)), int(rng.integers(0, 300)))
+        window = (int(rng.integers(0, 300)), pick((int(rng.integers(0, 300)), 2**31 - 1)))
     fields = dict(
         batch=int(rng.integers(1, 3)), q_len=q_len,
         kv_len=q_len if segments == "packed" else kv_len, heads=heads,

@@ -62,3 +62,17 @@ def test_masks_of_static_arguments_are_built_at_trace_time():
     documents = jax.make_jaxpr(lambda q, s: omni_jax.attention(
         q, q, q, q_segment_ids=s, implementation="xla"))(q, segments)
     assert "sort" in primitive_names(documents.jaxpr)
+
+
+def test_segment_ids_differing_above_bit_31_are_other_documents():
+    """int64 ids (jax_enable_x64) are not truncated to int32, traced or not."""
+    rng = np.random.default_rng()
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 40, 2, 16)), jnp.float32) for _ in range(3))
+    small = np.sort(rng.integers(0, 3, (2, 40)), axis=1)
+    expected = omni_jax.attention(q, k, v, q_segment_ids=jnp.asarray(small, jnp.int32),
+                                  implementation="xla")
+    with jax.enable_x64(True):
+        ids = jnp.asarray(small * 2**32, jnp.int64)
+        call = lambda ids: omni_jax.attention(q, k, v, q_segment_ids=ids, implementation="xla")
+        for out in (call(ids), jax.jit(call)(ids)):
+            np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=1e-6)

@@ -38,7 +38,7 @@ def _qkv(seed, q_len=48, heads=2):
 
 
 @pytest.mark.parametrize("mask_kind", ["none", "causal_window", "segments", "block_mask",
-                                       "score_mod"])
+                                       "new_document_mask", "score_mod"])
 def test_attention_compiles_once(mask_kind, seed):
     q, k, v = _qkv(seed)
     rng = np.random.default_rng(seed + 1)
@@ -53,6 +53,10 @@ def test_attention_compiles_once(mask_kind, seed):
         if mask_kind == "block_mask":
             return dict(mask=omni_jax.create_block_mask(
                 lambda b, h, i, j: i >= j, 1, 1, 48, 48, block_size=16))
+        if mask_kind == "new_document_mask":  # other values, same structure and shapes
+            ids = jnp.asarray(np.sort(rng.integers(0, 3, (1, 48))), jnp.int32)
+            return dict(mask=omni_jax.create_block_mask(omni_jax.document_mask(ids), 1, None,
+                                                        48, 48, block_size=16))
         if mask_kind == "score_mod":
             slopes = jnp.asarray(rng.standard_normal(2), jnp.float32)
             return dict(score_mod=lambda s, b, h, i, j: s - slopes[h] * (i - j))

@@ -44,13 +44,14 @@ def structured_masks(draw):
         if kind == "causal":
             return omni_jax.causal_mask, lambda b, q, k: k <= q
         if kind == "window":
-            left = draw(st.none() | st.integers(0, 60))
-            right = draw(st.none() | st.integers(0, 60))
+            # Sizes past int32 cover everything; the kernels' int32 indices must not overflow.
+            sizes = st.none() | st.integers(0, 60) | st.sampled_from([2**31 - 1, 2**31, 2**40])
+            left, right = draw(sizes), draw(sizes)
             return (omni_jax.sliding_window_mask(left, right),
                     lambda b, q, k: (left is None or k >= q - left)
                     & ((right is None) | (k <= q + (right or 0))))
         if kind == "chunked":
-            size = draw(st.integers(1, 70))
+            size = draw(st.integers(1, 70) | st.sampled_from([2**31, 2**40]))
             return (omni_jax.chunked_mask(size, causal=False),
                     lambda b, q, k: q // size == k // size)
         if kind == "documents":
@@ -257,10 +258,39 @@ def test_mask_is_a_pytree_that_vmaps():
     ((omni_jax.causal_mask, 1, 1, 16, 16, (0, 16)), "block_size"),
     ((omni_jax.causal_mask, 0, 1, 16, 16), "batch"),
     (("not callable", 1, 1, 16, 16), "mask_mod"),
+    ((lambda b, h, i, j: i - j, 1, 1, 16, 16),
+     r"must return one bool scalar .* got \['int32\[\]'\]"),
+    ((lambda b, h, i, j: None, 1, 1, 16, 16), r"must return one bool scalar .* got \[\]"),
+    ((lambda b, h, i, j: jnp.stack([i >= j, i < j]), 1, 1, 16, 16), r"got \['bool\[2\]'\]"),
 ])
 def test_create_block_mask_rejects_bad_arguments(args, message):
     with pytest.raises((ValueError, TypeError), match=message):
         omni_jax.create_block_mask(*args)
+
+
+@pytest.mark.parametrize(("build", "message"), [
+    (lambda: omni_jax.sliding_window_mask(True), "left must be .* got True"),
+    (lambda: omni_jax.sliding_window_mask(4, -1), "right must be .* got -1"),
+    (lambda: omni_jax.chunked_mask(True), "chunk_size must be a positive int, got True"),
+])
+def test_mask_sizes_reject_non_ints(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+@pytest.mark.parametrize("dtype", ["int64", "uint64", "uint32"])
+@pytest.mark.parametrize("traced", [False, True])
+def test_document_ids_of_any_integer_type_stay_distinct(dtype, traced):
+    """Ids that differ only above bit 31 (or in a uint32's top bit) are other documents."""
+    with jax.enable_x64(True):
+        rng = np.random.default_rng()
+        step = 2**32 if np.dtype(dtype).itemsize == 8 else 2**31
+        ids = np.sort(rng.integers(0, 3, (2, 40))).astype(dtype) * np.asarray(step, dtype)
+        build = lambda ids: omni_jax.create_block_mask(omni_jax.document_mask(ids), 2, None,
+                                                       40, 40, (16, 16)).to_dense()
+        dense = (jax.jit(build) if traced else build)(jnp.asarray(ids))
+        expected = ids[:, None, :, None] == ids[:, None, None, :]
+        np.testing.assert_array_equal(np.asarray(dense), expected)
 
 
 def test_document_mask_rejects_mismatched_ids():
