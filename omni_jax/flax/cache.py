@@ -15,9 +15,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from omni_jax.masks import BlockGrid, BlockMask, MaskMod, create_block_mask
+from omni_jax.masks.mask_mods import INT32_MAX
 
 Array = Any
 
@@ -32,7 +32,7 @@ class CachedCausal(MaskMod):
 
     def __init__(self, offsets: Array, window_left: int | None = None):
         self.offsets = offsets
-        self.window_left = window_left
+        self.window_left = None if window_left is None else min(window_left, INT32_MAX)
 
     def tree_flatten(self):
         return (self.offsets,), self.window_left
@@ -45,7 +45,7 @@ class CachedCausal(MaskMod):
         position = q_idx + self.offsets
         visible = kv_idx <= position
         if self.window_left is not None:
-            visible &= kv_idx >= position - self.window_left
+            visible &= position - kv_idx <= self.window_left  # a difference cannot overflow
         return visible
 
     def classify(self, grid: BlockGrid):
@@ -72,13 +72,11 @@ def decode_mask(index: Array, num_new: int, max_len: int,
 
 
 def write_cache(cache: Array, new: Array, index: Array) -> Array:
-    """``cache [b, max_len, ...]`` with ``new [b, n, ...]`` written at slots ``index[b]...``.
+    """``cache [b, max_len, ...]`` with ``new [b, n, ...]`` written at slots ``index[b] + t``.
 
-    Slots past ``max_len`` cannot be written: XLA clamps the start, so callers
-    must keep ``index + n <= max_len``.
+    Slots at or past ``max_len`` are dropped, leaving the cached tokens intact (a
+    ``dynamic_update_slice`` would clamp its start and overwrite them).
     """
-    def update(c, x, i):
-        start = (i,) + (0,) * (c.ndim - 1)
-        return lax.dynamic_update_slice(c, x.astype(c.dtype), start)
-
-    return jax.vmap(update)(cache, new, index)
+    slots = index[:, None] + jnp.arange(new.shape[1], dtype=index.dtype)
+    rows = jnp.arange(cache.shape[0])[:, None]
+    return cache.at[rows, slots].set(new.astype(cache.dtype), mode="drop")

@@ -15,15 +15,22 @@ import flax.linen as nn
 import jax.numpy as jnp
 from flax.nnx import bridge
 
+from omni_jax.flax.nnx_attention import (
+    DEFAULT_BIAS_INIT,
+    DEFAULT_KERNEL_INIT,
+    AxisNames,
+    Initializer,
+)
 from omni_jax.flax.nnx_attention import Attention as NnxAttention
-from omni_jax.flax.nnx_attention import AxisNames
 from omni_jax.masks import BlockMask
 
 Array = Any
 
 
 class Attention(nn.Module):
-    """Linen self-attention on `omni_jax.attention`; fields as `omni_jax.flax.Attention`."""
+    """Linen self-attention on `omni_jax.attention`; fields as `omni_jax.flax.Attention`
+    (``axis_names`` needs a mesh with those axes, or ``nnx.use_eager_sharding(False)``
+    around ``init``), but no KV-cache decoding."""
 
     num_heads: int
     in_features: int
@@ -38,6 +45,8 @@ class Attention(nn.Module):
     implementation: str | None = None
     dtype: Any = None
     param_dtype: Any = jnp.float32
+    kernel_init: Initializer = DEFAULT_KERNEL_INIT
+    bias_init: Initializer = DEFAULT_BIAS_INIT
     axis_names: AxisNames | None = None
 
     @nn.compact
@@ -52,8 +61,8 @@ class Attention(nn.Module):
             head_dim=self.head_dim, out_features=self.out_features, use_bias=self.use_bias,
             qk_norm=self.qk_norm, rope_base=self.rope_base, softcap=self.softcap,
             learnable_sinks=self.learnable_sinks, implementation=self.implementation,
-            dtype=self.dtype, param_dtype=self.param_dtype, axis_names=self.axis_names,
-            name="attention")
+            dtype=self.dtype, param_dtype=self.param_dtype, kernel_init=self.kernel_init,
+            bias_init=self.bias_init, axis_names=self.axis_names, name="attention")
         return layer(x, positions=positions, mask=mask, is_causal=is_causal,
                      local_window_size=local_window_size, segment_ids=segment_ids,
                      score_mod=score_mod)

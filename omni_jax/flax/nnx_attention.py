@@ -13,7 +13,9 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import omni_jax
@@ -21,6 +23,7 @@ from omni_jax import explicit_sharding
 from omni_jax.flax.cache import decode_mask, write_cache
 from omni_jax.flax.rope import apply_rope, segment_positions
 from omni_jax.masks import BlockMask
+from omni_jax.validation import check_window
 
 Array = Any
 Initializer = Callable[..., Array]
@@ -35,7 +38,11 @@ class AxisNames:
     """Mesh axis names for the kernels' dimensions (`nnx.with_partitioning` metadata).
 
     The default shards heads over a ``"model"`` axis (Megatron-style tensor
-    parallelism); None leaves a dimension replicated.
+    parallelism); None leaves a dimension replicated. Flax creates annotated
+    variables already sharded (eager sharding, its default), which needs a mesh
+    with these axes: build the layer under ``jax.set_mesh(mesh)``, or under
+    ``nnx.use_eager_sharding(False)`` for the metadata alone. Otherwise Flax
+    raises "An auto mesh context or metadata is required".
     """
 
     embed: str | None = None
@@ -63,7 +70,7 @@ class Attention(nnx.Module):
       param_dtype: parameter dtype.
       kernel_init, bias_init: initialisers of the projections.
       axis_names: shard the projection kernels over these mesh axes (None: no
-        sharding metadata).
+        sharding metadata); see `AxisNames` for the mesh this needs.
       rngs: flax.nnx random streams (``params``).
     """
 
@@ -150,7 +157,11 @@ class Attention(nnx.Module):
             (a prompt, a chunk) per call, at each sequence's own cache length.
             ``local_window_size`` (its left side) and ``segment_ids`` combine
             with it; ``mask`` and ``score_mod`` (whose indices would be the
-            step's, not the cache's) do not.
+            step's, not the cache's) do not. A step past the cache's
+            ``max_len`` raises when the cache index is concrete (eager calls);
+            under jit, where it is traced, the outputs of the positions past
+            the end are NaN, no cached token is overwritten, and
+            ``cache_index`` keeps counting, so every later step is NaN too.
 
         Returns:
           ``[batch, seq, out_features]``.
@@ -161,16 +172,17 @@ class Attention(nnx.Module):
             query, key = self.query_norm(query), self.key_norm(key)
         sinks = None if self.sinks is None else self.sinks[...]
         common = dict(softcap=self.softcap, sinks=sinks, implementation=self.implementation)
+        window = check_window(local_window_size)
         if decode:
             out = self._decode(query, key, value, positions, segment_ids, mask, score_mod,
-                               local_window_size, common)
+                               window, common)
             return _project(self.out, out, 2)
         if positions is None:
             positions = (jnp.arange(x.shape[1], dtype=jnp.int32)[None] if segment_ids is None
                          else segment_positions(segment_ids))
         query, key = self._rotate(query, key, positions)
         out = omni_jax.attention(query, key, value, mask=mask, is_causal=is_causal,
-                                 local_window_size=local_window_size,
+                                 local_window_size=window,
                                  q_segment_ids=segment_ids, score_mod=score_mod, **common)
         return _project(self.out, out, 2)
 
@@ -182,7 +194,7 @@ class Attention(nnx.Module):
 
     def _decode(self, query: Array, key: Array, value: Array, positions: Array | None,
                 segment_ids: Array | None, mask: BlockMask | None, score_mod: Callable | None,
-                local_window_size: int | tuple[int, int] | None, common: dict) -> Array:
+                window: tuple[int, int] | None, common: dict) -> Array:
         """Writes the step into the cache at its index and attends over the whole cache."""
         if self.cache_index is None:
             raise ValueError("decode=True needs a KV cache: call init_cache(batch, max_len) "
@@ -199,6 +211,7 @@ class Attention(nnx.Module):
                              f"{self.cached_key.shape[0]}")
         if num_new > max_len:
             raise ValueError(f"decode: {num_new} new tokens do not fit a cache of {max_len}")
+        _check_cache_room(index, num_new, max_len)
         slots = index[:, None] + jnp.arange(num_new, dtype=jnp.int32)
         kv_segments = None
         if segment_ids is not None:
@@ -214,12 +227,26 @@ class Attention(nnx.Module):
         values = write_cache(self.cached_value[...], value, index)
         self.cached_key[...], self.cached_value[...] = keys, values
         self.cache_index[...] = index + num_new
-        if isinstance(local_window_size, tuple):
-            local_window_size = local_window_size[0]
-        step_mask = decode_mask(index, num_new, max_len, local_window_size)
-        return omni_jax.attention(query, keys.astype(query.dtype), values.astype(query.dtype),
-                                  mask=step_mask, q_segment_ids=segment_ids,
-                                  kv_segment_ids=kv_segments, **common)
+        step_mask = decode_mask(index, num_new, max_len, None if window is None else window[0])
+        out = omni_jax.attention(query, keys.astype(query.dtype), values.astype(query.dtype),
+                                 mask=step_mask, q_segment_ids=segment_ids,
+                                 kv_segment_ids=kv_segments, **common)
+        # Past the end under jit: the step's tokens there were dropped, so poison them.
+        return jnp.where((slots < max_len)[:, :, None, None], out, jnp.nan)
+
+
+def _check_cache_room(index: Array, num_new: int, max_len: int) -> None:
+    """Raises when a concrete cache ``index [batch]`` leaves no room for ``num_new`` tokens
+    (a traced one cannot be checked; the step then poisons what does not fit)."""
+    if isinstance(index, jax.core.Tracer):
+        return
+    index = np.asarray(index)
+    overflowing = np.flatnonzero(index + num_new > max_len)
+    if overflowing.size:
+        b = overflowing[0]
+        raise ValueError(f"decode: the KV cache has max_len={max_len} slots, but sequence {b} "
+                         f"is at index {index[b]} + {num_new} new tokens = "
+                         f"{index[b] + num_new}: call init_cache with a larger max_len")
 
 
 def _project(linear: nnx.LinearGeneral, inputs: Array, num_contracted: int) -> Array:

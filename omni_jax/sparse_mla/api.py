@@ -121,8 +121,9 @@ def sparse_mla_prefill(
       kv: [s_kv, 1, d_qk] shared latent keys; the first ``d_v`` features are the values.
       indices: [s_q, 1, topk] int32 kv rows per query row; entries < 0 or >= s_kv are
         invalid and masked. Duplicates count once per occurrence.
-      sm_scale: softmax scale applied to the dot products.
-      d_v: value width (512 for the kernel), at most d_qk.
+      sm_scale: softmax scale applied to the dot products; a static Python or numpy
+        number (it is compiled in), not a jax array.
+      d_v: value width (512 for the kernel), at most d_qk; a static integer.
       return_scores: also return the raw (unscaled) scores.
       implementation: None (kernel when possible, else portable), "ffi" (kernel or
         error) or "xla" (portable JAX).
@@ -141,7 +142,7 @@ def sparse_mla_prefill(
     )
     config = _Config(
         sm_scale=float(sm_scale),
-        d_v=d_v,
+        d_v=shape.d_v,
         return_scores=return_scores,
         use_kernel=_use_kernel(implementation, shape, q.dtype),
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import jax
@@ -34,6 +35,16 @@ def _check_array(name: str, value: object, rank: int, layout: str) -> None:
         )
 
 
+def _static_number(name: str, value: object, kind: type, expected: str) -> numbers.Number:
+    """``value`` when it is a Python or numpy scalar of ``kind`` (bools excluded)."""
+    if isinstance(value, kind) and not isinstance(value, bool):
+        return value
+    got = (f"{type(value).__name__} of shape {tuple(value.shape)}" if hasattr(value, "shape")
+           else f"{type(value).__name__} {value!r}")
+    raise TypeError(f"{name} must be a static {expected} (a Python or numpy scalar, not a jax "
+                    f"array or tracer: it is compiled into the computation), got {got}")
+
+
 def validate(
     q: jax.Array,
     kv: jax.Array,
@@ -44,7 +55,8 @@ def validate(
     return_scores: bool,
     implementation: str | None,
 ) -> ProblemShape:
-    """Raises TypeError/ValueError for malformed arguments; returns the problem sizes."""
+    """Raises TypeError/ValueError for malformed arguments; returns the problem sizes
+    (``d_v`` as a Python int, though it may be given as a numpy integer)."""
     _check_array("q", q, 3, "[s_q, h_q, d_qk]")
     _check_array("kv", kv, 3, "[s_kv, h_kv, d_qk]")
     _check_array("indices", indices, 3, "[s_q, h_kv, topk]")
@@ -76,14 +88,10 @@ def validate(
         raise ValueError(f"indices must list topk >= 1 entries per row, got topk={topk}")
     if s_kv < 1:
         raise ValueError(f"kv must have s_kv >= 1 rows, got kv.shape={tuple(kv.shape)}")
-    if isinstance(d_v, bool) or not isinstance(d_v, int):
-        raise TypeError(f"d_v must be a Python int, got {type(d_v).__name__}")
+    d_v = int(_static_number("d_v", d_v, numbers.Integral, "integer"))
     if not 1 <= d_v <= d_qk:
         raise ValueError(f"d_v must satisfy 1 <= d_v <= d_qk={d_qk}, got d_v={d_v}")
-    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
-        raise TypeError(
-            f"sm_scale must be a static Python float, got {type(sm_scale).__name__}"
-        )
+    sm_scale = float(_static_number("sm_scale", sm_scale, numbers.Real, "real number"))
     if not math.isfinite(sm_scale) or sm_scale <= 0:
         raise ValueError(f"sm_scale must be a finite positive float, got {sm_scale}")
     if not isinstance(return_scores, bool):

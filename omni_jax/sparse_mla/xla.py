@@ -10,6 +10,8 @@ Conventions shared with the CUDA kernel:
   * the softmax runs over ``sm_scale * scores``; ``lse`` and ``max_logits`` are in
     that scaled (natural-log) space;
   * duplicate indices are separate entries: a kv row listed twice counts twice;
+  * invalid indices read zeros, never a kv row, so a non-finite row that only
+    invalid indices point at does not reach any result or gradient;
   * a row without any valid index yields out = 0 and lse = max_logits = -inf.
 """
 
@@ -49,8 +51,13 @@ def _topk_blocks(indices: jax.Array, s_kv: int) -> tuple[jax.Array, jax.Array, i
 
 
 def _gather_rows(kv: jax.Array, block_indices: jax.Array, valid: jax.Array) -> jax.Array:
-    """kv rows [s_q, block, d] for one topk block (row 0 stands in for invalid ones)."""
-    return jnp.take(kv, jnp.where(valid, block_indices, 0), axis=0)
+    """kv rows [s_q, block, d] for one topk block, zeros for invalid indices.
+
+    Zeros, not a stand-in row: a zero probability times a non-finite stand-in value
+    would still be NaN. Invalid indices are sent out of range, which the gather fills.
+    """
+    out_of_range = jnp.where(valid, block_indices, kv.shape[0])
+    return jnp.take(kv, out_of_range, axis=0, mode="fill", fill_value=0)
 
 
 def _raw_scores(q32: jax.Array, rows: jax.Array, valid: jax.Array) -> jax.Array:

@@ -46,7 +46,8 @@ def dense_loss_fn(indices, *, sm_scale, d_v, weights):
     def loss(q, kv):
         kv = kv[:, 0]
         valid = (indices >= 0) & (indices < kv.shape[0])
-        rows = kv[jnp.where(valid, indices, 0)]
+        # Invalid entries read zeros, never a real row (it may be non-finite).
+        rows = jnp.where(valid[..., None], kv[jnp.where(valid, indices, 0)], 0.0)
         raw = jnp.einsum("qhd,qkd->qhk", q, rows)
         logits = jnp.where(valid[:, None], raw * sm_scale, -jnp.inf)
         any_valid = valid.any(axis=-1)[:, None]

@@ -15,12 +15,18 @@ from tests.reference import relative_error
 
 
 def make_inputs(seed, *, s_q=6, h_q=4, s_kv=40, d_qk=24, topk=80, dtype=jnp.bfloat16,
-                invalid_fraction=0.2):
-    """Random inputs with invalid (negative and >= s_kv) and duplicate indices."""
+                invalid_fraction=0.2, poison=None):
+    """Random inputs with invalid (negative and >= s_kv) and duplicate indices.
+
+    With ``poison`` (a non-finite value), no valid index lists kv row 0 and that row
+    holds ``poison``: a result that reads it for an invalid index turns non-finite.
+    """
     rng = np.random.default_rng(seed)
     q = jnp.asarray(rng.standard_normal((s_q, h_q, d_qk)), dtype)
     kv = jnp.asarray(rng.standard_normal((s_kv, 1, d_qk)), dtype)
-    indices = rng.integers(0, s_kv, (s_q, 1, topk))
+    if poison is not None:
+        kv = kv.at[0].set(poison)
+    indices = rng.integers(0 if poison is None else 1, s_kv, (s_q, 1, topk))
     indices[0, 0, :3] = indices[0, 0, 3]  # duplicates
     invalid = rng.random((s_q, 1, topk)) < invalid_fraction
     indices[invalid] = rng.choice([-1, -7, s_kv, s_kv + 5], invalid.sum())
@@ -28,10 +34,11 @@ def make_inputs(seed, *, s_q=6, h_q=4, s_kv=40, d_qk=24, topk=80, dtype=jnp.bflo
     return q, kv, jnp.asarray(indices, jnp.int32)
 
 
+@pytest.mark.parametrize("poison", [None, np.inf], ids=["finite", "inf_in_unlisted_row"])
 @pytest.mark.parametrize("dtype,tol", [(jnp.bfloat16, 1e-2), (jnp.float32, 1e-5)])
 @pytest.mark.parametrize("topk", [80, 64])
-def test_forward_matches_float64_reference(dtype, tol, topk, seed):
-    q, kv, indices = make_inputs(seed=seed, dtype=dtype, topk=topk)
+def test_forward_matches_float64_reference(dtype, tol, topk, poison, seed):
+    q, kv, indices = make_inputs(seed=seed, dtype=dtype, topk=topk, poison=poison)
     sm_scale, d_v = 0.3, 16
     out, max_logits, lse, scores = sparse_mla_prefill(
         q, kv, indices, sm_scale=sm_scale, d_v=d_v, return_scores=True, implementation="xla"
@@ -81,10 +88,11 @@ def test_vmap_over_batch_axis(seed):
         assert relative_error(outputs[3][b], ref[3]) < 1e-5
 
 
+@pytest.mark.parametrize("poison", [None, np.nan], ids=["finite", "nan_in_unlisted_row"])
 @pytest.mark.parametrize("with_scores", [False, True])
-def test_gradients_match_float64_dense_reference(with_scores, seed):
+def test_gradients_match_float64_dense_reference(with_scores, poison, seed):
     q, kv, indices = make_inputs(seed=seed, s_q=5, h_q=2, s_kv=30, d_qk=16, topk=72,
-                                 dtype=jnp.float32)
+                                 dtype=jnp.float32, poison=poison)
     sm_scale, d_v = 0.4, 12
     rng = np.random.default_rng(seed + 1)
     w_out = rng.standard_normal((5, 2, d_v))
@@ -110,6 +118,8 @@ def test_gradients_match_float64_dense_reference(with_scores, seed):
     assert relative_error(dq, ref_dq) < 1e-4
     assert relative_error(dkv, ref_dkv) < 1e-4
     np.testing.assert_array_equal(np.asarray(dq[-1]), 0.0)  # the all-invalid row
+    if poison is not None:  # only invalid indices could reach row 0
+        np.testing.assert_array_equal(np.asarray(dkv[0]), 0.0)
 
 
 def test_bfloat16_gradients_under_vmap(seed):
@@ -181,9 +191,14 @@ GOOD = dict(
         (dict(indices=jnp.zeros((4, 2, 3), jnp.int32)), ValueError, "h_kv=1 heads"),
         (dict(indices=jnp.zeros((4, 1, 0), jnp.int32)), ValueError, "topk >= 1"),
         (dict(d_v=9), ValueError, "d_v <= d_qk=8, got d_v=9"),
-        (dict(d_v=4.0), TypeError, "d_v must be a Python int"),
+        (dict(d_v=4.0), TypeError, "d_v must be a static integer.*got float 4.0"),
+        (dict(d_v=True), TypeError, "d_v must be a static integer.*got bool True"),
+        (dict(d_v=jnp.int32(4)), TypeError, r"d_v must be a static integer.*shape \(\)"),
         (dict(sm_scale=-1.0), ValueError, "sm_scale must be a finite positive"),
-        (dict(sm_scale=jnp.float32(1.0)), TypeError, "sm_scale must be a static Python float"),
+        (dict(sm_scale=np.float32(np.nan)), ValueError, "sm_scale must be a finite positive"),
+        (dict(sm_scale=jnp.float32(1.0)), TypeError,
+         r"sm_scale must be a static real number.*not a jax array.*shape \(\)"),
+        (dict(sm_scale=np.ones(1)), TypeError, r"sm_scale must be a static.*shape \(1,\)"),
         (dict(implementation="cuda"), ValueError, "implementation must be one of"),
         (dict(return_scores=1), TypeError, "return_scores must be a bool"),
     ],
@@ -194,6 +209,22 @@ def test_bad_arguments_raise_clear_errors(change, error, message):
         sparse_mla_prefill(
             args.pop("q"), args.pop("kv"), args.pop("indices"), **args
         )
+
+
+def test_numpy_scalars_are_static_arguments(seed):
+    q, kv, indices = make_inputs(seed=seed, dtype=jnp.float32)
+    expected = sparse_mla_prefill(q, kv, indices, sm_scale=0.25, d_v=8, implementation="xla")
+    actual = sparse_mla_prefill(q, kv, indices, sm_scale=np.float32(0.25), d_v=np.int64(8),
+                                implementation="xla")
+    for a, e in zip(actual, expected, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+
+
+def test_traced_sm_scale_names_the_problem():
+    traced = jax.jit(lambda scale: sparse_mla_prefill(GOOD["q"], GOOD["kv"], GOOD["indices"],
+                                                      sm_scale=scale, d_v=4))
+    with pytest.raises(TypeError, match="sm_scale must be a static real number.*Tracer"):
+        traced(0.5)
 
 
 def test_ffi_rejects_shapes_the_kernel_cannot_take():

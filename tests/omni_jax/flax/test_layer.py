@@ -120,19 +120,25 @@ def test_gradients_match_reference_under_nnx_jit(seed):
         assert relative_error(actual[name], value) < 1e-4, name
 
 
-@pytest.mark.parametrize("masks", ["documents", "window"])
+@pytest.mark.parametrize("masks", ["documents", "window_int", "window_list",
+                                   "window_beyond_int32"])
 def test_decode_with_cache_equals_full_sequence(masks, seed):
     layer = make_layer(CASES[1], seed=seed)
     x = jax.random.normal(jax.random.key(seed + 1), (BATCH, SEQ, FEATURES))
     if masks == "documents":
         full_kwargs = dict(is_causal=True, segment_ids=jnp.asarray(SEGMENTS))
         step_kwargs = lambda s: dict(segment_ids=jnp.asarray(SEGMENTS[:, s]))
+        window = None
     else:
-        full_kwargs = dict(is_causal=True, local_window_size=(4, 0))
-        step_kwargs = lambda s: dict(local_window_size=4)
+        # Static windows: closed over, not traced.
+        window = {"window_int": 4, "window_list": [4, 0]}.get(masks, (2**40, 0))
+        full_kwargs = dict(is_causal=True, local_window_size=(2**40 if masks ==
+                                                              "window_beyond_int32" else 4, 0))
+        step_kwargs = lambda s: {}
     full = layer(x, **full_kwargs)
     layer.init_cache(BATCH, SEQ + 8)
-    step = nnx.jit(lambda layer, x, kwargs: layer(x, decode=True, **kwargs))
+    step = nnx.jit(lambda layer, x, kwargs: layer(x, decode=True, local_window_size=window,
+                                                  **kwargs))
     outs, start = [], 0
     for size in (7, 1, 1, 9, 6):  # a prompt, single tokens, chunks crossing documents
         part = slice(start, start + size)
@@ -140,6 +146,41 @@ def test_decode_with_cache_equals_full_sequence(masks, seed):
         start += size
     np.testing.assert_array_equal(layer.cache_index[...], [SEQ, SEQ])
     assert relative_error(jnp.concatenate(outs, axis=1), full) < TOLERANCE
+
+
+def three_tokens_in_a_cache_of_four(seed):
+    """(layer, x [batch, 7, features], the full causal output of x) after decoding x[:, :3]."""
+    layer = make_layer(CASES[0], seed=seed)
+    x = jax.random.normal(jax.random.key(seed + 1), (BATCH, 7, FEATURES))
+    full = layer(x, is_causal=True)
+    layer.init_cache(BATCH, 4)
+    assert relative_error(layer(x[:, :3], decode=True), full[:, :3]) < TOLERANCE
+    return layer, x, full
+
+
+def test_decode_past_the_cache_end_raises_eagerly(seed):
+    layer, x, _ = three_tokens_in_a_cache_of_four(seed)
+    cached_key = np.asarray(layer.cached_key[...])
+    with pytest.raises(ValueError, match=r"max_len=4.*index 3 \+ 3 new tokens"):
+        layer(x[:, 3:6], decode=True)
+    np.testing.assert_array_equal(layer.cache_index[...], [3, 3])
+    np.testing.assert_array_equal(layer.cached_key[...], cached_key)
+
+
+def test_decode_past_the_cache_end_under_jit_gives_nan(seed):
+    """A traced cache index cannot raise: the positions past the end come out NaN, the
+    cached tokens stay intact and every later step is NaN too."""
+    layer, x, full = three_tokens_in_a_cache_of_four(seed)
+    cached_key = np.asarray(layer.cached_key[...])
+    step = nnx.jit(lambda layer, x: layer(x, decode=True))
+    out = step(layer, x[:, 3:6])
+    assert relative_error(out[:, :1], full[:, 3:4]) < TOLERANCE  # slot 3 still fits
+    assert np.isnan(np.asarray(out[:, 1:])).all()
+    np.testing.assert_array_equal(layer.cached_key[...][:, :3], cached_key[:, :3])
+    np.testing.assert_array_equal(layer.cache_index[...], [6, 6])
+    assert np.isnan(np.asarray(step(layer, x[:, 6:7]))).all()
+    with pytest.raises(ValueError, match="max_len=4"):
+        layer(x[:, 6:7], decode=True)
 
 
 def test_nnx_scan_over_stacked_layers(seed):

@@ -1,6 +1,7 @@
 """The linen wrapper: same parameters and outputs as the plain-JAX reference layer."""
 
 import flax
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,3 +37,14 @@ def test_linen_attention_matches_reference_and_trains(seed):
 
     grads = jax.jit(jax.grad(lambda v: module.apply(v, x, is_causal=True).sum()))(variables)
     assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
+
+
+def test_linen_attention_takes_the_projection_initialisers(seed):
+    module = omni_linen.Attention(num_heads=2, in_features=16, use_bias=True,
+                                  kernel_init=nn.initializers.constant(0.5),
+                                  bias_init=nn.initializers.constant(-0.25))
+    x = jax.random.normal(jax.random.key(seed), (1, 4, 16))
+    params = module.init(jax.random.key(seed + 1), x)["params"]["attention"]
+    for name in ("query", "key", "value", "out"):
+        np.testing.assert_array_equal(params[name]["kernel"], 0.5)
+        np.testing.assert_array_equal(params[name]["bias"], -0.25)
