@@ -4,10 +4,10 @@ The operands of a GEMM kernel here are batched: ``a`` is ``(*batch_a, M, K)``
 (``(*batch_a, K, M)`` when ``transpose_a``), ``b`` is ``(*batch_b, K, N)``
 (``(*batch_b, N, K)`` when ``transpose_b``), and the optional per-column
 epilogue vectors ``scale`` (float32) and ``bias`` (float32 or a 16-bit float, widened
-in the epilogue) are ``(*batch_v, N)``. Each
-batch shape has the rank of the output batch shape, with every dimension
-either equal to the output's or 1 (broadcast, read at index 0): broadcasting
-is resolved by index arithmetic inside the kernel, never by copies.
+in the epilogue) are ``(*batch_scale, N)`` and ``(*batch_bias, N)``. Each batch
+shape has the rank of the output batch shape, which is their broadcast: every
+dimension either equals the output's or is 1 (broadcast, read at index 0).
+Broadcasting is resolved by index arithmetic inside the kernel, never by copies.
 """
 
 from __future__ import annotations
@@ -60,8 +60,11 @@ def gelu_tanh(x: jax.Array) -> jax.Array:
 
 
 def silu(x: jax.Array) -> jax.Array:
-    """SiLU (swish), ``x * sigmoid(x)``."""
-    return x / (1.0 + jnp.exp(-x))
+    """SiLU (swish), ``x * sigmoid(x)``, with the sigmoid from ``exp(-|x|)``: it never
+    overflows, so the derivative autodiff takes is finite everywhere (that of
+    ``x / (1 + exp(-x))`` is inf / inf below x = -88)."""
+    e = jnp.exp(-jnp.abs(x))
+    return x * jnp.where(x >= 0.0, 1.0, e) / (1.0 + e)
 
 
 def relu(x: jax.Array) -> jax.Array:
@@ -109,7 +112,8 @@ class GemmProblem:
     batch_shape: tuple[int, ...]
     a_batch: tuple[int, ...]
     b_batch: tuple[int, ...]
-    vec_batch: tuple[int, ...]
+    scale_batch: tuple[int, ...]
+    bias_batch: tuple[int, ...]
     transpose_a: bool
     transpose_b: bool
     has_scale: bool
@@ -138,10 +142,12 @@ def problem_of(
     rank = a.ndim - 2
     m, k = (a.shape[-1], a.shape[-2]) if transpose_a else a.shape[-2:]
     n = b.shape[-2] if transpose_b else b.shape[-1]
-    vec = scale if scale is not None else bias
-    vec_batch = vec.shape[:-1] if vec is not None else (1,) * rank
+    scale_batch, bias_batch = (
+        (1,) * rank if vector is None else tuple(vector.shape[:-1]) for vector in (scale, bias)
+    )
     batch_shape = tuple(
-        max(dims) for dims in zip(a.shape[:-2], b.shape[:-2], vec_batch, strict=True)
+        max(dims)
+        for dims in zip(a.shape[:-2], b.shape[:-2], scale_batch, bias_batch, strict=True)
     )
     return GemmProblem(
         m=m,
@@ -150,7 +156,8 @@ def problem_of(
         batch_shape=batch_shape,
         a_batch=tuple(a.shape[:-2]),
         b_batch=tuple(b.shape[:-2]),
-        vec_batch=tuple(vec_batch),
+        scale_batch=scale_batch,
+        bias_batch=bias_batch,
         transpose_a=transpose_a,
         transpose_b=transpose_b,
         has_scale=scale is not None,

@@ -5,7 +5,8 @@ Layering: ``matmul`` validates and picks an implementation, then calls a
 ``_gemm``, a ``custom_vmap`` function. Under ``jax.vmap`` the batching rule
 adds the mapped axis as a leading batch dimension of every operand (size 1
 for unmapped ones, a free reshape) and calls the implementation once: the
-kernels run the batch as a grid axis of a single launch and broadcast size-1
+result's batch is the broadcast of all operands' (the epilogue vectors' too),
+the kernels run it as a grid axis of a single launch and broadcast size-1
 operands by index arithmetic, never by copies.
 
 The backward pass reuses the forward kernel with transposed-operand layouts
@@ -65,15 +66,18 @@ def matmul(
     Products accumulate in float32, except that in the Mosaic kernel Hopper's tensor
     cores add fp8 products at their own precision (about 14 mantissa bits: relative
     errors near 3e-4). Differentiable (not for fp8 operands), jittable, and batched
-    by ``jax.vmap`` in one kernel launch. The default implementation takes the best
-    kernel that serves the call: the Mosaic kernel needs rows of a multiple of 128
-    bytes in every stored array (and a multiple of 8 rows for ``a`` read as (K, M) or
-    ``b`` as (K, N)); other sizes go to the Triton kernel, which takes any.
+    by ``jax.vmap`` in one kernel launch. With an activation, differentiation keeps
+    the pre-activation (M x N, in out_dtype; float32 for float16, whose range it may
+    exceed) for the backward pass. The default
+    implementation takes the best kernel that serves the call: the Mosaic kernel
+    needs rows of a multiple of 128 bytes in every stored array (and a multiple of 8
+    rows for ``a`` read as (K, M) or ``b`` as (K, N)); other sizes go to the Triton
+    kernel, which takes any.
     """
     _, n, _ = check.check_operands(a, b, transpose_a, transpose_b)
     fp8 = jnp.dtype(a.dtype) in check.FP8_DTYPES
     check.check_bias(bias, n)
-    check.check_scales(a_scale, b_scale, fp8)
+    check.check_scales(a_scale, b_scale, a.dtype)
     check.check_activation(activation)
     out_dtype = check.check_out_dtype(out_dtype, a.dtype)
     check.check_implementation(implementation)
@@ -174,8 +178,13 @@ def _differentiable(spec: _Spec):
         # The bias (an N-vector) stays a residual for its dtype, which its gradient takes.
         if spec.activation is None:
             return fused(a, b, scale, bias), (a, b, None, bias)
-        # Keep the pre-activation for the activation's derivative.
-        linear = _gemm(dataclasses.replace(spec, activation=None), a, b, scale, bias)
+        # The pre-activation, kept for the activation's derivative, is stored in out_dtype,
+        # except float16: its range ends at 65504, and at inf the activations' values and
+        # derivatives are NaN. (Recomputing it in the backward pass would cost a GEMM;
+        # jax.checkpoint offers that trade to the caller.)
+        stored = jnp.float32 if spec.out_dtype == jnp.float16 else spec.out_dtype
+        linear_spec = dataclasses.replace(spec, activation=None, out_dtype=jnp.dtype(stored))
+        linear = _gemm(linear_spec, a, b, scale, bias)
         out = ACTIVATIONS[spec.activation](linear.astype(jnp.float32)).astype(spec.out_dtype)
         return out, (a, b, linear, bias)
 
@@ -185,7 +194,8 @@ def _differentiable(spec: _Spec):
             raise TypeError("matmul: gradients through fp8 operands are not supported")
         d_linear = d_out.astype(jnp.float32)
         if spec.activation is not None:
-            _, activation_vjp = jax.vjp(ACTIVATIONS[spec.activation], linear.astype(jnp.float32))
+            _, activation_vjp = jax.vjp(ACTIVATIONS[spec.activation],
+                                        linear.astype(jnp.float32))
             (d_linear,) = activation_vjp(d_linear)
         d_a, d_b = _operand_gradients(spec, a, b, d_linear.astype(a.dtype))
         d_bias = None if bias is None else d_linear.sum(axis=0).astype(bias.dtype)

@@ -69,14 +69,20 @@ def check_bias(bias: Array | None, n: int) -> None:
         raise TypeError(f"matmul: bias must be a floating array, got {bias.dtype}")
 
 
-def check_scales(a_scale: Array | None, b_scale: Array | None, fp8: bool) -> None:
-    """Per-tensor scales: scalars, and only for fp8 operands."""
+def check_scales(a_scale: Array | None, b_scale: Array | None, in_dtype) -> None:
+    """Per-tensor scales: real scalars, and only for fp8 operands (of dtype ``in_dtype``)."""
     for name, s in (("a_scale", a_scale), ("b_scale", b_scale)):
         if s is None:
             continue
-        if not fp8:
+        if jnp.dtype(in_dtype) not in FP8_DTYPES:
             raise ValueError(
-                f"matmul: {name} is for fp8 operands (float8_e4m3fn, float8_e5m2) only"
+                f"matmul: {name} is for fp8 operands ({_names(FP8_DTYPES)}) only;"
+                f" a and b are {jnp.dtype(in_dtype)}"
+            )
+        if not isinstance(s, (int, float)) and not hasattr(s, "dtype"):
+            raise TypeError(
+                f"matmul: {name} must be a real number or a scalar array, got"
+                f" {type(s).__name__} {s!r}"
             )
         shape = tuple(np.shape(s))
         if shape not in ((), (1,)):

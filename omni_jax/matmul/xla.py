@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.matmul_common import GemmProblem, epilogue
+from pallas_kernels.matmul_common import GemmProblem, epilogue, problem_of
 
 
 def unsupported_reason(problem: GemmProblem) -> str | None:
@@ -32,6 +32,8 @@ def matmul(
 ) -> jax.Array:
     """Batched ``act(op(a) @ op(b) * scale + bias)``; transposes fold into the dot's layout."""
     out_dtype = jnp.dtype(out_dtype or a.dtype)
+    p = problem_of(a, b, scale, bias, transpose_a=transpose_a, transpose_b=transpose_b,
+                   activation=activation, out_dtype=out_dtype)
     if transpose_a:
         a = jnp.swapaxes(a, -1, -2)
     if transpose_b:
@@ -40,4 +42,7 @@ def matmul(
     # would round them to TF32. 16-bit operands are unaffected.
     precision = lax.Precision.HIGHEST if jnp.dtype(a.dtype).itemsize >= 4 else None
     acc = jnp.matmul(a, b, precision=precision, preferred_element_type=jnp.float32)
+    # The batch may come from the epilogue vectors alone (vmap over the bias, say);
+    # XLA fuses this broadcast into the epilogue.
+    acc = jnp.broadcast_to(acc, (*p.batch_shape, p.m, p.n))
     return epilogue(acc, scale, bias, activation, out_dtype)

@@ -312,7 +312,10 @@ def _kernel(
     scale_gmem = rest.pop(0) if p.has_scale else None
     bias_gmem = rest.pop(0) if p.has_bias else None
     (out_gmem,) = rest
-    vec_gmems = [v for v in (scale_gmem, bias_gmem) if v is not None]
+    # The epilogue vectors present, each with its own batch shape.
+    vectors = [(v, own) for v, own in ((scale_gmem, p.scale_batch), (bias_gmem, p.bias_batch))
+               if v is not None]
+    vec_gmems = [v for v, _ in vectors]
 
     c = config
     cta_m = c.cta_tile_m
@@ -329,14 +332,15 @@ def _kernel(
     b_block = (c.tile_n, c.tile_k) if p.transpose_b else (c.tile_k, c.tile_n)
 
     def tile_coords(lin):
-        """(batch index of a, b, vectors, out; m offset; n offset) of linear tile ``lin``."""
+        """(batch indices of a, b, the epilogue vectors (a tuple) and out; m offset;
+        n offset) of linear tile ``lin``."""
         bi = lin // (m_tiles * n_groups)
         mi, gi = grouped_tile(lin % (m_tiles * n_groups), m_tiles, n_groups, c.group_m)
         ni = gi * c.cluster_n + (lax.axis_index("cluster") if multicast else 0)
         idx = (
             operand_batch_index(bi, p.batch_shape, p.a_batch),
             operand_batch_index(bi, p.batch_shape, p.b_batch),
-            operand_batch_index(bi, p.batch_shape, p.vec_batch),
+            tuple(operand_batch_index(bi, p.batch_shape, own) for _, own in vectors),
             bi,
         )
         return idx, mi * cta_m, ni * c.tile_n
@@ -410,13 +414,13 @@ def _kernel(
             @plgpu.nd_loop((num_tiles,), collective_axes="sm")
             def _tile(info):
                 (lin,) = info.index
-                (_, _, vi, oi), m0, n0 = tile_coords(lin)
+                (_, _, vec_indices, oi), m0, n0 = tile_coords(lin)
                 own_tile = info.local_index // c.barrier_sets  # among this consumer's tiles
                 first_step = info.local_index * k_iters
 
                 def compute_tile():
                     # Epilogue vectors for this tile; the copy overlaps the main loop.
-                    for vec, smem in zip(vec_gmems, vec_smems, strict=True):
+                    for vec, vi, smem in zip(vec_gmems, vec_indices, vec_smems, strict=True):
                         plgpu.copy_gmem_to_smem(
                             vec.at[vi, pl.ds(n0, c.tile_n)], smem.at[wg], vec_bar.at[wg]
                         )

@@ -101,9 +101,9 @@ def _kernel(a_ref, b_ref, *refs, p: GemmProblem, config: MatmulConfig):
 
     mi, ni = grouped_tile(pl.program_id(0), m_tiles, n_tiles, config.group_m)
     batch = pl.program_id(1)
-    a_index, b_index, vec_index = (
+    a_index, b_index, scale_index, bias_index = (
         jnp.asarray(operand_batch_index(batch, p.batch_shape, own), jnp.int32)
-        for own in (p.a_batch, p.b_batch, p.vec_batch)
+        for own in (p.a_batch, p.b_batch, p.scale_batch, p.bias_batch)
     )
     m0, n0 = mi * bm, ni * bn
     rows_ok = (m0 + lax.broadcasted_iota(jnp.int32, (bm,), 0)) < p.m
@@ -136,8 +136,8 @@ def _kernel(a_ref, b_ref, *refs, p: GemmProblem, config: MatmulConfig):
     acc = lax.fori_loop(0, pl.cdiv(p.k, bk), step, jnp.zeros((bm, bn), jnp.float32))
     vectors = [
         None if ref is None
-        else compat.triton_load(ref.at[vec_index, pl.ds(n0, bn)], mask=cols_ok, other=0.0)
-        for ref in (scale_ref, bias_ref)
+        else compat.triton_load(ref.at[index, pl.ds(n0, bn)], mask=cols_ok, other=0.0)
+        for ref, index in ((scale_ref, scale_index), (bias_ref, bias_index))
     ]
     out = epilogue(acc, *vectors, p.activation, p.out_dtype)
     compat.triton_store(

@@ -23,7 +23,7 @@ TOLERANCE = {
 # output dtype.
 FP8_TOLERANCE = 2e-3
 
-_REFERENCE_ACTIVATIONS = {
+REFERENCE_ACTIVATIONS = {
     None: lambda x: x,
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
     "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
@@ -57,7 +57,7 @@ def reference(a, b, *, bias=None, activation=None, transpose_a=False, transpose_
         out = jnp.matmul(a64, b64) * scale
         if bias is not None:
             out = out + jnp.asarray(np.asarray(bias, np.float64))
-        return np.asarray(_REFERENCE_ACTIVATIONS[activation](out))
+        return np.asarray(REFERENCE_ACTIVATIONS[activation](out))
 
 
 def assert_close(actual, expected, dtype, seed, tolerance=None):
@@ -74,3 +74,21 @@ def assert_close(actual, expected, dtype, seed, tolerance=None):
     assert worst <= 20 * tolerance * scale, (
         f"an element is off by {worst:.3g} (max |ref| {scale:.3g}, seed {seed})"
     )
+
+
+def check_vectors_batched_apart(kernel_module, batched: str, m: int, n: int, k: int) -> None:
+    """``kernel_module.matmul`` over a batch of 3 in ``a`` and in the epilogue vector named
+    ``batched`` ("scale" or "bias"), with ``b`` and the other vector shared (batch 1): each
+    vector must be read at its own batch index."""
+    batch = 3
+    a, b, _, seed = random_operands(m, n, k, jnp.bfloat16, batch=(batch,))
+    scale_key, bias_key = jax.random.split(jax.random.key(seed + 1))
+    vectors = {
+        "scale": jax.random.uniform(scale_key, (batch, n), jnp.float32, 0.5, 2.0),
+        "bias": jax.random.normal(bias_key, (batch, n), jnp.float32),
+    }
+    scale, bias = (v if name == batched else v[:1] for name, v in vectors.items())
+    out = kernel_module.matmul(a, b[:1], scale, bias, out_dtype=jnp.float32)
+    expected = reference(a, b[:1], bias=np.asarray(bias)[:, None],
+                         scale=np.asarray(scale, np.float64)[:, None])
+    assert_close(out, expected, jnp.float32, seed)

@@ -20,6 +20,7 @@ from pallas_kernels import runtime
 from pallas_kernels.matmul_common import problem_of
 from tests.omni_jax.matmul_helpers import (
     FP8_TOLERANCE,
+    REFERENCE_ACTIVATIONS,
     TOLERANCE,
     assert_close,
     random_operands,
@@ -192,47 +193,96 @@ def test_nested_vmap_broadcasts_operands(implementation):
     assert_close(out, expected, F32, seed)
 
 
-@pytest.mark.parametrize("implementation", ["xla", *KERNELS])
-@pytest.mark.parametrize("transpose_a,transpose_b,activation,bias_dtype", [
-    (False, False, "gelu", BF16), (True, True, None, F32),
+# (dtype, the operands vmap maps); the others are shared. fp8 calls carry both epilogue
+# vectors, scale and bias, so each is mapped once while the other is shared.
+@pytest.mark.parametrize("dtype,mapped", [
+    (BF16, ("bias",)),
+    (E4M3, ("bias",)),
+    (E4M3, ("a_scale",)),
+    (E4M3, ("a", "b_scale")),
+    (E5M2, ("b", "a_scale", "bias")),
 ])
-def test_gradients(implementation, transpose_a, transpose_b, activation, bias_dtype):
+@pytest.mark.parametrize("implementation", ["xla", *KERNELS])
+def test_vmap_over_any_operands(implementation, dtype, mapped):
+    """The result's batch is that of every mapped operand, epilogue vectors included, and
+    each operand is read at its own batch index."""
+    _skip_if_missing(implementation)
+    batch, m, n, k = 3, 24, 64, 128
+    a, b, _, seed = random_operands(m, n, k, dtype, batch=(batch,))
+    bias_key, a_key, b_key = jax.random.split(jax.random.key(seed + 1), 3)
+    operands = dict(a=a, b=b, bias=jax.random.normal(bias_key, (batch, n), F32))
+    fp8 = dtype in (E4M3, E5M2)
+    if fp8:
+        operands.update(a_scale=jax.random.uniform(a_key, (batch,), F32, 0.5, 2.0),
+                        b_scale=jax.random.uniform(b_key, (batch,), F32, 0.5, 2.0))
+    operands = {name: x if name in mapped else x[0] for name, x in operands.items()}
+
+    def one(operands):
+        return omni_jax.matmul(**operands, out_dtype=F32, implementation=implementation)
+
+    out = jax.vmap(one, in_axes=({name: 0 if name in mapped else None for name in operands},))(
+        operands)
+
+    def example(i):
+        return {name: x[i] if name in mapped else x for name, x in operands.items()}
+
+    expected = np.stack([
+        reference(x["a"], x["b"], bias=x["bias"],
+                  scale=float(x["a_scale"] * x["b_scale"]) if fp8 else 1.0)
+        for x in map(example, range(batch))])
+    assert_close(out, expected, F32, seed, tolerance=FP8_TOLERANCE if fp8 else None)
+
+
+@pytest.mark.parametrize("implementation", ["xla", *KERNELS])
+@pytest.mark.parametrize("dtype,out_dtype,transpose_a,transpose_b,activation,bias_dtype", [
+    (BF16, F32, False, False, "gelu", BF16), (BF16, F32, True, True, None, F32),
+    # 16-bit outputs with pre-activations far below zero, past float16's range (see below)
+    (BF16, BF16, False, False, "silu", BF16),
+    (F16, F16, False, False, "silu", F32), (F16, F16, False, True, "gelu_tanh", F32),
+    (F16, F16, True, False, "gelu", F32),
+])
+def test_gradients(implementation, dtype, out_dtype, transpose_a, transpose_b, activation,
+                   bias_dtype):
     _skip_if_missing(implementation)
     m, n, k = 64, 64, 128
-    a, b, bias, seed = random_operands(m, n, k, BF16, transpose_a=transpose_a,
+    a, b, bias, seed = random_operands(m, n, k, dtype, transpose_a=transpose_a,
                                        transpose_b=transpose_b)
+    if out_dtype != F32:
+        # Every other column's pre-activation lies near -1e5, past float16's -65504, where
+        # the activation gives -0. Under differentiation the output and the gradients there
+        # were NaN: the pre-activation was kept in float16 (-inf), and silu's derivative
+        # was inf / inf below -88 in any dtype.
+        bias = bias.at[::2].add(-1e5)
     bias = bias.astype(bias_dtype)
     cotangent = jax.random.normal(jax.random.key(seed + 1), (m, n), jnp.float32)
 
-    def loss(a, b, bias):
-        out = omni_jax.matmul(a, b, bias=bias, activation=activation, out_dtype=F32,
-                              transpose_a=transpose_a, transpose_b=transpose_b,
-                              implementation=implementation)
-        return jnp.sum(out * cotangent)
+    def gemm(a, b, bias):
+        return omni_jax.matmul(a, b, bias=bias, activation=activation, out_dtype=out_dtype,
+                               transpose_a=transpose_a, transpose_b=transpose_b,
+                               implementation=implementation)
 
-    grads = jax.grad(loss, argnums=(0, 1, 2))(a, b, bias)
+    out, gemm_vjp = jax.vjp(gemm, a, b, bias)
+    grads = gemm_vjp(cotangent.astype(out_dtype))
     with jax.enable_x64(True):
-        def reference_loss(a, b, bias):
-            out = reference_traceable(a, b, bias, activation, transpose_a, transpose_b)
-            return jnp.sum(out * jnp.asarray(cotangent, jnp.float64))
-
-        expected = jax.grad(reference_loss, argnums=(0, 1, 2))(
+        expected_out, reference_vjp = jax.vjp(
+            lambda a, b, bias: reference_traceable(a, b, bias, activation, transpose_a,
+                                                   transpose_b),
             *(jnp.asarray(np.asarray(x, np.float64)) for x in (a, b, bias)))
-        expected = [np.asarray(e) for e in expected]
+        expected = reference_vjp(jnp.asarray(np.asarray(cotangent.astype(out_dtype),
+                                                        np.float64)))
+        expected_out, expected = np.asarray(expected_out), [np.asarray(e) for e in expected]
+    assert_close(out, expected_out, out_dtype, seed)
     for name, got, want, primal in zip(("a", "b", "bias"), grads, expected, (a, b, bias),
                                        strict=True):
         assert got.shape == want.shape and got.dtype == primal.dtype, name
-        # Gradients pass through bfloat16 (dC is rounded before the backward GEMMs).
-        assert_close(got, want, BF16, seed, tolerance=2e-2)
+        # Gradients pass through the input dtype (dC is rounded before the backward GEMMs).
+        assert_close(got, want, dtype, seed, tolerance=2 * TOLERANCE[dtype])
 
 
 def reference_traceable(a, b, bias, activation, transpose_a, transpose_b):
     a = a.T if transpose_a else a
     b = b.T if transpose_b else b
-    out = a @ b + bias
-    if activation == "gelu":
-        out = jax.nn.gelu(out, approximate=False)
-    return out
+    return REFERENCE_ACTIVATIONS[activation](a @ b + bias)
 
 
 def test_vmap_of_grad_and_grad_of_vmap_agree():
@@ -268,7 +318,9 @@ def test_jit():
     (dict(bias=jnp.ones((6,), jnp.int32)), TypeError, "bias must be a floating"),
     (dict(activation="tanh"), ValueError, "activation must be None or one of"),
     (dict(out_dtype=jnp.int8), TypeError, "out_dtype must be one of"),
-    (dict(a_scale=2.0), ValueError, "a_scale is for fp8"),
+    (dict(a_scale=2.0), ValueError, "a_scale is for fp8 .* only; a and b are bfloat16"),
+    (dict(a=jnp.ones((3, 4), E4M3), b=jnp.ones((4, 6), E4M3), b_scale="2"), TypeError,
+     "b_scale must be a real number or a scalar array, got str '2'"),
     (dict(implementation="cuda"), ValueError, "implementation must be None or one of"),
     (dict(transpose_a=1), TypeError, "transpose_a must be a bool"),
     (dict(a="x"), TypeError, "a must be an array"),

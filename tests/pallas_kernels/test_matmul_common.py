@@ -22,9 +22,17 @@ def test_portable_erf_matches_float64():
     ("silu", jax.nn.silu),
     ("relu", jax.nn.relu),
 ])
-def test_activations_match_jax(name, reference):
-    x = jnp.linspace(-30.0, 30.0, 4001, dtype=jnp.float32)
-    np.testing.assert_allclose(common.ACTIVATIONS[name](x), reference(x), rtol=2e-6, atol=2e-6)
+def test_activations_and_derivatives_match_jax(name, reference):
+    """Values and derivatives, the latter out to +-1e5 (the backward pass differentiates
+    these functions: silu's derivative was NaN below -88)."""
+    x = jnp.concatenate([jnp.linspace(-30.0, 30.0, 4001, dtype=jnp.float32),
+                         jnp.array([-1e5, -1e3, -100.0, 100.0, 1e3, 1e5], jnp.float32)])
+    activation = common.ACTIVATIONS[name]
+    np.testing.assert_allclose(activation(x), reference(x), rtol=2e-6, atol=2e-6)
+    derivative = jax.vmap(jax.grad(activation))(x)
+    # gelu's erf is a rational fit, clipped at +-4: its derivative is off by up to 7e-6 there.
+    np.testing.assert_allclose(derivative, jax.vmap(jax.grad(reference))(x), rtol=2e-6,
+                               atol=1e-5)
 
 
 @pytest.mark.parametrize("m_tiles,n_tiles,group_m", [(1, 1, 8), (5, 3, 2), (7, 9, 4), (3, 4, 8)])

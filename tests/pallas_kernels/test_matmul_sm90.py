@@ -14,7 +14,12 @@ import pytest
 from pallas_kernels import runtime
 from pallas_kernels.matmul_common import problem_of
 from pallas_kernels.mosaic import matmul_sm90 as sm90
-from tests.omni_jax.matmul_helpers import assert_close, random_operands, reference
+from tests.omni_jax.matmul_helpers import (
+    assert_close,
+    check_vectors_batched_apart,
+    random_operands,
+    reference,
+)
 from tests.pallas_kernels.gemm_lowering import LOWERING_CASES, lower_gemm_for_cuda
 
 BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
@@ -93,6 +98,11 @@ def test_shallow_ring_wraps_across_tiles(m, n, transpose_a, transpose_b, wgmma_i
     expected = reference(a, b, bias=bias, activation="silu", transpose_a=transpose_a,
                          transpose_b=transpose_b)
     assert_close(out, expected, F32, seed)
+
+
+@pytest.mark.parametrize("batched", ["scale", "bias"])
+def test_epilogue_vectors_are_read_at_their_own_batch(batched):
+    check_vectors_batched_apart(sm90, batched, 24, 64, 64)
 
 
 @pytest.fixture
