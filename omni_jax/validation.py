@@ -103,6 +103,11 @@ def check_block_mask(mask: Any, *, batch: int, num_q_heads: int, q_len: int,
     if not isinstance(mask, BlockMask):
         raise TypeError(f"mask must be an omni_jax.BlockMask (see create_block_mask) or None, "
                         f"got {type(mask).__name__}")
+    extra = mask.kv_num_blocks.shape[:-3]
+    if extra:
+        raise ValueError(f"mask has leading axes {extra} besides (batch, heads): it was built "
+                         f"under jax.vmap; pass it to attention under the same vmap, or index "
+                         f"one mask out of it")
     mask_batch, mask_heads, mask_q, mask_kv = mask.shape
     if (mask_q, mask_kv) != (q_len, kv_len):
         raise ValueError(f"mask was built for (q_len, kv_len) = {(mask_q, mask_kv)}, but the "

@@ -209,6 +209,9 @@ class Attention(nnx.Module):
         if self.cached_key.shape[0] != batch:
             raise ValueError(f"decode: x has batch {batch}, the cache was made for batch "
                              f"{self.cached_key.shape[0]}")
+        if num_new == 0:
+            raise ValueError("decode: the step has no tokens (x has sequence length 0); "
+                             "give at least one")
         if num_new > max_len:
             raise ValueError(f"decode: {num_new} new tokens do not fit a cache of {max_len}")
         _check_cache_room(index, num_new, max_len)

@@ -205,7 +205,12 @@ class BlockMask:
         return flags[..., :nkv], ids[..., :nkv]
 
     def density(self) -> float:
-        """Fraction of tiles that are computed (1.0 for dense attention)."""
+        """Fraction of tiles that are computed (1.0 for dense attention); needs a concrete
+        mask (a Python float)."""
+        if isinstance(self.kv_num_blocks, jax.core.Tracer):
+            raise TypeError("BlockMask.density() / sparsity() return Python floats, so the "
+                            "mask must be concrete: this one is traced (built inside jax.jit "
+                            "or jax.vmap); call them outside")
         total = np.prod(self.kv_indices.shape)
         return float(jnp.sum(self.kv_num_blocks)) / float(total)
 
@@ -215,6 +220,16 @@ class BlockMask:
 
     def restrict(self, mask_mod: MaskMod) -> BlockMask:
         """This mask AND a structured mask_mod, classified on this mask's tiles."""
+        if not isinstance(mask_mod, MaskMod):
+            raise TypeError(f"restrict takes a structured mask (causal_mask, "
+                            f"sliding_window_mask, document_mask, ...), got "
+                            f"{type(mask_mod).__name__}: build a mask_mod function into a new "
+                            f"mask with create_block_mask(and_masks(...), ...) instead")
+        mask_mod.check_lengths(self.grid)
+        batch = self.shape[0]
+        if mask_mod.batch_size() not in (1, batch) and batch != 1:
+            raise ValueError(f"restrict: the mask_mod's arrays have batch size "
+                             f"{mask_mod.batch_size()}, this mask {batch}")
         full, empty = mask_mod.classify(self.grid)
         flags, ids = self._dense_tiles()
         new_flags = jnp.where(empty, MASKED, jnp.where((flags >= 0) & ~full,
@@ -231,8 +246,8 @@ class BlockMask:
         """The element mask ``[Bm, Hm, q_len, kv_len]`` bool (O(q_len * kv_len): debugging)."""
         flags, ids = self._dense_tiles()
         bq, bkv = self.block_size
-        q_idx = jnp.arange(self.q_len)
-        kv_idx = jnp.arange(self.kv_len)
+        q_idx = jnp.arange(self.q_len, dtype=jnp.int32)
+        kv_idx = jnp.arange(self.kv_len, dtype=jnp.int32)
         tile_flags = flags[:, :, q_idx // bq][:, :, :, kv_idx // bkv]
         tile_ids = ids[:, :, q_idx // bq][:, :, :, kv_idx // bkv]
         bits = self.partial_masks[jnp.maximum(tile_ids, 0), (q_idx % bq)[:, None],

@@ -50,14 +50,15 @@ def _check_size(name: str, value: Any, *, allow_none: bool) -> None:
 
 def normalize_block_size(block_size: int | tuple[int, int]) -> tuple[int, int]:
     """``block_size`` as (block_q, block_kv), validated."""
+    pair = block_size
     if isinstance(block_size, (int, np.integer)) and not isinstance(block_size, bool):
-        block_size = (int(block_size), int(block_size))
-    if (not isinstance(block_size, (tuple, list)) or len(block_size) != 2
+        pair = (block_size, block_size)
+    if (not isinstance(pair, (tuple, list)) or len(pair) != 2
             or any(isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b <= 0
-                   for b in block_size)):
+                   for b in pair)):
         raise ValueError("block_size must be a positive int or a pair (block_q, block_kv) of "
                          f"positive ints, got {block_size!r}")
-    return int(block_size[0]), int(block_size[1])
+    return int(pair[0]), int(pair[1])
 
 
 def create_block_mask(mask_mod: MaskFn, batch: int | None, heads: int | None, q_len: int,
@@ -103,7 +104,7 @@ def _structured_block_mask(mask_mod: MaskMod, batch: int | None, heads: int | No
     if batch is not None and mask_batch not in (1, batch):
         raise ValueError(f"create_block_mask: batch={batch} but the mask_mod's arrays have "
                          f"batch size {mask_batch}")
-    _check_leaf_lengths(mask_mod, grid)
+    mask_mod.check_lengths(grid)
     flags = structured_tile_flags(mask_mod, grid)
     flags = jnp.broadcast_to(flags, (max(batch or 1, flags.shape[0]), heads or 1,
                                      *flags.shape[2:]))
@@ -111,14 +112,6 @@ def _structured_block_mask(mask_mod: MaskMod, batch: int | None, heads: int | No
                                      kv_len=grid.kv_len, block_size=(grid.block_q,
                                                                      grid.block_kv),
                                      contiguous_full=has_contiguous_full_tiles(mask_mod))
-
-
-def _check_leaf_lengths(mask_mod: MaskMod, grid: BlockGrid) -> None:
-    expected = {"q": grid.q_len, "kv": grid.kv_len}
-    for leaf, kind in zip(jax.tree.leaves(mask_mod), mask_mod.leaf_kinds(), strict=True):
-        if kind in expected and leaf.shape[-1] != expected[kind]:
-            raise ValueError(f"mask_mod {type(mask_mod).__name__}: a {kind}-indexed array has "
-                             f"length {leaf.shape[-1]}, expected {kind}_len={expected[kind]}")
 
 
 def _evaluate(mask_mod: MaskFn, b: Array, h: Array, q_idx: Array, kv_idx: Array) -> Array:
@@ -130,8 +123,8 @@ def _evaluate(mask_mod: MaskFn, b: Array, h: Array, q_idx: Array, kv_idx: Array)
 def _row_tiles(mask_mod: MaskFn, grid: BlockGrid, b: Array, h: Array, q_block: Array):
     """The tiles of one q-block row: (visible bits, in-bounds bits), ``[nkv, bq, bkv]``."""
     bq, bkv, nkv = grid.block_q, grid.block_kv, grid.num_kv_blocks
-    q_idx = q_block * bq + jnp.arange(bq)
-    kv_idx = jnp.arange(nkv * bkv)
+    q_idx = q_block * bq + jnp.arange(bq, dtype=jnp.int32)
+    kv_idx = jnp.arange(nkv * bkv, dtype=jnp.int32)
     in_bounds = (q_idx < grid.q_len)[:, None] & (kv_idx < grid.kv_len)[None, :]
     bits = _evaluate(mask_mod, b, h, q_idx, kv_idx) & in_bounds
     as_tiles = lambda x: x.reshape(bq, nkv, bkv).swapaxes(0, 1)
@@ -162,9 +155,10 @@ def _hoisted(mask_mod: MaskFn) -> tuple[_HoistedMaskMod, list[Array]]:
 
 
 def _rows(batch: int, heads: int, grid: BlockGrid) -> Array:
-    """Every (b, h, q-block) as rows of a ``[batch * heads * nq, 3]`` array."""
+    """Every (b, h, q-block) as int32 rows of a ``[batch * heads * nq, 3]`` array (the
+    index type the mask_mod was traced with, also under jax_enable_x64)."""
     return jnp.stack([a.ravel() for a in np.indices((batch, heads, grid.num_q_blocks))],
-                     axis=-1)
+                     axis=-1).astype(jnp.int32)
 
 
 def _evaluated_block_mask(mask_mod: MaskFn, batch: int, heads: int,
@@ -214,8 +208,8 @@ def _tiles(coords, captured, *, mask_mod: _HoistedMaskMod, grid: BlockGrid) -> A
 
     def tile(coord):
         b, h, q_block, kv_block = coord[0], coord[1], coord[2], coord[3]
-        q_idx = q_block * bq + jnp.arange(bq)
-        kv_idx = kv_block * bkv + jnp.arange(bkv)
+        q_idx = q_block * bq + jnp.arange(bq, dtype=jnp.int32)
+        kv_idx = kv_block * bkv + jnp.arange(bkv, dtype=jnp.int32)
         in_bounds = (q_idx < grid.q_len)[:, None] & (kv_idx < grid.kv_len)[None, :]
         return _evaluate(fn, b, h, q_idx, kv_idx) & in_bounds
 

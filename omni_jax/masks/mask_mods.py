@@ -120,6 +120,15 @@ class MaskMod(abc.ABC):
                 gathered.append(leaf[batch, position])
         return jax.tree.unflatten(treedef, gathered)
 
+    def check_lengths(self, grid: BlockGrid) -> None:
+        """Raises unless every q-/kv-indexed leaf has the grid's q_len / kv_len."""
+        expected = {"q": grid.q_len, "kv": grid.kv_len}
+        for leaf, kind in zip(jax.tree.leaves(self), self.leaf_kinds(), strict=True):
+            if kind in expected and leaf.shape[-1] != expected[kind]:
+                raise ValueError(f"mask_mod {type(self).__name__}: a {kind}-indexed array has "
+                                 f"length {leaf.shape[-1]}, expected {kind}_len="
+                                 f"{expected[kind]}")
+
     def batch_size(self) -> int:
         """Leading size of the leaves (1 when the mask is the same for every sequence)."""
         sizes = {leaf.shape[0] for leaf in jax.tree.leaves(self)} - {1}
@@ -165,8 +174,11 @@ class Causal(MaskMod):
 
     offset: int = 0
 
+    def __post_init__(self):
+        object.__setattr__(self, "offset", max(-INT32_MAX, min(self.offset, INT32_MAX)))
+
     def predicate(self, q_idx, kv_idx):
-        return kv_idx <= q_idx + self.offset
+        return kv_idx - q_idx <= self.offset  # a difference of int32 indices cannot overflow
 
     def classify(self, grid):
         q_start, q_end = grid.q_bounds()

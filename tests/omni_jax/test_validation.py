@@ -46,6 +46,10 @@ CASES = {
     "mask batch": (dict(kwargs=dict(mask=omni_jax.create_block_mask(
         omni_jax.document_mask(jnp.zeros((3, 32), jnp.int32), jnp.zeros((3, 48), jnp.int32)),
         3, None, 32, 48, 16))), ValueError, r"mask batch size must be 1 or 2, got 3"),
+    "mask built under vmap": (dict(kwargs=dict(mask=jax.vmap(
+        lambda ids: omni_jax.create_block_mask(omni_jax.document_mask(ids[:, :32], ids), None,
+                                               None, 32, 48, 16))(jnp.zeros((3, 1, 48), int)))),
+        ValueError, r"mask has leading axes \(3,\) besides \(batch, heads\)"),
     "mask type": (dict(kwargs=dict(mask=jnp.ones((32, 48), bool))), TypeError,
                   r"mask must be an omni_jax.BlockMask"),
     "score_mod": (dict(kwargs=dict(score_mod="alibi")), TypeError, r"score_mod must be callable"),

@@ -163,6 +163,8 @@ def test_decode_past_the_cache_end_raises_eagerly(seed):
     cached_key = np.asarray(layer.cached_key[...])
     with pytest.raises(ValueError, match=r"max_len=4.*index 3 \+ 3 new tokens"):
         layer(x[:, 3:6], decode=True)
+    with pytest.raises(ValueError, match=r"decode: the step has no tokens"):
+        layer(x[:, 3:3], decode=True)
     np.testing.assert_array_equal(layer.cache_index[...], [3, 3])
     np.testing.assert_array_equal(layer.cached_key[...], cached_key)
 

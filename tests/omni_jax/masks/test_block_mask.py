@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import omni_jax
 from omni_jax.masks import COMPUTED, FULL, MASKED, PARTIAL, BlockMask
+from omni_jax.masks.mask_mods import Causal
 
 SETTINGS = settings(max_examples=15, deadline=None)
 
@@ -256,6 +257,7 @@ def test_mask_is_a_pytree_that_vmaps():
 @pytest.mark.parametrize(("args", "message"), [
     ((omni_jax.causal_mask, 1, 1, 0, 16), "q_len"),
     ((omni_jax.causal_mask, 1, 1, 16, 16, (0, 16)), "block_size"),
+    ((omni_jax.causal_mask, 1, 1, 16, 16, 0), r"block_size .* got 0$"),
     ((omni_jax.causal_mask, 0, 1, 16, 16), "batch"),
     (("not callable", 1, 1, 16, 16), "mask_mod"),
     ((lambda b, h, i, j: i - j, 1, 1, 16, 16),
@@ -266,6 +268,42 @@ def test_mask_is_a_pytree_that_vmaps():
 def test_create_block_mask_rejects_bad_arguments(args, message):
     with pytest.raises((ValueError, TypeError), match=message):
         omni_jax.create_block_mask(*args)
+
+
+def test_plain_mask_mods_with_index_arithmetic_under_x64():
+    """The mask_mod is traced with int32 indices and evaluated with int32 ones, also when
+    jax_enable_x64 makes int64 the default."""
+    with jax.enable_x64(True):
+        mask = omni_jax.create_block_mask(lambda b, h, q, k: (q + k) % 3 != 0, None, None,
+                                          40, 40, (16, 16))
+        q, k = np.arange(40)[:, None], np.arange(40)[None]
+        np.testing.assert_array_equal(np.asarray(mask.to_dense())[0, 0], (q + k) % 3 != 0)
+
+
+@pytest.mark.parametrize("offset", [2**31 - 5, 2**40, -(2**40)])
+def test_causal_offset_beyond_int32(offset):
+    mask = omni_jax.create_block_mask(Causal(offset), None, None, 40, 40, (16, 16))
+    q, k = np.arange(40)[:, None], np.arange(40)[None]
+    np.testing.assert_array_equal(np.asarray(mask.to_dense())[0, 0], k <= q + offset)
+
+
+def test_restrict_rejects_what_it_cannot_classify():
+    mask = omni_jax.create_block_mask(omni_jax.causal_mask, 2, None, 32, 32, (16, 16))
+    with pytest.raises(TypeError, match="restrict takes a structured mask .* got function"):
+        mask.restrict(lambda b, h, q, k: q >= k)
+    with pytest.raises(ValueError, match="kv-indexed array has length 20, expected kv_len=32"):
+        mask.restrict(omni_jax.document_mask(jnp.zeros((2, 32), jnp.int32),
+                                             jnp.zeros((2, 20), jnp.int32)))
+    with pytest.raises(ValueError, match="batch size 3, this mask 2"):
+        mask.restrict(omni_jax.document_mask(jnp.zeros((3, 32), jnp.int32)))
+
+
+def test_traced_mask_density_says_it_needs_a_concrete_mask():
+    ids = jnp.zeros((1, 32), jnp.int32)
+    density = lambda ids: omni_jax.create_block_mask(omni_jax.document_mask(ids), 1, None,
+                                                     32, 32, (16, 16)).density()
+    with pytest.raises(TypeError, match="must be concrete"):
+        jax.jit(density)(ids)
 
 
 @pytest.mark.parametrize(("build", "message"), [
