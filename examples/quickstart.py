@@ -28,12 +28,21 @@ def dense_attention(q, k, v, allowed, score_mod_bias, softcap):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--implementation", default=None,
                         help="attention backend (default: the best one for this device)")
-    parser.add_argument("--seq", type=int, default=512)
-    args = parser.parse_args()
+    parser.add_argument("--seq", type=int, default=512,
+                        help="sequence length (>= 3: three documents of a token or more)")
+    args = parser.parse_args(argv)
+    if args.seq < 3:
+        parser.error(f"argument --seq: must be >= 3 (three documents of a token or more), "
+                     f"got {args.seq}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
 
     rng = np.random.default_rng(0)
     seq, q_heads, kv_heads, head_dim = args.seq, 8, 2, 64

@@ -24,6 +24,7 @@ import math
 import sys
 import sysconfig
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -168,7 +169,9 @@ def eval_step(model: LanguageModel, tokens: Array, segments: Array) -> Array:
 
 
 def evaluate(model: LanguageModel, data: PackedData, batch: int, max_batches: int) -> float:
-    """Mean loss over eval rows spread evenly through the eval files (same rows every time)."""
+    """Mean loss over eval rows spread evenly through the eval files (same rows every time);
+    batches of all the rows when there are fewer than ``batch``."""
+    batch = min(batch, data.tokens.shape[0])
     count = min(max_batches, data.tokens.shape[0] // batch)
     rows = np.linspace(0, data.tokens.shape[0] - 1, count * batch).astype(int)
     losses = [eval_step(model, data.tokens[part], data.segments[part])
@@ -206,7 +209,9 @@ def sample(model: LanguageModel, logits: Array, key: Array, num_tokens: int,
 
 def generate(model: LanguageModel, prompt: bytes, num_tokens: int, temperature: float,
              seed: int) -> bytes:
-    """Prefills the prompt in one decode step, then samples through the KV cache."""
+    """Prefills the prompt in one decode step, then samples through the KV cache. An empty
+    prompt starts from a newline (the prefill needs a byte)."""
+    prompt = prompt or b"\n"
     model.init_cache(1, len(prompt) + num_tokens)
     logits = prefill(model, jnp.asarray(np.frombuffer(prompt, np.uint8)[None], jnp.int32))
     tokens = sample(model, logits, jax.random.key(seed), num_tokens, temperature)
@@ -285,30 +290,59 @@ PRESETS = {
 }
 
 
+def _checked(kind: type, requirement: str, valid: Callable[[Any], bool]):
+    """An argparse type: ``kind(text)``, rejected unless ``valid``."""
+
+    def parse(text: str):
+        value = kind(text)
+        if not valid(value):
+            raise argparse.ArgumentTypeError(f"must be {requirement}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type when the conversion fails
+    return parse
+
+
+positive_int = _checked(int, ">= 1", lambda value: value >= 1)
+non_negative_int = _checked(int, ">= 0", lambda value: value >= 0)
+positive_float = _checked(float, "> 0", lambda value: value > 0)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=PRESETS, default="cpu",
                         help="default sizes (flags below override them)")
-    for name, kind in (("steps", int), ("batch", int), ("seq_len", int), ("d_model", int),
-                       ("layers", int), ("heads", int), ("kv_heads", int), ("lr", float),
-                       ("max_bytes", int), ("eval_every", int), ("dtype", str)):
+    for name, kind in (("steps", positive_int), ("batch", positive_int),
+                       ("seq_len", positive_int), ("d_model", positive_int),
+                       ("layers", positive_int), ("heads", positive_int),
+                       ("kv_heads", positive_int), ("lr", positive_float),
+                       ("max_bytes", positive_int), ("eval_every", positive_int), ("dtype", str)):
         parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
-    parser.add_argument("--eval-batches", type=int, default=4)
+    parser.add_argument("--eval-batches", type=positive_int, default=4)
     parser.add_argument("--implementation", default=None,
                         help="omni_jax.attention backend (default: best available)")
     parser.add_argument("--out-dir", type=Path, default=Path("train_lm_out"))
     parser.add_argument("--resume", action="store_true", help="continue from the checkpoint")
-    parser.add_argument("--prompt", default="def ")
-    parser.add_argument("--sample-tokens", type=int, default=200)
-    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--prompt", default="def ",
+                        help="text to continue (empty: start from a newline)")
+    parser.add_argument("--sample-tokens", type=non_negative_int, default=200)
+    parser.add_argument("--temperature", type=positive_float, default=0.8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     for name, value in PRESETS[args.preset].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    args.dtype = jnp.dtype(args.dtype)
+    try:
+        args.dtype = jnp.dtype(args.dtype)
+    except TypeError:
+        parser.error(f"argument --dtype: not a dtype: {args.dtype!r}")
+    # The eval split packs a tenth of --max-bytes into rows of seq_len + 1 bytes.
+    if args.max_bytes // 10 < args.seq_len + 1:
+        parser.error(f"argument --max-bytes: {args.max_bytes} leaves the eval split (a tenth) "
+                     f"less than one row of --seq-len + 1 = {args.seq_len + 1} bytes; use "
+                     f"--max-bytes >= {10 * (args.seq_len + 1)}")
     return args
 
 
@@ -328,8 +362,8 @@ def main(argv: list[str] | None = None) -> dict:
     num_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     print(f"model: {args.layers} layers, d_model {args.d_model}, {args.heads} heads "
           f"({args.kv_heads} kv), {num_params:,} parameters")
-    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, args.steps // 20),
-                                                  args.steps, args.lr / 10)
+    warmup = min(max(1, args.steps // 20), args.steps - 1)  # the decay needs a step or more
+    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps, args.lr / 10)
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
 

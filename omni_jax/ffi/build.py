@@ -39,32 +39,78 @@ class BuildError(RuntimeError):
     """The FFI library cannot be built here (missing tool/headers, or nvcc failed)."""
 
 
-def find_nvcc() -> str | None:
-    """Path to nvcc: $OMNI_JAX_NVCC, then PATH, then $CUDA_HOME/bin."""
+def find_nvcc() -> str:
+    """Path to nvcc: $OMNI_JAX_NVCC when set, else nvcc on PATH, else bin/nvcc under the
+    first of $CUDA_HOME, $CUDA_PATH that is set, else under /usr/local/cuda.
+
+    Raises BuildError saying what was tried.
+    """
     explicit = os.environ.get(NVCC_ENV_VAR)
     if explicit:
-        return explicit if Path(explicit).is_file() else None
+        if not Path(explicit).is_file():
+            raise BuildError(f"{NVCC_ENV_VAR}={explicit} is not a file; set it to nvcc's path")
+        if not os.access(explicit, os.X_OK):
+            raise BuildError(f"{NVCC_ENV_VAR}={explicit} is not executable")
+        return explicit
     found = shutil.which("nvcc")
     if found:
         return found
-    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
-    candidate = Path(cuda_home) / "bin" / "nvcc"
-    return str(candidate) if candidate.is_file() else None
+    home_var = next((name for name in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(name)), None)
+    candidate = Path(os.environ[home_var] if home_var else "/usr/local/cuda") / "bin" / "nvcc"
+    if candidate.is_file() and os.access(candidate, os.X_OK):
+        return str(candidate)
+    where = f"${home_var}/bin ({candidate})" if home_var else str(candidate)
+    raise BuildError(
+        f"nvcc not found: not on PATH and no executable {where}; set {NVCC_ENV_VAR} to its "
+        "path, or add the CUDA toolkit to PATH or CUDA_HOME"
+    )
 
 
-def find_cutlass_include() -> Path | None:
-    """CUTLASS/CuTe include dir: $OMNI_JAX_CUTLASS_INCLUDE, else the nvidia-cutlass wheel's."""
+def _missing_headers(include: Path) -> list[str]:
+    return [name + "/" for name in ("cute", "cutlass") if not (include / name).is_dir()]
+
+
+def find_cutlass_include() -> Path:
+    """CUTLASS/CuTe include dir: $OMNI_JAX_CUTLASS_INCLUDE when set, else the nvidia-cutlass
+    wheel's. Raises BuildError saying what is missing."""
     explicit = os.environ.get(CUTLASS_ENV_VAR)
     if explicit:
-        return Path(explicit) if (Path(explicit) / "cute").is_dir() else None
+        if not Path(explicit).is_dir():
+            raise BuildError(f"{CUTLASS_ENV_VAR}={explicit} is not a directory")
+        missing = _missing_headers(Path(explicit))
+        if missing:
+            raise BuildError(
+                f"{CUTLASS_ENV_VAR}={explicit} has no {' or '.join(missing)} subdirectory; "
+                "set it to a CUTLASS include directory (the one holding cute/ and cutlass/)"
+            )
+        return Path(explicit)
     spec = importlib.util.find_spec("cutlass_library")
     if spec is None or not spec.submodule_search_locations:
-        return None
-    for location in spec.submodule_search_locations:
-        include = Path(location) / "source" / "include"
-        if (include / "cute").is_dir():
+        raise BuildError(
+            "CUTLASS headers not found: install the pinned wheel (pip install 'omni-jax[ffi]', "
+            f"i.e. nvidia-cutlass) or set {CUTLASS_ENV_VAR} to a CUTLASS include directory"
+        )
+    includes = [Path(location) / "source" / "include"
+                for location in spec.submodule_search_locations]
+    for include in includes:
+        if not _missing_headers(include):
             return include
-    return None
+    raise BuildError(
+        f"the installed nvidia-cutlass wheel has no cute/ and cutlass/ headers under "
+        f"{', '.join(map(str, includes))}; reinstall it (pip install 'omni-jax[ffi]') or set "
+        f"{CUTLASS_ENV_VAR} to a CUTLASS include directory"
+    )
+
+
+def find_toolchain() -> tuple[str, Path]:
+    """nvcc (checked to run) and the CUTLASS include dir; raises BuildError naming the first
+    one missing."""
+    nvcc = find_nvcc()
+    version = _launch([nvcc, "--version"])
+    if version.returncode != 0:
+        detail = version.stderr.strip() or version.stdout.strip()
+        raise BuildError(f"{nvcc} --version failed (exit {version.returncode}) {detail}".strip())
+    return nvcc, find_cutlass_include()
 
 
 def source_files(source_dir: Path = SOURCE_DIR) -> list[Path]:
@@ -95,11 +141,6 @@ def include_flags(source_dir: Path = SOURCE_DIR) -> list[str]:
     """Include flags: ours with -I; XLA FFI and CUTLASS as system headers (their warnings are
     not ours to fix, and warnings are errors in CI). Raises BuildError when one is missing."""
     cutlass = find_cutlass_include()
-    if cutlass is None:
-        raise BuildError(
-            "CUTLASS headers not found: install the pinned wheel (pip install 'omni-jax[ffi]', "
-            f"i.e. nvidia-cutlass) or set {CUTLASS_ENV_VAR} to a CUTLASS include directory"
-        )
     return [
         f"-I{source_dir / 'include'}", "-isystem", jax.ffi.include_dir(), "-isystem", str(cutlass),
     ]
@@ -114,12 +155,21 @@ def arch_flags(archs: tuple[str, ...]) -> list[str]:
     return flags
 
 
+def _launch(command: list[str]) -> subprocess.CompletedProcess[str]:
+    """Runs nvcc; an OS error starting it (not executable, not a program) is a BuildError."""
+    try:
+        return subprocess.run(command, capture_output=True, text=True)
+    except OSError as error:
+        raise BuildError(f"cannot run nvcc {command[0]}: {error.strerror or error}") from error
+
+
 def _nvcc_version(nvcc: str) -> str:
-    return subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    return _launch([nvcc, "--version"]).stdout
 
 
 def cache_key(nvcc: str, archs: tuple[str, ...], source_dir: Path = SOURCE_DIR) -> str:
-    """Hash of everything the library depends on: sources, headers, flags, tool versions."""
+    """The archs, then a hash of everything the library depends on (sources, headers, flags,
+    tool versions): a build for other archs never takes another's place."""
     digest = hashlib.sha256()
     for path in source_files(source_dir) + _header_files(source_dir):
         digest.update(path.name.encode())
@@ -128,11 +178,12 @@ def cache_key(nvcc: str, archs: tuple[str, ...], source_dir: Path = SOURCE_DIR) 
     digest.update(_nvcc_version(nvcc).encode())
     digest.update(str(find_cutlass_include()).encode())
     digest.update(jax.ffi.include_dir().encode())
-    return digest.hexdigest()[:16]
+    return "-".join(archs) + "-" + digest.hexdigest()[:16]
 
 
 def cache_dir() -> Path:
-    """Where built libraries live: $OMNI_JAX_CACHE_DIR, else ~/.cache/omni_jax/ffi."""
+    """Where built libraries live: $OMNI_JAX_CACHE_DIR/ffi, else $XDG_CACHE_HOME/omni_jax/ffi,
+    else ~/.cache/omni_jax/ffi."""
     root = os.environ.get(CACHE_ENV_VAR)
     if root:
         return Path(root) / "ffi"
@@ -141,7 +192,7 @@ def cache_dir() -> Path:
 
 
 def _run(command: list[str]) -> None:
-    result = subprocess.run(command, capture_output=True, text=True)
+    result = _launch(command)
     if result.returncode != 0:
         raise BuildError(
             f"nvcc failed (exit {result.returncode}):\n{' '.join(command)}\n"
@@ -159,8 +210,6 @@ def compile_object(
 ) -> None:
     """Compiles one .cu into an object file (warnings fail it when ``warnings_as_errors``)."""
     nvcc = nvcc or find_nvcc()
-    if nvcc is None:
-        raise BuildError(f"nvcc not found (set {NVCC_ENV_VAR}, PATH or CUDA_HOME)")
     command = [
         nvcc, *BASE_FLAGS, *(WARNING_FLAGS if warnings_as_errors else ()), *arch_flags(archs),
         *include_flags(source.parent), "-c", str(source), "-o", str(output),
@@ -174,8 +223,6 @@ def link_library(
 ) -> None:
     """Links compiled objects into one shared library (CUDA runtime linked statically)."""
     nvcc = nvcc or find_nvcc()
-    if nvcc is None:
-        raise BuildError(f"nvcc not found (set {NVCC_ENV_VAR}, PATH or CUDA_HOME)")
     _run([nvcc, "-shared", *arch_flags(archs), *map(str, objects), "-o", str(output)])
 
 
@@ -187,9 +234,7 @@ def build_library(
     jobs: int | None = None,
 ) -> Path:
     """Compiles every .cu in parallel and links them into ``output`` (written atomically)."""
-    nvcc = find_nvcc()
-    if nvcc is None:
-        raise BuildError(f"nvcc not found (set {NVCC_ENV_VAR}, PATH or CUDA_HOME)")
+    nvcc, _ = find_toolchain()
     sources = [source for source in source_files(source_dir) if source_archs(source, archs)]
     if not sources:
         raise BuildError(f"no .cu sources for {', '.join(archs)} in {source_dir}")

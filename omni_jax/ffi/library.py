@@ -4,9 +4,10 @@ Lookup order for the library:
   1. ``$OMNI_JAX_FFI_LIBRARY`` (an explicit path);
   2. ``omni_jax/ffi/prebuilt/libomni_jax_ffi.so`` (shipped in a wheel built with
      ``python -m omni_jax.ffi build --prebuilt``);
-  3. the build cache (``$OMNI_JAX_CACHE_DIR`` or ``~/.cache/omni_jax``), keyed by a hash
-     of the sources, flags and tool versions; built there with nvcc when missing,
-     unless ``OMNI_JAX_FFI_AUTOBUILD=0``.
+  3. the build cache (``build.cache_dir()``), keyed by a hash of the sources, target archs,
+     flags and tool versions: a build for the default archs, else one for just this GPU's
+     arch; built there for the default archs with nvcc when missing, unless
+     ``OMNI_JAX_FFI_AUTOBUILD=0``.
 Loading and registration happen at most once per process.
 """
 
@@ -16,8 +17,10 @@ import ctypes
 import os
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import jax
 
@@ -26,6 +29,7 @@ from omni_jax.ffi import build
 LIBRARY_ENV_VAR = "OMNI_JAX_FFI_LIBRARY"
 AUTOBUILD_ENV_VAR = "OMNI_JAX_FFI_AUTOBUILD"
 PREBUILT_PATH = Path(__file__).resolve().parent / "prebuilt" / build.LIBRARY_NAME
+KERNEL_ARCH = "sm_90a"  # every target below is an sm90 kernel
 
 # XLA custom-call target name -> exported handler symbol (XLA_FFI_DEFINE_HANDLER_SYMBOL).
 TARGETS = {
@@ -54,19 +58,53 @@ def _autobuild_enabled() -> bool:
     return os.environ.get(AUTOBUILD_ENV_VAR, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def cached_library_path() -> Path:
-    """Path of the library in the build cache for the current sources and toolchain."""
-    nvcc = build.find_nvcc()
-    if nvcc is None:
-        raise build.BuildError(f"nvcc not found (set {build.NVCC_ENV_VAR}, PATH or CUDA_HOME)")
-    return build.cache_dir() / build.cache_key(nvcc, build.DEFAULT_ARCHS) / build.LIBRARY_NAME
+def cached_library_path(archs: tuple[str, ...] = build.DEFAULT_ARCHS) -> Path:
+    """Path of the library built for ``archs`` in the build cache, for the current sources and
+    toolchain (raises BuildError when the toolchain is missing)."""
+    return build.cache_dir() / build.cache_key(build.find_nvcc(), archs) / build.LIBRARY_NAME
 
 
-def _locate_or_build() -> Path:
+def device_arch() -> str | None:
+    """The ``sm_XXa`` arch of the default JAX device when it is a CUDA GPU, else None."""
+    if jax.default_backend() != "gpu":
+        return None
+    capability = getattr(jax.devices()[0], "compute_capability", None)
+    if not capability:
+        return None
+    major, _, minor = str(capability).partition(".")
+    return f"sm_{major}{minor or '0'}a"
+
+
+def device_reason() -> str | None:
+    """Why the default JAX device cannot run the library's kernels (all sm90), or None."""
+    if jax.default_backend() != "gpu":
+        return f"the default JAX backend is {jax.default_backend()!r}, not a CUDA GPU"
+    arch = device_arch()
+    if arch != KERNEL_ARCH:
+        capability = getattr(jax.devices()[0], "compute_capability", None)
+        return f"the kernels need an sm90 (Hopper) GPU, found compute capability {capability!r}"
+    return None
+
+
+def _cache_candidates() -> list[Path]:
+    """Cached builds this device can use: the default archs', then its own arch's alone."""
+    archs = [build.DEFAULT_ARCHS]
+    arch = device_arch()
+    if arch in build.DEFAULT_ARCHS and (arch,) != build.DEFAULT_ARCHS:
+        archs.append((arch,))
+    return [cached_library_path(a) for a in archs]
+
+
+def find_library() -> Path | None:
+    """The library to load, without building anything; None when the cache has no build.
+
+    Raises BuildError when ``$OMNI_JAX_FFI_LIBRARY`` names no file, or when there is no
+    prebuilt library and the cache cannot be looked up (no sources, no toolchain).
+    """
     explicit = os.environ.get(LIBRARY_ENV_VAR)
     if explicit:
         if not Path(explicit).is_file():
-            raise build.BuildError(f"{LIBRARY_ENV_VAR}={explicit} does not exist")
+            raise build.BuildError(f"{LIBRARY_ENV_VAR}={explicit} is not a file")
         return Path(explicit)
     if PREBUILT_PATH.is_file():
         return PREBUILT_PATH
@@ -74,9 +112,21 @@ def _locate_or_build() -> Path:
         raise build.BuildError(
             f"no prebuilt library at {PREBUILT_PATH} and no CUDA sources at {build.SOURCE_DIR}"
         )
+    try:
+        candidates = _cache_candidates()
+    except build.BuildError as error:
+        raise build.BuildError(
+            f"no ${LIBRARY_ENV_VAR}, no prebuilt library, and the build cache cannot be looked "
+            f"up: {error}"
+        ) from error
+    return next((path for path in candidates if path.is_file()), None)
+
+
+def _locate_or_build() -> Path:
+    found = find_library()
+    if found is not None:
+        return found
     path = cached_library_path()
-    if path.is_file():
-        return path
     if not _autobuild_enabled():
         raise build.BuildError(
             f"library not built yet ({path}) and {AUTOBUILD_ENV_VAR}=0; "
@@ -93,10 +143,22 @@ def _locate_or_build() -> Path:
     return path
 
 
+def open_library(path: Path) -> dict[str, Callable[..., Any]]:
+    """Loads the library into the process; the handler of each XLA target, by target name.
+
+    Raises OSError when it cannot be loaded, BuildError when a handler is missing.
+    """
+    library = ctypes.CDLL(str(path))
+    missing = [symbol for symbol in TARGETS.values() if not hasattr(library, symbol)]
+    if missing:
+        raise build.BuildError(
+            f"{path} does not export {', '.join(missing)} (built from other sources?)"
+        )
+    return {target: getattr(library, symbol) for target, symbol in TARGETS.items()}
+
+
 def _register(path: Path) -> None:
-    library = ctypes.cdll.LoadLibrary(str(path))
-    for target, symbol in TARGETS.items():
-        handler = getattr(library, symbol)
+    for target, handler in open_library(path).items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="CUDA")
 
 
@@ -109,6 +171,6 @@ def load() -> LoadResult:
                 path = _locate_or_build()
                 _register(path)
                 _result = LoadResult(path=path, reason=None)
-            except (build.BuildError, OSError, AttributeError) as error:
+            except (build.BuildError, OSError) as error:
                 _result = LoadResult(path=None, reason=f"FFI library unavailable: {error}")
         return _result

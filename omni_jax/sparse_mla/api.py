@@ -29,20 +29,9 @@ class _Config:
     use_kernel: bool
 
 
-def _sm90_device_reason() -> str | None:
-    """Why the default backend cannot run the SM90 kernel, or None when it can."""
-    if jax.default_backend() != "gpu":
-        return f"the default JAX backend is {jax.default_backend()!r}, not a CUDA GPU"
-    device = jax.devices()[0]
-    capability = str(getattr(device, "compute_capability", ""))
-    if capability != "9.0":
-        return f"the kernel needs an sm90 (Hopper) GPU, found compute capability {capability!r}"
-    return None
-
-
 def kernel_platform_reason() -> str | None:
     """Why this process cannot run the SM90 kernel (device or FFI library), or None."""
-    device_reason = _sm90_device_reason()
+    device_reason = ffi.device_reason()
     if device_reason is not None:
         return device_reason
     loaded = ffi.load()

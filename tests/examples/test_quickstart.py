@@ -1,8 +1,11 @@
 """The quickstart example runs and checks itself against dense attention."""
 
+import importlib.util
 import pathlib
 import subprocess
 import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -13,3 +16,17 @@ def test_quickstart_runs():
                             capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "relative error vs dense attention" in result.stdout
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--seq", "2"], "argument --seq: must be >= 3"),
+    (["--seq", "x"], "argument --seq: invalid int value"),
+])
+def test_quickstart_rejects_bad_arguments(argv, message, capsys):
+    spec = importlib.util.spec_from_file_location("quickstart", ROOT / "examples" / "quickstart.py")
+    quickstart = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quickstart)
+    with pytest.raises(SystemExit) as exit_info:
+        quickstart.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

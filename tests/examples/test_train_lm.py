@@ -44,3 +44,29 @@ def test_short_run_learns_and_resumes(tmp_path, capsys):
     steps = [step for step, _ in resumed["train"]]
     assert steps == list(range(1, 33))  # the saved curve continued, not restarted
     assert json.loads((tmp_path / "metrics.json").read_text())["train"][-1][0] == 32
+
+
+def test_one_step_with_little_eval_data_and_an_empty_prompt(tmp_path):
+    # --max-bytes 6500: 650 eval bytes, 10 rows of 65, fewer than --batch 16.
+    argv = TINY + ["--steps", "1", "--batch", "16", "--max-bytes", "6500", "--prompt", "",
+                   "--out-dir", str(tmp_path)]
+    metrics = load_script().main(argv)
+    assert [step for step, _ in metrics["eval"]] == [0, 1]
+    assert np.isfinite(np.array(metrics["eval"])[:, 1]).all()
+    assert len(metrics["sample"]) > 0
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--steps", "0"], "argument --steps: must be >= 1, got 0"),
+    (["--eval-every", "0"], "argument --eval-every: must be >= 1, got 0"),
+    (["--batch", "-1"], "argument --batch: must be >= 1, got -1"),
+    (["--temperature", "0"], "argument --temperature: must be > 0, got 0"),
+    (["--sample-tokens", "-1"], "argument --sample-tokens: must be >= 0, got -1"),
+    (["--dtype", "float99"], "argument --dtype: not a dtype: 'float99'"),
+    (["--max-bytes", "100"], "use --max-bytes >= 1290"),
+])
+def test_bad_arguments_are_rejected_by_the_parser(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        load_script().parse_args(argv + ["--out-dir", "/nonexistent/unused"])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
