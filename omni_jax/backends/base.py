@@ -98,5 +98,7 @@ def sinks_cotangent(sinks: Array, lse: Array, delta: Array) -> Array:
     d lse / d sink is the sink's probability ``exp(sink - lse)``, so the
     cotangent sums ``-p_sink * delta`` over batch and queries.
     """
-    sink_prob = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
+    # lse = -inf only where the sink is -inf too (a query that sees nothing): probability 0.
+    sink_prob = jnp.exp(sinks.astype(jnp.float32)[None, :, None]
+                        - jnp.where(lse == -jnp.inf, 0.0, lse))
     return -(sink_prob * delta).sum(axis=(0, 2)).astype(sinks.dtype)

@@ -210,6 +210,7 @@ def _interpret_params():
 def _fold_sinks(out, lse, sinks):
     """Adds the sink logits to the softmax denominator of a sink-free result."""
     with_sinks = jnp.logaddexp(lse, sinks.astype(jnp.float32)[None, :, None])
-    weight = jnp.exp(lse - with_sinks)  # 0 for rows that saw no key (lse = -inf).
+    # 0 for rows that saw no key (lse = -inf), those whose sink is -inf too included.
+    weight = jnp.exp(lse - jnp.where(with_sinks == -jnp.inf, 0.0, with_sinks))
     out = (out.astype(jnp.float32) * jnp.swapaxes(weight, 1, 2)[..., None]).astype(out.dtype)
     return out, with_sinks

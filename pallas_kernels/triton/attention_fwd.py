@@ -89,19 +89,19 @@ def _forward_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, num_q_tiles
     acc, row_max, row_sum = walk.fold(body, init, spec.masked_tiles)
 
     if has_sinks:
-        # The sink joins the denominator: renormalise to max(row_max, sink) first.
+        # The sink joins the denominator: renormalise to max(row_max, sink) first. A -inf
+        # sink on a row that saw no key leaves that at -inf: shift by 0, as the walk does.
         sink = inputs["sinks"][h] * tiles.LOG2E
         final_max = jnp.maximum(row_max, sink)
-        alpha = jnp.exp2(row_max - final_max)
-        row_sum = row_sum * alpha + jnp.exp2(sink - final_max)
+        shift = jnp.where(final_max == -jnp.inf, 0.0, final_max)
+        alpha = jnp.exp2(row_max - shift)
+        row_sum = row_sum * alpha + jnp.exp2(sink - shift)
         acc = acc * alpha[:, None]
-        lse2 = final_max + jnp.log2(row_sum)
-        inv = 1.0 / row_sum
-    else:
-        seen = row_sum > 0
-        safe_sum = jnp.where(seen, row_sum, 1.0)
-        lse2 = jnp.where(seen, row_max + jnp.log2(safe_sum), -jnp.inf)
-        inv = jnp.where(seen, 1.0 / safe_sum, 0.0)
+        row_max = shift
+    seen = row_sum > 0
+    safe_sum = jnp.where(seen, row_sum, 1.0)
+    lse2 = jnp.where(seen, row_max + jnp.log2(safe_sum), -jnp.inf)
+    inv = jnp.where(seen, 1.0 / safe_sum, 0.0)
     q_len = inputs["q"].shape[1]
     tiles.store_rows(out_ref, (acc * inv[:, None]).astype(out_ref.dtype), q_start,
                      length=q_len, dim=inputs["v"].shape[3])

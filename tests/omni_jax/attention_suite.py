@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import omni_jax
 from tests.reference import dense_mask, reference_attention, relative_error, worst_block_error
@@ -306,19 +307,31 @@ class AttentionSuite:
             jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v))
             assert " sort[" not in jaxpr and "argsort" not in jaxpr, list(mask_kwargs)
 
-    def test_no_nan_gradient_for_blind_rows(self) -> None:
+    @pytest.mark.parametrize("sinks", [None, (-np.inf, 0.5)], ids=["no_sinks", "inf_sink"])
+    def test_no_nan_gradient_for_blind_rows(self, sinks) -> None:
+        """Queries 32-63 see no key: zeros, lse -inf (or the sink's) and finite gradients,
+        also when the sink of their head is -inf."""
         rng = np.random.default_rng()
         q, k, v = (jnp.asarray(rng.standard_normal((1, 64, 2, 64)), self.dtypes[0])
                    for _ in range(3))
         q_ids = jnp.asarray(np.r_[np.zeros(32), np.ones(32)][None].astype(np.int32))
         kv_ids = jnp.zeros((1, 64), jnp.int32)
+        sinks = None if sinks is None else jnp.asarray(sinks, jnp.float32)
 
-        def loss(q, k, v):
-            out = omni_jax.attention(q, k, v, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
-                                     implementation=self.implementation)
-            return (out.astype(jnp.float32) ** 2).sum()
+        def run(q, k, v, sinks):
+            return omni_jax.attention(q, k, v, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
+                                      sinks=sinks, return_lse=True,
+                                      implementation=self.implementation)
 
-        grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+        out, lse = run(q, k, v, sinks)
+        np.testing.assert_array_equal(np.asarray(out, np.float32)[:, 32:], 0.0)
+        blind_lse = np.asarray(lse)[0, :, 32:]
+        expected_lse = [-np.inf, -np.inf] if sinks is None else [-np.inf, 0.5]
+        np.testing.assert_allclose(blind_lse, np.broadcast_to(
+            np.asarray(expected_lse)[:, None], blind_lse.shape), rtol=1e-6)
+        loss = lambda *args: (run(*args)[0].astype(jnp.float32) ** 2).sum()
+        grads = jax.grad(loss, argnums=(0, 1, 2) if sinks is None else (0, 1, 2, 3))(
+            q, k, v, sinks)
         for grad in grads:
             assert np.isfinite(np.asarray(grad, np.float32)).all()
         assert (np.asarray(grads[0], np.float32)[:, 32:] == 0).all()
