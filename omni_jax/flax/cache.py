@@ -71,12 +71,11 @@ def decode_mask(index: Array, num_new: int, max_len: int,
                              max_len)
 
 
-def write_cache(cache: Array, new: Array, index: Array) -> Array:
-    """``cache [b, max_len, ...]`` with ``new [b, n, ...]`` written at slots ``index[b] + t``.
+def write_cache(cache: Array, new: Array, slots: Array) -> Array:
+    """``cache [b, max_len, ...]`` with ``new [b, n, ...]`` written at ``slots [b, n]``.
 
     Slots at or past ``max_len`` are dropped, leaving the cached tokens intact (a
     ``dynamic_update_slice`` would clamp its start and overwrite them).
     """
-    slots = index[:, None] + jnp.arange(new.shape[1], dtype=index.dtype)
     rows = jnp.arange(cache.shape[0])[:, None]
     return cache.at[rows, slots].set(new.astype(cache.dtype), mode="drop")

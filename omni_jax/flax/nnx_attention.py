@@ -220,14 +220,14 @@ class Attention(nnx.Module):
         if segment_ids is not None:
             segment_ids = jnp.broadcast_to(jnp.asarray(segment_ids, jnp.int32),
                                            (batch, num_new))
-            kv_segments = write_cache(self.cached_segment_ids[...], segment_ids, index)
+            kv_segments = write_cache(self.cached_segment_ids[...], segment_ids, slots)
             self.cached_segment_ids[...] = kv_segments
         if positions is None:
             positions = (slots if kv_segments is None else
                          jnp.take_along_axis(segment_positions(kv_segments), slots, axis=1))
         query, key = self._rotate(query, key, positions)
-        keys = write_cache(self.cached_key[...], key, index)
-        values = write_cache(self.cached_value[...], value, index)
+        keys = write_cache(self.cached_key[...], key, slots)
+        values = write_cache(self.cached_value[...], value, slots)
         self.cached_key[...], self.cached_value[...] = keys, values
         self.cache_index[...] = index + num_new
         step_mask = decode_mask(index, num_new, max_len, None if window is None else window[0])

@@ -30,7 +30,7 @@ import numpy as np
 
 from omni_jax import explicit_sharding
 from omni_jax.masks.block_mask import COMPUTED, FULL, MASKED, PARTIAL, BlockMask
-from omni_jax.masks.mask_mods import BlockGrid, MaskMod, has_contiguous_full_tiles
+from omni_jax.masks.mask_mods import BlockGrid, MaskMod, has_contiguous_full_tiles, is_int
 from omni_jax.traced_functions import ComparedByJaxpr, evaluate
 
 Array = Any
@@ -43,7 +43,7 @@ _TILES_PER_STEP = 64
 def _check_size(name: str, value: Any, *, allow_none: bool) -> None:
     if value is None and allow_none:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+    if not is_int(value) or value <= 0:
         kind = "a positive int or None" if allow_none else "a positive int"
         raise ValueError(f"create_block_mask: {name} must be {kind}, got {value!r}")
 
@@ -51,11 +51,10 @@ def _check_size(name: str, value: Any, *, allow_none: bool) -> None:
 def normalize_block_size(block_size: int | tuple[int, int]) -> tuple[int, int]:
     """``block_size`` as (block_q, block_kv), validated."""
     pair = block_size
-    if isinstance(block_size, (int, np.integer)) and not isinstance(block_size, bool):
+    if is_int(block_size):
         pair = (block_size, block_size)
     if (not isinstance(pair, (tuple, list)) or len(pair) != 2
-            or any(isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b <= 0
-                   for b in pair)):
+            or any(not is_int(b) or b <= 0 for b in pair)):
         raise ValueError("block_size must be a positive int or a pair (block_q, block_kv) of "
                          f"positive ints, got {block_size!r}")
     return int(pair[0]), int(pair[1])

@@ -392,13 +392,14 @@ causal_mask = Causal()
 def sliding_window_mask(left: int | None, right: int | None = 0) -> MaskMod:
     """Keys within ``[i - left, i + right]`` of query i (``right=0``: causal window)."""
     for name, value in (("left", left), ("right", right)):
-        if value is not None and (not _is_size(value) or value < 0):
+        if value is not None and (not is_int(value) or value < 0):
             raise ValueError(f"sliding_window_mask: {name} must be a non-negative int or None, "
                              f"got {value!r}")
     return SlidingWindow(None if left is None else int(left), None if right is None else int(right))
 
 
-def _is_size(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """A Python or numpy integer, not a bool (sizes and indices given as arguments)."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
@@ -458,7 +459,7 @@ def prefix_lm_mask(prefix_lengths: Array | int) -> MaskMod:
 
 def chunked_mask(chunk_size: int, causal: bool = True) -> MaskMod:
     """Chunked local attention (Llama 4): keys in the query's chunk, causal by default."""
-    if not _is_size(chunk_size) or chunk_size <= 0:
+    if not is_int(chunk_size) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     chunks = Chunked(int(chunk_size))
     return And(Causal(), chunks) if causal else chunks
