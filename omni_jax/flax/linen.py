@@ -2,8 +2,8 @@
 
 One implementation serves both APIs, so the linen module computes exactly
 what `omni_jax.flax.Attention` does; its parameters live in the ``params``
-collection under the same names (``query/kernel``, ``out/kernel``, ...).
-Use the nnx layer for KV-cache decoding.
+collection under the same names (``query/kernel``, ``out/kernel``, ...), its
+KV cache in the ``cache`` collection.
 """
 
 from __future__ import annotations
@@ -30,7 +30,14 @@ Array = Any
 class Attention(nn.Module):
     """Linen self-attention on `omni_jax.attention`; fields as `omni_jax.flax.Attention`
     (``axis_names`` needs a mesh with those axes, or ``nnx.use_eager_sharding(False)``
-    around ``init``), but no KV-cache decoding."""
+    around ``init``).
+
+    KV-cache decoding, the linen way: ``init`` with ``decode=True`` and ``x`` of shape
+    ``[batch, max_len, in_features]`` allocates an empty cache of that batch and length
+    in the ``cache`` collection (that call computes as without ``decode``); then each
+    ``apply(variables, x_step, is_causal=True, decode=True, mutable=["cache"])`` appends
+    the step's tokens and returns ``(out, {"cache": ...})`` for the next step.
+    """
 
     num_heads: int
     in_features: int
@@ -54,15 +61,43 @@ class Attention(nn.Module):
                  mask: BlockMask | None = None, is_causal: bool = False,
                  local_window_size: int | tuple[int, int] | None = None,
                  segment_ids: Array | None = None,
-                 score_mod: Callable | None = None) -> Array:
+                 score_mod: Callable | None = None, decode: bool = False) -> Array:
         """Attends ``x [batch, seq, in_features]`` to itself (see the nnx layer's __call__)."""
+        cached_key = self.variables.get("cache", {}).get("attention", {}).get("cached_key")
+        initializing = self.is_initializing()
+        if decode and not initializing:
+            if cached_key is None:
+                raise ValueError("decode=True needs a KV cache: init the module with decode=True "
+                                 "and x of shape [batch, max_len, in_features], and pass the "
+                                 "'cache' collection to apply")
+            if not self.is_mutable_collection("cache"):
+                raise ValueError("decode=True appends to the KV cache: call apply with "
+                                 "mutable=['cache'] and keep the returned cache for the next step")
+        if cached_key is not None:
+            cache_shape = tuple(cached_key.shape[:2])
+        else:
+            cache_shape = tuple(x.shape[:2]) if decode and initializing else None
         layer = bridge.to_linen(
-            NnxAttention, self.num_heads, self.in_features, num_kv_heads=self.num_kv_heads,
+            _layer_with_cache, self.num_heads, self.in_features, num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim, out_features=self.out_features, use_bias=self.use_bias,
             qk_norm=self.qk_norm, rope_base=self.rope_base, softcap=self.softcap,
             learnable_sinks=self.learnable_sinks, implementation=self.implementation,
             dtype=self.dtype, param_dtype=self.param_dtype, kernel_init=self.kernel_init,
-            bias_init=self.bias_init, axis_names=self.axis_names, name="attention")
+            bias_init=self.bias_init, axis_names=self.axis_names, cache_shape=cache_shape,
+            name="attention")
         return layer(x, positions=positions, mask=mask, is_causal=is_causal,
                      local_window_size=local_window_size, segment_ids=segment_ids,
-                     score_mod=score_mod)
+                     score_mod=score_mod, decode=decode and not initializing)
+
+
+def _layer_with_cache(*args: Any, cache_shape: tuple[int, int] | None,
+                      **kwargs: Any) -> NnxAttention:
+    """The nnx layer, with an empty KV cache of ``cache_shape = (batch, max_len)`` if given.
+
+    The bridge rebuilds the layer at every ``apply`` before loading its variables, so
+    the cache must exist from construction on for the ``cache`` collection to load.
+    """
+    layer = NnxAttention(*args, **kwargs)
+    if cache_shape is not None:
+        layer.init_cache(*cache_shape)
+    return layer
