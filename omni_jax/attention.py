@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from omni_jax import explicit_sharding, validation
-from omni_jax.backends import AttentionPlan, plan_attention
+from omni_jax.backends import AttentionPlan, get_backend, plan_attention
 from omni_jax.masks import BlockGrid, BlockMask
 from omni_jax.masks.block_mask import trace_time_eval
 from omni_jax.masks.construct import structured_tile_flags
@@ -53,7 +53,9 @@ def attention(query: Array, key: Array, value: Array, *, mask: BlockMask | None 
     """Exact, differentiable, block-sparse attention.
 
     Args:
-      query: ``[batch, q_len, num_q_heads, head_dim]``.
+      query: ``[batch, q_len, num_q_heads, head_dim]`` (as
+        `jax.nn.dot_product_attention`; transpose ``[batch, heads, seq, dim]``
+        arrays first: where the shapes allow both readings, nothing can tell).
       key: ``[batch, kv_len, num_kv_heads, head_dim]``; ``num_q_heads`` must be
         a multiple of ``num_kv_heads`` (GQA / MQA).
       value: ``[batch, kv_len, num_kv_heads, head_dim_v]`` (``head_dim_v`` may
@@ -228,18 +230,63 @@ def _attention(plan: AttentionPlan, static_mask, q, k, v, traced_mask, sinks, ca
 
 
 def _attention_fwd(plan: AttentionPlan, static_mask, q, k, v, traced_mask, sinks, captured):
-    block_mask = _either(static_mask, traced_mask)
-    out, lse = plan.forward.forward(plan.problem, q, k, v, block_mask, sinks, captured)
+    out, lse = _forward(plan, static_mask, q, k, v, traced_mask, sinks, captured)
     return (out, lse), (q, k, v, traced_mask, sinks, captured, out, lse)
 
 
 def _attention_bwd(plan: AttentionPlan, static_mask, residuals, cotangents):
     q, k, v, traced_mask, sinks, captured, out, lse = residuals
     dout, dlse = cotangents
-    dq, dk, dv, dsinks, dcaptured = plan.backward.backward(
+    dq, dk, dv, dsinks, dfloat = _backward(plan, static_mask, q, k, v, traced_mask, sinks,
+                                           captured, out, lse, dout, dlse)
+    dfloat = iter(dfloat)
+    dcaptured = tuple(next(dfloat) if _is_float(c) else zero_cotangent(c) for c in captured)
+    return (dq, dk, dv, jax.tree.map(zero_cotangent, traced_mask), dsinks, dcaptured)
+
+
+# The forward and backward passes differentiated once more, forward mode (jax.hessian,
+# jax.jvp of jax.grad: the custom_vjp's own rules are then differentiated): the kernels
+# have no derivatives, so the tangents are those of the XLA backend's passes.
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _forward(plan: AttentionPlan, static_mask, q, k, v, traced_mask, sinks, captured):
+    return _forward_pass(plan.forward, plan, static_mask, q, k, v, traced_mask, sinks, captured)
+
+
+@_forward.defjvp
+def _forward_jvp(plan: AttentionPlan, static_mask, primals, tangents):
+    return jax.jvp(functools.partial(_forward_pass, get_backend("xla"), plan, static_mask),
+                   primals, tangents)
+
+
+def _forward_pass(backend, plan: AttentionPlan, static_mask, q, k, v, traced_mask, sinks,
+                  captured):
+    return backend.forward(plan.problem, q, k, v, _either(static_mask, traced_mask), sinks,
+                           captured)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _backward(plan: AttentionPlan, static_mask, *operands):
+    return _backward_pass(plan.backward, plan, static_mask, *operands)
+
+
+@_backward.defjvp
+def _backward_jvp(plan: AttentionPlan, static_mask, primals, tangents):
+    return jax.jvp(functools.partial(_backward_pass, get_backend("xla"), plan, static_mask),
+                   primals, tangents)
+
+
+def _backward_pass(backend, plan: AttentionPlan, static_mask, q, k, v, traced_mask, sinks,
+                   captured, out, lse, dout, dlse):
+    """(dq, dk, dv, dsinks, cotangents of the float captured arrays)."""
+    dq, dk, dv, dsinks, dcaptured = backend.backward(
         plan.problem, q, k, v, _either(static_mask, traced_mask), sinks, captured, out, lse,
         dout, dlse)
-    return (dq, dk, dv, jax.tree.map(zero_cotangent, traced_mask), dsinks, tuple(dcaptured))
+    return dq, dk, dv, dsinks, tuple(d for d, c in zip(dcaptured, captured, strict=True)
+                                     if _is_float(c))
+
+
+def _is_float(x: Array) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.inexact)
 
 
 def _either(static_mask: BlockMask | None, traced_mask: BlockMask | None) -> BlockMask:

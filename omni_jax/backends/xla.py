@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from omni_jax.backends.base import AttentionBackend
 from omni_jax.masks import COMPUTED, PARTIAL, BlockMask
@@ -139,6 +140,13 @@ class _Tiles:
                      for c in self.captured)
 
 
+def _num_steps(mask: BlockMask) -> int | Array:
+    """The walk's length: a Python int for a mask known at trace time, so that the loops
+    are scans, which reverse-mode differentiates (gradients of gradients)."""
+    counts = mask.kv_num_blocks
+    return counts.max() if isinstance(counts, jax.core.Tracer) else int(np.asarray(counts).max())
+
+
 def _log_normalizer(row_max: Array, row_sum: Array, sinks: Array | None) -> Array:
     """lse = log(sum_j exp(s_j) + exp(sink)) from the running max and sum."""
     seen = row_sum > 0
@@ -175,7 +183,7 @@ def attention_forward(problem: AttentionProblem, q: Array, k: Array, v: Array,
     init = (jnp.full(rows, -jnp.inf, dtype), jnp.zeros(rows, dtype),
             jnp.zeros((*rows, problem.head_dim_v), dtype))
     init = compat.vary(init, compat.varying_axes(q, k, v, mask, captured))  # In shard_map.
-    row_max, row_sum, acc = jax.lax.fori_loop(0, walk.num_blocks.max(), step, init)
+    row_max, row_sum, acc = jax.lax.fori_loop(0, _num_steps(mask), step, init)
     lse = _log_normalizer(row_max, row_sum, sinks)
     seen = row_sum > 0
     weight = jnp.where(seen, jnp.exp(row_max - jnp.where(seen, lse, 0)), 0)
@@ -227,7 +235,7 @@ def attention_backward(problem: AttentionProblem, q: Array, k: Array, v: Array,
             jnp.zeros((*kv_shape, problem.head_dim_v), dtype),
             tuple(jnp.zeros(c.shape, dtype) for c in float_captured))
     init = compat.vary(init, compat.varying_axes(q, k, v, mask, captured, dout, dlse))
-    dq, dk, dv, dfloat = jax.lax.fori_loop(0, walk.num_blocks.max(), step, init)
+    dq, dk, dv, dfloat = jax.lax.fori_loop(0, _num_steps(mask), step, init)
 
     def sum_groups(x):  # Per-q-head dK/dV summed into their kv head.
         b, _, n, blk, d = x.shape

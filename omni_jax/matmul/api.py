@@ -2,7 +2,8 @@
 
 Layering: ``matmul`` validates and picks an implementation, then calls a
 ``custom_vjp`` function whose forward and backward GEMMs all go through
-``_gemm``, a ``custom_vmap`` function. Under ``jax.vmap`` the batching rule
+``_gemm``, a ``custom_vmap`` function (its JVP stated in GEMMs, for forward-mode
+derivatives of those rules: `jax.hessian`). Under ``jax.vmap`` the batching rule
 adds the mapped axis as a leading batch dimension of every operand (size 1
 for unmapped ones, a free reshape) and calls the implementation once: the
 result's batch is the broadcast of all operands' (the epilogue vectors' too),
@@ -52,8 +53,10 @@ def matmul(
     """``activation(op(a) @ op(b) * a_scale * b_scale + bias)`` cast to ``out_dtype``.
 
     Args:
-      a: ``(M, K)``, or ``(K, M)`` with ``transpose_a=True``.
-      b: ``(K, N)``, or ``(N, K)`` with ``transpose_b=True``.
+      a: ``(M, K)``, or ``(K, M)`` with ``transpose_a=True``; bfloat16, float16,
+        float32 (served by "xla" only) or fp8 (float8_e4m3fn / float8_e5m2).
+      b: ``(K, N)``, or ``(N, K)`` with ``transpose_b=True``; a's dtype (any pair of
+        fp8 dtypes may mix). Batch dimensions: through ``jax.vmap``.
       bias: optional ``(N,)`` vector added to every row (in float32).
       activation: None, "gelu" (exact, erf), "gelu_tanh", "silu" or "relu".
       out_dtype: bfloat16, float16 or float32; default the input dtype
@@ -142,7 +145,7 @@ def _batchable(spec: _Spec, has_scale: bool, has_bias: bool):
     implementation = implementations.module(spec.implementation)
 
     @jax.custom_batching.custom_vmap
-    def gemm(a, b, *vectors):
+    def batched(a, b, *vectors):
         vectors = list(vectors)
         scale = vectors.pop(0) if has_scale else None
         bias = vectors.pop(0) if has_bias else None
@@ -152,7 +155,7 @@ def _batchable(spec: _Spec, has_scale: bool, has_bias: bool):
             activation=spec.activation, out_dtype=spec.out_dtype,
         )
 
-    @gemm.def_vmap
+    @batched.def_vmap
     def _batched(axis_size, in_batched, *operands):
         # Mapped operands carry the new axis first; the others get a size-1 axis
         # there, which the implementations broadcast without copying.
@@ -162,7 +165,47 @@ def _batchable(spec: _Spec, has_scale: bool, has_bias: bool):
         ]
         return gemm(*operands), True
 
+    # JAX's JVP of a custom_vmap function re-enters its batching rule without end when
+    # only tangents are batched (jax.hessian of the backward GEMMs): the JVP is stated
+    # here instead, in GEMMs of the same kind.
+    gemm = jax.custom_jvp(batched)
+
+    @functools.partial(gemm.defjvp, symbolic_zeros=True)
+    def _jvp(primals, tangents):
+        a, b, *vectors = primals
+        da, db, *d_vectors = tangents
+        scale = vectors[0] if has_scale else None
+        bias, d_bias = (vectors[-1], d_vectors[-1]) if has_bias else (None, None)
+        out = gemm(*primals)
+        # d(op(a) op(b) * scale + bias) = (op(da) op(b) + op(a) op(db)) * scale
+        #                                 + op(a) op(b) * d_scale + d_bias
+        terms = [(da, (da, b, scale)), (db, (a, db, scale))]
+        if has_scale:
+            terms.append((d_vectors[0], (a, b, d_vectors[0])))
+        d_linear = jnp.zeros(out.shape, jnp.float32)
+        for tangent, operands in terms:
+            if not _is_zero(tangent):
+                d_linear = d_linear + _tangent_gemm(spec, *operands)
+        if has_bias and not _is_zero(d_bias):
+            d_linear = d_linear + d_bias.astype(jnp.float32)[..., None, :]
+        if spec.activation is not None:
+            linear = _tangent_gemm(spec, a, b, scale, bias)
+            _, d_linear = jax.jvp(ACTIVATIONS[spec.activation], (linear,), (d_linear,))
+        return out, d_linear.astype(out.dtype)
+
     return gemm
+
+
+def _is_zero(tangent) -> bool:
+    return isinstance(tangent, jax.custom_derivatives.SymbolicZero)
+
+
+def _tangent_gemm(spec: _Spec, a, b, scale, bias=None) -> jax.Array:
+    """``op(a) op(b) * scale + bias`` in float32, without the activation."""
+    linear_spec = dataclasses.replace(spec, activation=None, out_dtype=jnp.dtype(jnp.float32))
+    linear_spec = dataclasses.replace(linear_spec, implementation=implementations.fallback(
+        spec.implementation, linear_spec.problem(a, b, scale, bias)))
+    return _gemm(linear_spec, a, b, scale, bias)
 
 
 @functools.cache
@@ -177,7 +220,7 @@ def _differentiable(spec: _Spec):
     def forward(a, b, scale, bias):
         # The bias (an N-vector) stays a residual for its dtype, which its gradient takes.
         if spec.activation is None:
-            return fused(a, b, scale, bias), (a, b, None, bias)
+            return _gemm(spec, a, b, scale, bias), (a, b, None, bias)
         # The pre-activation, kept for the activation's derivative, is stored in out_dtype,
         # except float16: its range ends at 65504, and at inf the activations' values and
         # derivatives are NaN. (Recomputing it in the backward pass would cost a GEMM;

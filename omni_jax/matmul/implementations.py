@@ -41,13 +41,15 @@ def unavailable_reason(name: str) -> str | None:
     """Why implementation ``name`` cannot run on this machine, or None when it can."""
     if module(name) is None:
         return f"the {name!r} matmul implementation is not part of this version"
+    interpret = f"or {runtime.INTERPRET_ENV_VAR}=1 to run it interpreted"
     if name == "triton" and not runtime.can_run_triton():
-        return "the Triton kernel needs a CUDA GPU of compute capability 8.0 or newer"
+        return (f"the Triton kernel needs a CUDA GPU of compute capability 8.0 or newer "
+                f"({interpret})")
     if name == "mosaic" and not runtime.can_run_mosaic_hopper():
-        return (
-            "the Mosaic kernel needs a Hopper (sm90) GPU; this device has compute capability"
-            f" {runtime.gpu_compute_capability()}"
-        )
+        capability = runtime.gpu_compute_capability()
+        here = ("this device is not a CUDA GPU" if capability is None
+                else f"this GPU has compute capability {capability[0]}.{capability[1]}")
+        return f"the Mosaic kernel needs a Hopper (sm90) GPU ({interpret}); {here}"
     return None
 
 

@@ -286,6 +286,51 @@ class AttentionSuite:
                 for got, want in zip(batched, expected, strict=True):
                     assert relative_error(got[i], np.asarray(want)) < 2 * TOLERANCE[dtype]
 
+    @pytest.mark.parametrize("order", ["hessian_vector", "grad_of_grad"])
+    def test_second_order_derivatives_match_float64(self, order) -> None:
+        """Forward over reverse (jax.jvp of jax.grad, as jax.hessian) and reverse over
+        reverse, for query, key, value, sinks and a captured array. The kernels' passes
+        take the XLA backend's tangents; gradients of gradients need a mask known at
+        trace time (the XLA loops then have static lengths)."""
+        dtype = self.dtypes[0]
+        rng = np.random.default_rng()
+        q, k, v = (jnp.asarray(rng.standard_normal((1, 64, 2, 64)), dtype) for _ in range(3))
+        sinks = jnp.asarray(rng.standard_normal(2), jnp.float32)
+        slopes = jnp.asarray(rng.uniform(0.01, 0.3, 2), jnp.float32)
+        args = (q, k, v, sinks, slopes)
+        argnums = tuple(range(len(args)))
+        tangents = [jnp.asarray(rng.standard_normal(x.shape), x.dtype) for x in args]
+        visible = dense_mask(1, 2, 64, 64, is_causal=True)
+
+        def alibi(slopes):
+            return lambda s, b, h, i, j: s - slopes[h] * jnp.abs(i - j).astype(s.dtype)
+
+        def loss(q, k, v, sinks, slopes):
+            out = omni_jax.attention(q, k, v, is_causal=True, sinks=sinks,
+                                     score_mod=alibi(slopes), implementation=self.implementation)
+            return (out.astype(jnp.float32) ** 2).sum()
+
+        def reference_loss(q, k, v, sinks, slopes):
+            out = reference_attention(q, k, v, visible, sinks=sinks, score_mod=alibi(slopes))[0]
+            return (out ** 2).sum()
+
+        def derivative(loss):
+            grad = jax.grad(loss, argnums)
+            if order == "grad_of_grad":
+                return jax.grad(lambda *x: sum((g.astype(jnp.float32) ** 2).sum()
+                                               for g in grad(*x)), argnums)
+            return lambda *x: jax.jvp(grad, x, tuple(t.astype(p.dtype) for t, p in
+                                                     zip(tangents, x, strict=True)))[1]
+
+        got = jax.jit(derivative(loss))(*args)
+        with jax.enable_x64(True):
+            expected = derivative(reference_loss)(
+                *(jnp.asarray(np.asarray(x, np.float64)) for x in args))
+        for name, g, want in zip(("q", "k", "v", "sinks", "slopes"), got, expected,
+                                 strict=True):
+            assert g.shape == want.shape, name
+            assert relative_error(g, np.asarray(want)) < 4 * TOLERANCE[dtype], name
+
     def test_static_mask_reaches_kernels_as_constants(self) -> None:
         """A mask known at trace time (causal AND a window, as arguments or as a concrete
         BlockMask) stages no mask op into the traced forward and backward: the walks are

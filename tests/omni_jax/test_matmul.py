@@ -298,6 +298,45 @@ def test_vmap_of_grad_and_grad_of_vmap_agree():
     np.testing.assert_allclose(per_example[1].sum(0), batched[1], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("transpose_a,transpose_b", [(False, False), (True, True)])
+@pytest.mark.parametrize("activation", [None, "gelu", "silu"])
+def test_hessian_matches_float64(activation, transpose_a, transpose_b):
+    """jax.hessian (forward mode over the custom_vjp's rules, under jacfwd's vmap) and a
+    Hessian-vector product through a vmapped matmul. The forward rule called the
+    custom_vjp function itself (no JVP), and the JVP of the batched GEMM recursed."""
+    a, b, bias, seed = random_operands(6, 5, 8, F32, transpose_a=transpose_a,
+                                       transpose_b=transpose_b)
+
+    def loss(a, b, bias):
+        out = omni_jax.matmul(a, b, bias=bias, activation=activation, transpose_a=transpose_a,
+                              transpose_b=transpose_b, implementation="xla")
+        return (out ** 3).sum()
+
+    def reference_loss(a, b, bias):
+        return (reference_traceable(a, b, bias, activation, transpose_a, transpose_b) ** 3).sum()
+
+    def batched_loss(loss, a, b, biases):  # The bias batched, a and b shared.
+        return jax.vmap(loss, in_axes=(None, None, 0))(a, b, biases).sum()
+
+    biases = jax.random.normal(jax.random.key(seed + 1), (3, 5), jnp.float32)
+    tangents = tuple(jax.random.normal(jax.random.key(seed + 2 + i), x.shape, jnp.float32)
+                     for i, x in enumerate((a, b, biases)))
+    argnums = (0, 1, 2)
+    hessian = jax.jit(jax.hessian(loss, argnums))(a, b, bias)
+    hvp = jax.jit(lambda *args: jax.jvp(
+        jax.grad(lambda *x: batched_loss(loss, *x), argnums), args, tangents)[1])(a, b, biases)
+    with jax.enable_x64(True):
+        as64 = lambda xs: tuple(jnp.asarray(np.asarray(x, np.float64)) for x in xs)
+        want_hessian = jax.hessian(reference_loss, argnums)(*as64((a, b, bias)))
+        want_hvp = jax.jvp(jax.grad(lambda *x: batched_loss(reference_loss, *x), argnums),
+                           as64((a, b, biases)), as64(tangents))[1]
+    for i in argnums:
+        for j in argnums:
+            assert_close(hessian[i][j], np.asarray(want_hessian[i][j]), F32, seed,
+                         tolerance=1e-4)
+        assert_close(hvp[i], np.asarray(want_hvp[i]), F32, seed, tolerance=1e-4)
+
+
 def test_jit():
     a, b, bias, seed = random_operands(16, 8, 24, BF16)
     out = jax.jit(lambda a, b, bias: omni_jax.matmul(a, b, bias=bias, activation="gelu",
@@ -356,11 +395,17 @@ def test_kernel_that_cannot_serve_says_why():
 
 
 @pytest.mark.skipif(ON_GPU, reason="checks the message on a machine without a GPU")
-def test_unavailable_kernel_says_why(monkeypatch):
+@pytest.mark.parametrize(("implementation", "message"), [
+    ("mosaic", r"Hopper \(sm90\) GPU \(or OMNI_JAX_PALLAS_INTERPRET=1 .*\); this device is not "
+               r"a CUDA GPU$"),
+    ("triton", r"compute capability 8.0 or newer \(or OMNI_JAX_PALLAS_INTERPRET=1 .*\)$"),
+])
+def test_unavailable_kernel_says_why(implementation, message, monkeypatch):
     monkeypatch.delenv(runtime.INTERPRET_ENV_VAR)
-    with pytest.raises(ValueError, match="implementation='mosaic' cannot serve.*Hopper"):
+    with pytest.raises(ValueError,
+                       match=rf"implementation='{implementation}' cannot serve.*{message}"):
         omni_jax.matmul(jnp.ones((8, 16), BF16), jnp.ones((16, 8), BF16),
-                        implementation="mosaic")
+                        implementation=implementation)
 
 
 def test_default_implementation_on_cpu_is_xla():
