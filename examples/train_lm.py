@@ -312,23 +312,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=PRESETS, default="cpu",
-                        help="default sizes (flags below override them)")
-    for name, kind in (("steps", positive_int), ("batch", positive_int),
-                       ("seq_len", positive_int), ("d_model", positive_int),
-                       ("layers", positive_int), ("heads", positive_int),
-                       ("kv_heads", positive_int), ("lr", positive_float),
-                       ("max_bytes", positive_int), ("eval_every", positive_int), ("dtype", str)):
-        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
-    parser.add_argument("--eval-batches", type=positive_int, default=4)
-    parser.add_argument("--implementation", default=None,
-                        help="omni_jax.attention backend (default: best available)")
-    parser.add_argument("--out-dir", type=Path, default=Path("train_lm_out"))
+                        help="default sizes (flags below override them; default: cpu)")
+    for name, kind, what in (
+            ("steps", positive_int, "training steps"), ("batch", positive_int, "rows per step"),
+            ("seq_len", positive_int, "tokens (bytes) per row"),
+            ("d_model", positive_int, "model width"), ("layers", positive_int, "blocks"),
+            ("heads", positive_int, "query heads (--d-model / --heads: an even head dim)"),
+            ("kv_heads", positive_int, "key/value heads (must divide --heads)"),
+            ("lr", positive_float, "peak learning rate"),
+            ("max_bytes", positive_int, "training bytes read (eval reads a tenth of it)"),
+            ("eval_every", positive_int, "steps between evaluations"),
+            ("dtype", str, "computation dtype")):
+        defaults = ", ".join(f"{preset} {values[name]}" for preset, values in PRESETS.items())
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
+                            help=f"{what} (default: {defaults})")
+    parser.add_argument("--eval-batches", type=positive_int, default=4,
+                        help="batches per evaluation (default: %(default)s)")
+    parser.add_argument("--implementation", default=None, choices=("xla", "triton", "mosaic"),
+                        help="omni_jax.attention backend (default: best available; mosaic "
+                             "takes --dtype bfloat16 or float16)")
+    parser.add_argument("--out-dir", type=Path, default=Path("train_lm_out"),
+                        help="checkpoint, loss curve and metrics (default: %(default)s)")
     parser.add_argument("--resume", action="store_true", help="continue from the checkpoint")
     parser.add_argument("--prompt", default="def ",
-                        help="text to continue (empty: start from a newline)")
-    parser.add_argument("--sample-tokens", type=non_negative_int, default=200)
-    parser.add_argument("--temperature", type=positive_float, default=0.8)
-    parser.add_argument("--seed", type=int, default=0)
+                        help="text to continue (empty: start from a newline; default: "
+                             "%(default)r)")
+    parser.add_argument("--sample-tokens", type=non_negative_int, default=200,
+                        help="bytes sampled at the end (default: %(default)s)")
+    parser.add_argument("--temperature", type=positive_float, default=0.8,
+                        help="sampling temperature (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     for name, value in PRESETS[args.preset].items():
@@ -338,6 +351,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.dtype = jnp.dtype(args.dtype)
     except TypeError:
         parser.error(f"argument --dtype: not a dtype: {args.dtype!r}")
+    if not jnp.issubdtype(args.dtype, jnp.floating):
+        parser.error(f"argument --dtype: must be a float dtype, got {args.dtype}")
+    if args.d_model % args.heads or args.d_model // args.heads % 2:
+        parser.error(f"argument --heads: the head dim --d-model / --heads must be an even "
+                     f"integer (RoPE rotates pairs of features), got {args.d_model} / "
+                     f"{args.heads}")
+    if args.heads % args.kv_heads:
+        parser.error(f"argument --kv-heads: must divide --heads {args.heads}, got "
+                     f"{args.kv_heads}")
     # The eval split packs a tenth of --max-bytes into rows of seq_len + 1 bytes.
     if args.max_bytes // 10 < args.seq_len + 1:
         parser.error(f"argument --max-bytes: {args.max_bytes} leaves the eval split (a tenth) "

@@ -27,6 +27,11 @@ def _shape_of(name: str, x: Array) -> tuple[int, ...]:
     return tuple(x.shape)
 
 
+# Heads are axis 2: a [batch, heads, seq, dim] array shows its sequence length there.
+_LAYOUT_HINT = (" (the layout is [batch, seq_len, num_heads, head_dim]; transpose "
+                "[batch, num_heads, seq_len, head_dim] arrays with .swapaxes(1, 2))")
+
+
 def check_qkv(query: Array, key: Array, value: Array) -> None:
     """Ranks, matching sizes, head grouping and dtypes of query / key / value."""
     layout = "[batch, seq_len, num_heads, head_dim]"
@@ -50,10 +55,10 @@ def check_qkv(query: Array, key: Array, value: Array) -> None:
                          f"value {sv}")
     if hk != hv:
         raise ValueError(f"key and value must have one number of heads, got key {hk} and "
-                         f"value {hv}")
+                         f"value {hv}{_LAYOUT_HINT}")
     if hq % hk:
         raise ValueError(f"query heads must be a multiple of key/value heads (GQA), got query "
-                         f"{hq} heads and key/value {hk} heads")
+                         f"{hq} heads and key/value {hk} heads{_LAYOUT_HINT}")
     if dk != d:
         raise ValueError(f"key head_dim must equal query head_dim {d}, got {dk}")
 
@@ -149,5 +154,6 @@ def check_implementation(implementation: Any) -> None:
 
 def check_flag(name: str, value: Any) -> bool:
     if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        raise TypeError(f"{name} must be a Python bool (static: it selects the computation), "
+                        f"got {type(value).__name__}")
     return bool(value)

@@ -11,10 +11,18 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import jax
+from jax._src import xla_bridge
 
 INTERPRET_ENV_VAR = "OMNI_JAX_PALLAS_INTERPRET"
+
+# The Mosaic-GPU interpreter runs every simulated warpgroup as an XLA CPU computation
+# that blocks on barriers. XLA's CPU thread pool has one thread per core unless the
+# NPROC environment variable says more, so on a machine with few cores a
+# warp-specialized kernel waits forever for a warpgroup that never gets a thread.
+INTERPRETER_THREADS = 16
 
 
 def interpret_requested() -> bool:
@@ -22,10 +30,37 @@ def interpret_requested() -> bool:
     return os.environ.get(INTERPRET_ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def _interpreter_threads_short() -> bool:
+    """XLA's CPU pool (NPROC, else one thread per core) is too small for the interpreter."""
+    threads = os.environ.get("NPROC", "").strip()
+    threads = int(threads) if threads.isdigit() else os.cpu_count() or 1
+    return threads < INTERPRETER_THREADS
+
+
+def request_interpreter_threads() -> None:
+    """In interpret mode, asks XLA for enough CPU threads, while it still can (NPROC is read
+    once, when JAX starts its CPU backend)."""
+    if (interpret_requested() and "NPROC" not in os.environ and _interpreter_threads_short()
+            and not xla_bridge.backends_are_initialized()):
+        os.environ["NPROC"] = str(INTERPRETER_THREADS)
+
+
+@functools.cache
+def _warn_interpreter_threads() -> None:
+    warnings.warn(
+        f"the Mosaic-GPU interpreter may deadlock: XLA's CPU backend started with fewer than "
+        f"{INTERPRETER_THREADS} threads. Set NPROC={INTERPRETER_THREADS} in the environment, "
+        f"or import omni_jax with {INTERPRET_ENV_VAR}=1 set before JAX computes anything.",
+        RuntimeWarning, stacklevel=3)
+
+
 def mosaic_interpret_params():
     """Mosaic-GPU interpreter parameters (race detection on), or None when compiling."""
     if not interpret_requested():
         return None
+    request_interpreter_threads()
+    if _interpreter_threads_short():
+        _warn_interpreter_threads()
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     return InterpretGPUParams(detect_races=True)
@@ -80,3 +115,6 @@ def implementation_preference() -> tuple[str, ...]:
     if can_run_triton():
         return ("triton", "xla")
     return ("xla",)
+
+
+request_interpreter_threads()

@@ -2,8 +2,9 @@
 
 One implementation serves both APIs, so the linen module computes exactly
 what `omni_jax.flax.Attention` does; its parameters live in the ``params``
-collection under the same names (``query/kernel``, ``out/kernel``, ...), its
-KV cache in the ``cache`` collection.
+collection under the nnx layer's names, in a submodule ``attention``
+(``attention/query/kernel``, ``attention/out/kernel``, ...), its KV cache in
+the ``cache`` collection (``attention/cached_key``, ...).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from omni_jax import explicit_sharding
 from omni_jax.flax.cache import decode_mask, write_cache
 from omni_jax.flax.rope import apply_rope, segment_positions
 from omni_jax.masks import BlockMask
-from omni_jax.validation import check_window
+from omni_jax.validation import check_implementation, check_window
 
 Array = Any
 Initializer = Callable[..., Array]
@@ -82,7 +82,7 @@ class Attention(nnx.Module):
                  dtype: Any = None, param_dtype: Any = jnp.float32,
                  kernel_init: Initializer = DEFAULT_KERNEL_INIT,
                  bias_init: Initializer = DEFAULT_BIAS_INIT,
-                 axis_names: AxisNames | None = None, rngs: nnx.Rngs):
+                 axis_names: AxisNames | None = None, rngs: nnx.Rngs) -> None:
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
@@ -92,6 +92,10 @@ class Attention(nnx.Module):
                 raise ValueError(f"in_features ({in_features}) is not divisible by num_heads "
                                  f"({num_heads}): pass head_dim")
             head_dim = in_features // num_heads
+        if rope_base is not None and head_dim % 2:
+            raise ValueError(f"RoPE rotates pairs of features, so head_dim must be even, got "
+                             f"{head_dim}; choose an even head_dim or pass rope_base=None")
+        check_implementation(implementation)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.rope_base = rope_base
         self.softcap = softcap
@@ -129,7 +133,9 @@ class Attention(nnx.Module):
         self.cache_index: nnx.Cache | None = nnx.data(None)
 
     def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> None:
-        """Allocates an empty KV cache ``[batch, max_len, num_kv_heads, head_dim]``."""
+        """Allocates an empty KV cache ``[batch, max_len, num_kv_heads, head_dim]`` of
+        ``dtype`` (default: the layer's ``dtype``, else its ``param_dtype``), replacing
+        any cache the layer had."""
         dtype = dtype or self.dtype or self.query.param_dtype
         shape = (batch, max_len, self.num_kv_heads, self.head_dim)
         self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
@@ -166,6 +172,10 @@ class Attention(nnx.Module):
         Returns:
           ``[batch, seq, out_features]``.
         """
+        in_features = self.query.in_features[0]
+        if jnp.ndim(x) != 3 or x.shape[-1] != in_features:
+            raise ValueError(f"x must be [batch, seq, in_features] with in_features="
+                             f"{in_features}, got shape {jnp.shape(x)}")
         query, key, value = (_project(linear, x, 1) for linear in (self.query, self.key,
                                                                      self.value))
         if self.query_norm is not None:

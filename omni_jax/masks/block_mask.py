@@ -179,6 +179,7 @@ class BlockMask:
 
     @property
     def grid(self) -> BlockGrid:
+        """The (q-block, kv-block) tiling this mask was built for."""
         return BlockGrid(self.q_len, self.kv_len, *self.block_size)
 
     @property

@@ -144,12 +144,17 @@ class _HoistedMaskMod(ComparedByJaxpr):
 
 def _hoisted(mask_mod: MaskFn) -> tuple[_HoistedMaskMod, list[Array]]:
     index = jax.ShapeDtypeStruct((), jnp.int32)
-    with explicit_sharding.tracing_without_explicit_mesh():
-        closed = jax.make_jaxpr(mask_mod)(index, index, index, index)
+    try:
+        with explicit_sharding.tracing_without_explicit_mesh():
+            closed = jax.make_jaxpr(mask_mod)(index, index, index, index)
+    except Exception as error:  # noqa: BLE001 - reported with context
+        raise TypeError(f"create_block_mask: mask_mod failed when called as mask_mod(b, h, "
+                        f"q_idx, kv_idx) on int32 scalars: {error}") from error
     results = [(aval.shape, aval.dtype) for aval in closed.out_avals]
     if results != [((), jnp.dtype(bool))]:
-        raise TypeError(f"mask_mod(b, h, q_idx, kv_idx) must return one bool scalar (True = "
-                        f"may attend), got {[f'{d}{list(s)}' for s, d in results]}")
+        raise TypeError(f"create_block_mask: mask_mod(b, h, q_idx, kv_idx) must return one "
+                        f"bool scalar (True = may attend), got "
+                        f"{[f'{d}{list(s)}' for s, d in results]}")
     return _HoistedMaskMod(closed.jaxpr), list(closed.consts)
 
 

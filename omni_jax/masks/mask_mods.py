@@ -408,8 +408,8 @@ def _as_segment_ids(name: str, ids: Array) -> Array:
     if ids.ndim == 1:
         ids = ids[None]
     if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
-        raise ValueError(f"{name} must be an integer array [batch, seq_len] or [seq_len], "
-                         f"got shape {ids.shape} dtype {ids.dtype}")
+        raise ValueError(f"document_mask: {name} must be an integer array [batch, seq_len] or "
+                         f"[seq_len], got shape {ids.shape} dtype {ids.dtype}")
     return ids
 
 
@@ -434,7 +434,13 @@ def segment_ids_as_int32(q_ids: Array, kv_ids: Array) -> tuple[Array, Array]:
 
 
 def document_mask(q_segment_ids: Array, kv_segment_ids: Array | None = None) -> MaskMod:
-    """Packed documents from segment ids ``[batch, seq]`` (kv defaults to q's)."""
+    """Packed documents: query i sees key j where their segment ids are equal.
+
+    Args:
+      q_segment_ids: integer ``[batch, q_len]`` (or ``[q_len]``, batch 1) document ids.
+      kv_segment_ids: integer ``[batch, kv_len]`` (or ``[kv_len]``); default
+        ``q_segment_ids``. A batch of 1 broadcasts against the other's.
+    """
     q_ids = _as_segment_ids("q_segment_ids", q_segment_ids)
     kv_ids = q_ids if kv_segment_ids is None else _as_segment_ids("kv_segment_ids",
                                                                   kv_segment_ids)
@@ -445,22 +451,28 @@ def document_mask(q_segment_ids: Array, kv_segment_ids: Array | None = None) -> 
 
 
 def prefix_lm_mask(prefix_lengths: Array | int) -> MaskMod:
-    """Prefix-LM: keys before ``prefix_lengths[b]`` are visible to all, the rest causally."""
+    """Prefix-LM: keys before ``prefix_lengths[b]`` are visible to all, the rest causally.
+
+    ``prefix_lengths``: an int (every sequence) or an integer ``[batch]`` array.
+    """
     lengths = jnp.asarray(prefix_lengths)
     if lengths.ndim == 0:
         lengths = lengths[None]
     if lengths.ndim != 1 or not jnp.issubdtype(lengths.dtype, jnp.integer):
-        raise ValueError(f"prefix_lengths must be an int or an integer array [batch], got "
-                         f"shape {lengths.shape} dtype {lengths.dtype}")
+        raise ValueError(f"prefix_lm_mask: prefix_lengths must be an int or an integer array "
+                         f"[batch], got shape {lengths.shape} dtype {lengths.dtype}")
     if jnp.iinfo(lengths.dtype).max > INT32_MAX:  # a longer prefix covers every key too
         lengths = jnp.minimum(lengths, INT32_MAX)
     return Or(Causal(), KeyPrefix(lengths.astype(jnp.int32)))
 
 
 def chunked_mask(chunk_size: int, causal: bool = True) -> MaskMod:
-    """Chunked local attention (Llama 4): keys in the query's chunk, causal by default."""
+    """Chunked local attention (Llama 4): query i sees keys j with ``i // chunk_size ==
+    j // chunk_size``, and only ``j <= i`` when ``causal`` (the default)."""
     if not is_int(chunk_size) or chunk_size <= 0:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        raise ValueError(f"chunked_mask: chunk_size must be a positive int, got {chunk_size!r}")
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"chunked_mask: causal must be a bool, got {causal!r}")
     chunks = Chunked(int(chunk_size))
     return And(Causal(), chunks) if causal else chunks
 
@@ -470,20 +482,22 @@ MaskFn = Callable[[Array, Array, Array, Array], Array]
 
 def and_masks(*mask_mods: MaskFn) -> MaskFn:
     """Intersection of mask_mods; structured if every argument is a MaskMod."""
-    return _combine(And, jnp.logical_and, mask_mods)
+    return _combine("and_masks", And, jnp.logical_and, mask_mods)
 
 
 def or_masks(*mask_mods: MaskFn) -> MaskFn:
     """Union of mask_mods; structured if every argument is a MaskMod."""
-    return _combine(Or, jnp.logical_or, mask_mods)
+    return _combine("or_masks", Or, jnp.logical_or, mask_mods)
 
 
-def _combine(structured: type[_Combination], op, mask_mods: Sequence[MaskFn]) -> MaskFn:
+def _combine(name: str, structured: type[_Combination], op,
+             mask_mods: Sequence[MaskFn]) -> MaskFn:
     if not mask_mods:
-        raise ValueError("at least one mask_mod is needed")
+        raise ValueError(f"{name}: at least one mask_mod is needed")
     for i, mod in enumerate(mask_mods):
         if not callable(mod):
-            raise TypeError(f"mask_mods[{i}] must be callable, got {type(mod).__name__}")
+            raise TypeError(f"{name}: mask_mods[{i}] must be callable, got "
+                            f"{type(mod).__name__}")
     if all(isinstance(mod, MaskMod) for mod in mask_mods):
         return structured(*mask_mods)
 

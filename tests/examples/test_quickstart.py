@@ -1,6 +1,7 @@
 """The quickstart example runs and checks itself against dense attention."""
 
 import importlib.util
+import os
 import pathlib
 import subprocess
 import sys
@@ -10,10 +11,19 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def test_quickstart_runs():
+@pytest.mark.parametrize(("implementation", "seq", "env"), [
+    ("xla", 256, {}),
+    # bfloat16 inputs and 128-blocks, which the Mosaic kernels need (one block: interpreted;
+    # without NPROC, which omni_jax sets for the interpreter itself).
+    pytest.param("mosaic", 40, {"OMNI_JAX_PALLAS_INTERPRET": "1"},
+                 marks=pytest.mark.interpreted),
+])
+def test_quickstart_runs(implementation, seq, env):
     result = subprocess.run([sys.executable, str(ROOT / "examples" / "quickstart.py"),
-                             "--seq", "256", "--implementation", "xla"],
-                            capture_output=True, text=True, cwd=ROOT, timeout=300)
+                             "--seq", str(seq), "--implementation", implementation],
+                            capture_output=True, text=True, cwd=ROOT, timeout=300,
+                            env={**{k: v for k, v in os.environ.items() if k != "NPROC"},
+                                 **env})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "relative error vs dense attention" in result.stdout
 
@@ -21,6 +31,7 @@ def test_quickstart_runs():
 @pytest.mark.parametrize("argv,message", [
     (["--seq", "2"], "argument --seq: must be >= 3"),
     (["--seq", "x"], "argument --seq: invalid int value"),
+    (["--implementation", "Triton"], "argument --implementation: invalid choice: 'Triton'"),
 ])
 def test_quickstart_rejects_bad_arguments(argv, message, capsys):
     spec = importlib.util.spec_from_file_location("quickstart", ROOT / "examples" / "quickstart.py")

@@ -64,6 +64,13 @@ def test_one_step_with_little_eval_data_and_an_empty_prompt(tmp_path):
     (["--sample-tokens", "-1"], "argument --sample-tokens: must be >= 0, got -1"),
     (["--dtype", "float99"], "argument --dtype: not a dtype: 'float99'"),
     (["--max-bytes", "100"], "use --max-bytes >= 1290"),
+    (["--dtype", "int32"], "argument --dtype: must be a float dtype, got int32"),
+    (["--heads", "3"], "argument --heads: the head dim --d-model / --heads must be an even "
+                       "integer (RoPE rotates pairs of features), got 64 / 3"),
+    (["--d-model", "4", "--heads", "4", "--kv-heads", "1", "--max-bytes", "2000"],
+     "got 4 / 4"),
+    (["--kv-heads", "3"], "argument --kv-heads: must divide --heads 4, got 3"),
+    (["--implementation", "Triton"], "argument --implementation: invalid choice: 'Triton'"),
 ])
 def test_bad_arguments_are_rejected_by_the_parser(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

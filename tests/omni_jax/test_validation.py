@@ -29,6 +29,10 @@ CASES = {
     "kv lengths": (dict(arrays=dict(v_shape=(2, 40, 2, 16))), ValueError,
                    r"key 48 and value 40|key 48.*40"),
     "gqa": (dict(arrays=dict(kv_shape=(2, 48, 3, 16))), ValueError, r"multiple of key/value"),
+    "[batch, heads, seq, dim] layout": (
+        dict(arrays=dict(q_shape=(2, 4, 32, 16), kv_shape=(2, 2, 48, 16))), ValueError,
+        r"got query 32 heads and key/value 48 heads \(the layout is \[batch, seq_len, "
+        r"num_heads, head_dim\]; transpose .*swapaxes\(1, 2\)"),
     "head_dim": (dict(arrays=dict(kv_shape=(2, 48, 2, 8), v_shape=(2, 48, 2, 16))), ValueError,
                  r"key head_dim must equal query head_dim 16, got 8"),
     "window": (dict(kwargs=dict(local_window_size=(1, 2, 3))), ValueError, r"local_window_size"),
@@ -65,7 +69,10 @@ CASES = {
               r"sinks must have shape \[num_q_heads\] = \(4,\), got \(2,\)"),
     "implementation": (dict(kwargs=dict(implementation="cuda")), ValueError,
                        r"implementation must be one of"),
-    "is_causal": (dict(kwargs=dict(is_causal="yes")), TypeError, r"is_causal must be a bool"),
+    "is_causal": (dict(kwargs=dict(is_causal="yes")), TypeError,
+                  r"is_causal must be a Python bool .*got str"),
+    "array is_causal": (dict(kwargs=dict(is_causal=jnp.array(True))), TypeError,
+                        r"is_causal must be a Python bool \(static"),
 }
 
 

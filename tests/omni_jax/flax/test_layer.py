@@ -272,3 +272,18 @@ def test_errors_name_the_problem():
         layer(x, decode=True, score_mod=lambda s, b, h, q, k: s)
     with pytest.raises(ValueError, match="batch"):
         layer(jnp.ones((2, 1, FEATURES)), decode=True)
+
+
+@pytest.mark.parametrize(("build", "message"), [
+    (lambda: Attention(4, 12, rngs=nnx.Rngs(0)),
+     r"head_dim must be even, got 3; choose an even head_dim or pass rope_base=None"),
+    (lambda: Attention(2, FEATURES, implementation="Triton", rngs=nnx.Rngs(0)),
+     r"implementation must be one of .* got 'Triton'"),
+    (lambda: Attention(2, FEATURES, rngs=nnx.Rngs(0))(jnp.ones((1, 4, 16))),
+     r"x must be \[batch, seq, in_features\] with in_features=32, got shape \(1, 4, 16\)"),
+    (lambda: Attention(2, FEATURES, rngs=nnx.Rngs(0))(jnp.ones((4, FEATURES))),
+     r"x must be \[batch, seq, in_features\] .* got shape \(4, 32\)"),
+])
+def test_bad_layer_arguments_are_named(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()

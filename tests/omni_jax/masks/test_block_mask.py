@@ -264,6 +264,11 @@ def test_mask_is_a_pytree_that_vmaps():
      r"must return one bool scalar .* got \['int32\[\]'\]"),
     ((lambda b, h, i, j: None, 1, 1, 16, 16), r"must return one bool scalar .* got \[\]"),
     ((lambda b, h, i, j: jnp.stack([i >= j, i < j]), 1, 1, 16, 16), r"got \['bool\[2\]'\]"),
+    ((lambda q_idx, kv_idx: q_idx >= kv_idx, 1, 1, 16, 16),
+     r"^create_block_mask: mask_mod failed when called as mask_mod\(b, h, q_idx, kv_idx\) on "
+     r"int32 scalars: .*2 positional arguments but 4"),
+    ((lambda b, h, i, j: i >= j if i > 0 else j == 0, 1, 1, 16, 16),  # a Python `if`
+     r"^create_block_mask: mask_mod failed .* on int32 scalars: .*"),
 ])
 def test_create_block_mask_rejects_bad_arguments(args, message):
     with pytest.raises((ValueError, TypeError), match=message):
@@ -313,6 +318,22 @@ def test_traced_mask_density_says_it_needs_a_concrete_mask():
 ])
 def test_mask_sizes_reject_non_ints(build, message):
     with pytest.raises(ValueError, match=message):
+        build()
+
+
+@pytest.mark.parametrize(("build", "error", "message"), [
+    (lambda: omni_jax.chunked_mask(0), ValueError, r"^chunked_mask: chunk_size .* got 0$"),
+    (lambda: omni_jax.chunked_mask(4, causal="no"), TypeError,
+     r"^chunked_mask: causal must be a bool, got 'no'$"),
+    (lambda: omni_jax.prefix_lm_mask(2.5), ValueError, r"^prefix_lm_mask: prefix_lengths"),
+    (lambda: omni_jax.document_mask(jnp.zeros((2, 8))), ValueError,
+     r"^document_mask: q_segment_ids must be an integer array"),
+    (lambda: omni_jax.and_masks(), ValueError, r"^and_masks: at least one mask_mod"),
+    (lambda: omni_jax.or_masks(omni_jax.causal_mask, 3), TypeError,
+     r"^or_masks: mask_mods\[1\] must be callable, got int$"),
+])
+def test_mask_constructor_errors_name_the_constructor(build, error, message):
+    with pytest.raises(error, match=message):
         build()
 
 
