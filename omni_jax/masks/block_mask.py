@@ -265,8 +265,9 @@ class BlockMask:
         batch, heads, q_len, kv_len = self.shape
         header = (f"BlockMask(shape=({batch}, {heads}, {q_len}, {kv_len}), "
                   f"block_size={self.block_size}")
-        if isinstance(self.kv_num_blocks, jax.core.Tracer):
-            return header + ", traced)"
+        if not isinstance(self.kv_num_blocks, (np.ndarray, jax.Array)) or isinstance(
+                self.kv_num_blocks, jax.core.Tracer):
+            return header + ", traced)"  # or abstract, as from jax.eval_shape
         flags = np.asarray(self.tile_flags()[0, 0])
         symbols = {MASKED: ".", FULL: "#", COMPUTED: "c", PARTIAL: "p", COMPUTED | PARTIAL: "p"}
         rows = ["".join(symbols[int(f)] for f in row[:64]) + ("..." if len(row) > 64 else "")

@@ -242,6 +242,12 @@ def test_repr_sparsity_and_shape():
     assert "c..." in text and "#c.." in text and "sparsity=37.50%" in text
 
 
+def test_repr_of_abstract_and_traced_masks():
+    build = lambda: omni_jax.create_block_mask(omni_jax.causal_mask, None, None, 128, 128)
+    assert repr(jax.eval_shape(build)).endswith("block_size=(128, 128), traced)")
+    jax.jit(lambda: print(build()) or 0)()  # printing inside jit does not fail
+
+
 def test_mask_is_a_pytree_that_vmaps():
     ids = jnp.asarray(np.random.default_rng().integers(0, 3, (4, 1, 48)).cumsum(-1), jnp.int32)
     masks = jax.vmap(lambda i: omni_jax.create_block_mask(
