@@ -125,6 +125,7 @@ def mosaic_kernel_accumulating(body: Callable[..., None], out_type: Any, *,
     """
     import jax
 
+    _register_body_discharge_rules()
     plgpu = _mosaic_module()
     mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=num_threads,
                       thread_name=thread_name)
@@ -145,44 +146,47 @@ def mosaic_kernel_accumulating(body: Callable[..., None], out_type: Any, *,
     return jax.jit(call)  # A ref with a memory space exists only inside a jit.
 
 
-def custom_vmap(fn: Callable, vmap_rule: Callable) -> Callable:
-    """``jax.custom_batching.custom_vmap(fn)`` with ``vmap_rule``, where ``fn`` may create
-    and freeze refs inside (`mosaic_kernel_accumulating`).
-
-    Lowering discharges such internal refs through the whole jaxpr; jax 0.10 has
-    no discharge rule for the custom_vmap call, so one is registered that
-    discharges its body.
-    """
-    import jax
-
-    _register_custom_vmap_discharge()
-    wrapped = jax.custom_batching.custom_vmap(fn)
-    wrapped.def_vmap(vmap_rule)
-    return wrapped
-
-
 @functools.cache
-def _register_custom_vmap_discharge() -> None:
+def _register_body_discharge_rules() -> None:
+    """Lowering discharges the ref of `mosaic_kernel_accumulating` through the whole
+    jaxpr, so every call primitive around it needs a discharge rule: jax 0.10 has none
+    for the custom_vmap call (the backward's vmap rule), jax 0.10 and 0.11 none for the
+    custom_jvp call (around the backends' passes in ``omni_jax.attention``, for second
+    derivatives). Rules that discharge the body are registered where missing."""
     try:
-        from jax._src import custom_batching
+        from jax._src import core, custom_batching, custom_derivatives
         from jax._src.state import discharge
         from jax._src.state.types import AbstractRef
 
-        primitive = custom_batching.custom_vmap_p
-        registered = primitive in discharge._discharge_rules
+        # The primitive, its body's parameter, whether to bind it again: a custom_vmap
+        # call stays one (it may still be batched); a custom_jvp call is inlined, as
+        # lowering differentiates nothing.
+        bodies = ((custom_batching.custom_vmap_p, "call", True),
+                  (custom_derivatives.custom_jvp_call_p, "call_jaxpr", False))
     except (ImportError, AttributeError):  # moved internals: a release that needs no rule
         return
-    if registered:
-        return
 
-    def rule(in_avals, out_avals, *args, call, **params):
-        del out_avals
-        if any(isinstance(aval, AbstractRef) for aval in in_avals):
-            raise NotImplementedError("custom_vmap with ref operands")
-        outs = primitive.bind(*args, call=discharge.discharge_state(call), **params)
-        return [None] * len(args), outs
+    def register(primitive, body: str, rebind: bool) -> None:
+        def rule(*args, **params):
+            if hasattr(args[0], "in_avals"):  # jax 0.11: (context, *args)
+                in_avals, args = args[0].in_avals, args[1:]
+            else:  # jax 0.10: (in_avals, out_avals, *args)
+                in_avals, args = args[0], args[2:]
+            if any(isinstance(aval, AbstractRef) for aval in in_avals):
+                raise NotImplementedError(f"{primitive} with ref operands")
+            # No ref crosses the call, so the discharged body has the same signature.
+            pure = discharge.discharge_state(params[body])
+            if rebind:
+                outs = primitive.bind(*args, **{**params, body: pure})
+            else:
+                outs = core.eval_jaxpr(pure.jaxpr, pure.consts, *args)
+            return [None] * len(args), outs
 
-    discharge.register_discharge_rule(primitive)(rule)
+        discharge.register_discharge_rule(primitive)(rule)
+
+    for primitive, body, rebind in bodies:
+        if primitive not in discharge._discharge_rules:
+            register(primitive, body, rebind)
 
 
 def wgmma_row_layout() -> Any:

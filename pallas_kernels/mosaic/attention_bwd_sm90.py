@@ -662,7 +662,8 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
     def fused_backward(*args):
         return backward(True, *args)
 
-    fused = compat.custom_vmap(fused_backward, unfused_under_vmap)
+    fused = jax.custom_batching.custom_vmap(fused_backward)
+    fused.def_vmap(unfused_under_vmap)
     traced_leaves = [x for t, x in zip(traced, mask_leaves, strict=True) if t]
     return fused(q, k, v, traced_leaves, out, lse, dout, dlse, tuple(captured))
 

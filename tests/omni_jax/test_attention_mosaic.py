@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import pytest
 
 import omni_jax
-from pallas_kernels import runtime
+from pallas_kernels import compat, runtime
 from pallas_kernels.mosaic import attention_fwd_sm90 as fwd
 from tests.mosaic_interpret import interpreted_mosaic
-from tests.omni_jax.attention_suite import CASES, AttentionSuite
+from tests.omni_jax.attention_suite import CASES, AttentionSuite, Case, check_case
 
 # The kernels take bf16/fp16, q tiles of 128 rows, and score_mods that read captured
 # arrays by batch and head only (ALiBi slopes), not per score (a relative-position table).
@@ -83,6 +83,24 @@ class TestMosaicAttentionInterpreted(_MosaicSuite):
 class TestMosaicAttentionGpu(_MosaicSuite):
     dtypes = ("bfloat16", "float16")
     cases = GPU_CASES
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(runtime.interpret_requested() or runtime.gpu_compute_capability() != (9, 0),
+                    reason="needs an sm90 GPU (compiled Mosaic-GPU kernels)")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_fused_dq_backward_through_the_public_call(dtype, monkeypatch):
+    """Head dim 128 without masked tiles: the dK/dV kernel also sums dQ (into a ref),
+    a path the suite's smaller head dims never take."""
+    backends = record_backward_backends(monkeypatch)
+    accumulating = []
+    kernel = compat.mosaic_kernel_accumulating
+    monkeypatch.setattr(compat, "mosaic_kernel_accumulating",
+                        lambda *args, **kwargs: accumulating.append(1) or kernel(*args, **kwargs))
+    case = Case("dense_head_dim_128", batch=1, q_len=256, kv_len=256, heads=4, kv_heads=2,
+                head_dim=128)
+    check_case("mosaic", case, dtype, (128, 128), block_rows=32)
+    assert set(backends) == {"mosaic"} and accumulating, (backends, accumulating)
 
 
 @pytest.mark.parametrize("captured,score_mod,match", [

@@ -45,6 +45,8 @@ VARIANTS = {
     "hd256_value_dim_64": dict(shape=(1, 256, 2, 256), kv_heads=1, head_dim_v=64,
                                is_causal=True),
     "long_walk": dict(shape=(1, 16384, 1, 128), kv_heads=1, is_causal=True),
+    # No masked tile at head dim 128: the dK/dV kernel computes dQ too (a ref inside).
+    "dense_fused_dq_hd128": dict(shape=(1, 256, 2, 128), kv_heads=1),
     # Captured arrays read by element from smem: ALiBi slopes by head, a bf16 table by
     # (batch, head) and a 0-d temperature.
     "captured_arrays_hd64": dict(
