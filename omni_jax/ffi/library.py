@@ -25,6 +25,7 @@ from typing import Any
 import jax
 
 from omni_jax.ffi import build
+from pallas_kernels import runtime
 
 LIBRARY_ENV_VAR = "OMNI_JAX_FFI_LIBRARY"
 AUTOBUILD_ENV_VAR = "OMNI_JAX_FFI_AUTOBUILD"
@@ -66,22 +67,18 @@ def cached_library_path(archs: tuple[str, ...] = build.DEFAULT_ARCHS) -> Path:
 
 def device_arch() -> str | None:
     """The ``sm_XXa`` arch of the default JAX device when it is a CUDA GPU, else None."""
-    if jax.default_backend() != "gpu":
+    capability = runtime.gpu_compute_capability()
+    if jax.default_backend() != "gpu" or capability is None:
         return None
-    capability = getattr(jax.devices()[0], "compute_capability", None)
-    if not capability:
-        return None
-    major, _, minor = str(capability).partition(".")
-    return f"sm_{major}{minor or '0'}a"
+    return f"sm_{capability[0]}{capability[1]}a"
 
 
 def device_reason() -> str | None:
     """Why the default JAX device cannot run the library's kernels (all sm90), or None."""
     if jax.default_backend() != "gpu":
         return f"the default JAX backend is {jax.default_backend()!r}, not a CUDA GPU"
-    arch = device_arch()
-    if arch != KERNEL_ARCH:
-        capability = getattr(jax.devices()[0], "compute_capability", None)
+    if device_arch() != KERNEL_ARCH:
+        capability = ".".join(map(str, runtime.gpu_compute_capability() or ()))
         return f"the kernels need an sm90 (Hopper) GPU, found compute capability {capability!r}"
     return None
 

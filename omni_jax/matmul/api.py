@@ -176,21 +176,23 @@ def _batchable(spec: _Spec, has_scale: bool, has_bias: bool):
         da, db, *d_vectors = tangents
         scale = vectors[0] if has_scale else None
         bias, d_bias = (vectors[-1], d_vectors[-1]) if has_bias else (None, None)
-        out = gemm(*primals)
+        # With an activation, its input (one float32 GEMM) gives the output too.
+        linear = None if spec.activation is None else _tangent_gemm(spec, a, b, scale, bias)
+        out = gemm(*primals) if linear is None else None
         # d(op(a) op(b) * scale + bias) = (op(da) op(b) + op(a) op(db)) * scale
         #                                 + op(a) op(b) * d_scale + d_bias
         terms = [(da, (da, b, scale)), (db, (a, db, scale))]
         if has_scale:
             terms.append((d_vectors[0], (a, b, d_vectors[0])))
-        d_linear = jnp.zeros(out.shape, jnp.float32)
+        d_linear = jnp.zeros((out if linear is None else linear).shape, jnp.float32)
         for tangent, operands in terms:
             if not _is_zero(tangent):
                 d_linear = d_linear + _tangent_gemm(spec, *operands)
         if has_bias and not _is_zero(d_bias):
             d_linear = d_linear + d_bias.astype(jnp.float32)[..., None, :]
-        if spec.activation is not None:
-            linear = _tangent_gemm(spec, a, b, scale, bias)
-            _, d_linear = jax.jvp(ACTIVATIONS[spec.activation], (linear,), (d_linear,))
+        if linear is not None:
+            out, d_linear = jax.jvp(ACTIVATIONS[spec.activation], (linear,), (d_linear,))
+            out = out.astype(spec.out_dtype)
         return out, d_linear.astype(out.dtype)
 
     return gemm
