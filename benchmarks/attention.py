@@ -40,7 +40,7 @@ import jaxlib
 import numpy as np
 
 import omni_jax
-from benchmarks.timing import add_sustain_argument, bench_interleaved, tflops
+from benchmarks.timing import add_impls_argument, add_sustain_argument, bench_interleaved, tflops
 
 BASELINE = "cudnn"
 IMPLS = ("omni_xla", "omni_triton", "omni_mosaic", "cudnn", "jax_xla", "jax_pallas_mha",
@@ -399,9 +399,9 @@ def _inputs(case: Case, copies: int) -> list[tuple]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--impls", default=",".join(IMPLS),
-                        help=f"comma-separated subset of {', '.join(IMPLS)} (default: all), "
-                             f"or {FORCED_MOSAIC_PREFIX}FIELD=N/... (a Mosaic forward config)")
+    add_impls_argument(parser, default=IMPLS, check=builder,
+                       choices=f"{', '.join(IMPLS)}, or {FORCED_MOSAIC_PREFIX}FIELD=N/... "
+                               f"(a Mosaic config)")
     parser.add_argument("--cases", default="",
                         help="comma-separated substrings; keep cases whose name contains one "
                              "(e.g. 's4096', 'causal', 'fwd+bwd', 'd64')")
@@ -455,7 +455,7 @@ def _skip_note(case: Case, dense_ms: dict, impl: str, ms: float) -> str:
 
 
 def run(args) -> list[dict]:
-    impls = [i for i in args.impls.split(",") if i]
+    impls = list(args.impls)
     builders = {impl: builder(impl) for impl in impls}
     print(f"jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
           f"device {jax.devices()[0].device_kind} ({jax.default_backend()})")

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import jaxlib
 
 import omni_jax
-from benchmarks.timing import add_sustain_argument, bench_interleaved, tflops
+from benchmarks.timing import add_impls_argument, add_sustain_argument, bench_interleaved, tflops
 from omni_jax.matmul import implementations
 from pallas_kernels.matmul_common import GemmProblem, problem_of
 
@@ -62,9 +62,8 @@ TINY = {"sweep": ((64, 64, 64), (96, 128, 64)), "epilogue": ((64, 128, 64),),
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suites", nargs="+", choices=SUITES, default=list(SUITES))
-    parser.add_argument("--impls", nargs="+", type=_impl_name,
-                        default=["mosaic", "triton", *PEERS],
-                        help=f"of {OURS + PEERS}, or {FORCED_MOSAIC_PREFIX}FIELD=N/...")
+    add_impls_argument(parser, default=("mosaic", "triton", *PEERS), check=_impl_name,
+                       choices=f"{', '.join(OURS + PEERS)}, or {FORCED_MOSAIC_PREFIX}FIELD=N/...")
     parser.add_argument("--shapes", nargs="+", metavar="M,N,K",
                         help="replace every suite's shapes by these")
     parser.add_argument("--autotune", action="store_true",
@@ -85,7 +84,7 @@ def _impl_name(impl: str) -> str:
     if impl.startswith(FORCED_MOSAIC_PREFIX):
         _forced_fields(impl)
         return impl
-    raise argparse.ArgumentTypeError(
+    raise ValueError(
         f"unknown implementation {impl!r}; choose from {OURS + PEERS} or "
         f"{FORCED_MOSAIC_PREFIX}FIELD=N/...")
 
@@ -99,7 +98,7 @@ def _forced_fields(impl: str) -> dict[str, int]:
     for item in impl[len(FORCED_MOSAIC_PREFIX):].split("/"):
         name, _, value = item.partition("=")
         if name not in names or not value.isdigit():
-            raise argparse.ArgumentTypeError(
+            raise ValueError(
                 f"{impl!r}: expected FIELD=N with FIELD one of {sorted(names)}, got {item!r}")
         fields[name] = int(value)
     return fields

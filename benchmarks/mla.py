@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 
-from benchmarks.timing import add_sustain_argument, bench_interleaved, tflops
+from benchmarks.timing import add_impls_argument, add_sustain_argument, bench_interleaved, tflops
 from omni_jax import sparse_mla_prefill
 from omni_jax.sparse_mla import kernel, kernel_platform_reason
 from omni_jax.sparse_mla.validation import ProblemShape
@@ -34,13 +34,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--s-kv", type=int, default=32768)
     parser.add_argument("--d-qk", type=int, default=576)
     parser.add_argument("--d-v", type=int, default=512)
-    parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
+    add_impls_argument(parser, default=IMPLS, check=_impl_name, choices=", ".join(IMPLS))
     parser.add_argument("--tiny", action="store_true",
                         help=f"tiny sizes for a CPU smoke test: {TINY}")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--samples", type=int, default=10)
     parser.add_argument("--inner", type=int, default=3)
     add_sustain_argument(parser)
+
+
+def _impl_name(impl: str) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"unknown implementation {impl!r}; choose from {IMPLS}")
+    return impl
 
 
 def _inputs(sizes: dict, seed: int) -> tuple[jax.Array, jax.Array, jax.Array]:

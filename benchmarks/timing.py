@@ -57,6 +57,30 @@ def add_sustain_argument(parser: argparse.ArgumentParser) -> None:
                              "implementation's mean SM clock and power (from nvidia-smi)")
 
 
+def add_impls_argument(parser: argparse.ArgumentParser, *, default: Sequence[str],
+                       check: Callable[[str], object], choices: str) -> None:
+    """The ``--impls`` option of the benchmark CLIs: names separated by spaces or commas
+    (``--impls a b`` and ``--impls a,b`` alike), each checked by ``check`` (which raises
+    ValueError naming what it accepts) so that a typo fails before anything is timed."""
+
+    class ImplsAction(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            names = [name for value in values for name in value.split(",") if name]
+            if not names:
+                parser.error(f"argument {option_string}: expected at least one name")
+            for name in names:
+                try:
+                    check(name)
+                except ValueError as error:
+                    parser.error(f"argument {option_string}: {error}")
+            setattr(namespace, self.dest, names)
+
+    parser.add_argument("--impls", nargs="+", action=ImplsAction, default=list(default),
+                        metavar="IMPL",
+                        help=f"implementations to time, separated by spaces or commas: "
+                             f"{choices} (default: {' '.join(default)})")
+
+
 def bench(fn: Callable[..., Any], arg_sets: Sequence[Sequence[Any]], *, warmup: int = 3,
           samples: int = 10, inner: int = 5) -> float:
     """Median milliseconds of one call of ``fn``, cycling through ``arg_sets``.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import math
 from types import SimpleNamespace
@@ -151,3 +152,26 @@ def test_telemetry_stays_empty_without_sustain():
     assert telemetry == {}
     with pytest.raises(ValueError, match="sustain_s"):
         timing.bench_interleaved({"f": jnp.sin}, [(1.0,)], sustain_s=-1.0)
+
+
+@pytest.mark.parametrize("argv", [["--impls", "a,b", "c"], ["--impls", "a", "b", "c"],
+                                  ["--impls", "a,b,c,"]])
+def test_impls_take_spaces_or_commas(argv):
+    parser = argparse.ArgumentParser()
+    timing.add_impls_argument(parser, default=("a",), check=_known_names, choices="a, b, c")
+    assert parser.parse_args(argv).impls == ["a", "b", "c"]
+    assert parser.parse_args([]).impls == ["a"]
+
+
+def test_an_unknown_impl_fails_the_parse_naming_it(capsys):
+    parser = argparse.ArgumentParser()
+    timing.add_impls_argument(parser, default=("a",), check=_known_names, choices="a, b, c")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--impls", "a,cudnn"])
+    assert "argument --impls: unknown implementation 'cudnn'" in capsys.readouterr().err
+
+
+def _known_names(name: str) -> str:
+    if name not in ("a", "b", "c"):
+        raise ValueError(f"unknown implementation {name!r}")
+    return name
