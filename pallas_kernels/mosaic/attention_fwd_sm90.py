@@ -102,6 +102,12 @@ class ForwardConfig:
     # softmax. The ring keeps that half-step offset for the rest of the CTA; without it
     # the consumers run in step and the tensor cores idle while both are in softmax.
     staggered: bool = False
+    # Each consumer loads its Q tile into registers once per q-block and issues QK^T with
+    # Q as the register operand: every kv step then reads K alone from shared memory
+    # instead of Q and K (a quarter less shared-memory traffic per step at 128 x 128),
+    # for head_dim / 4 more registers per thread. Compiled only (the interpreter takes
+    # wgmma operands from shared memory).
+    q_in_registers: bool = False
     block_q: int = BLOCK_Q
 
     def __post_init__(self):
@@ -122,7 +128,9 @@ class ForwardConfig:
 #   measured 0.92-0.97x cuDNN against 1.05x. Four q-blocks per CTA: a d64 kv step is
 #   short, so a CTA's fixed costs weigh more (0.90-0.92x -> 1.01-1.05x).
 # * 64, not causal: pipelined and staggered, two q-blocks per CTA: 1.06x cuDNN against
-#   serial's 0.96x (2026-11-24 20:55; unstaggered pipelined had lost, 0.83-0.90x).
+#   serial's 0.96x (2026-11-24 20:55; unstaggered pipelined had lost, 0.83-0.90x). Q in
+#   registers: 2-5% faster (H200, 2026-11-26); at head dim 128 it lost 1-8% (and every
+#   causal case but one), at 256 it lost 40%.
 # * 128 and 256: pipelined, ahead of serial in every case of the 2026-11-24 A/B run
 #   (d128 1.03-1.08x cuDNN against 0.93-1.02x; d256 1.09-1.10x against 0.93-0.95x).
 #   One q-block per CTA: several measured within the noise at d128 dense and causal
@@ -131,7 +139,7 @@ class ForwardConfig:
 #   with ALiBi, 1% slower on documents); not at d256, where it lost 13% dense.
 _CONFIGS = {
     (64, False): ForwardConfig(block_kv=128, num_stages=3, pipelined=True, staggered=True,
-                               q_blocks_per_cta=2),
+                               q_blocks_per_cta=2, q_in_registers=True),
     (64, True): ForwardConfig(block_kv=128, num_stages=3, pipelined=False,
                               q_blocks_per_cta=4),
     (128, False): ForwardConfig(block_kv=128, num_stages=2, pipelined=True, staggered=True),
@@ -320,6 +328,8 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
             count = walk[0, 0]
             q_tile, q_loaded = q_buffer(i)
             plgpu.barrier_wait(q_loaded)
+            q_operand = (compat.mosaic_load(q_tile, plgpu.Layout.WGMMA, interpret=False)
+                         if cfg.q_in_registers and not s.interpret else q_tile)
 
             def softmax(scores, step, row_max, row_sum, full: bool):
                 """(P in float32, alpha, new max, new sum) of the step's raw scores."""
@@ -345,7 +355,7 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
                 return probs, alpha, new_max, row_sum
 
             consumer = _Consumer(
-                statics=s, wg=wg, q_smem=q_tile, k_smem=k_smem, v_smem=v_smem,
+                statics=s, wg=wg, q=q_operand, k_smem=k_smem, v_smem=v_smem,
                 k_barriers=k_barriers, v_barriers=v_barriers, k_consumed=k_consumed,
                 v_consumed=v_consumed, schedule=schedule, p_staging=p_staging,
                 first_step=first_step, count=count, num_full=walk[0, 1], softmax=softmax,
@@ -389,7 +399,7 @@ class _Consumer:
 
     statics: _Statics
     wg: Array
-    q_smem: Any
+    q: Any  # The Q tile: its smem ref, or its registers (`ForwardConfig.q_in_registers`).
     k_smem: Any
     v_smem: Any
     k_barriers: Any
@@ -418,7 +428,7 @@ class _Consumer:
         return lax.rem(self.first_step + step, self.statics.config.num_stages)
 
     def issue_qk(self, s_ref, step) -> None:
-        plgpu.wgmma(s_ref, self.q_smem,
+        plgpu.wgmma(s_ref, self.q,
                     self.k_smem.at[self.slot(step)].transpose((1, 0)))
 
     def staged(self, probs):

@@ -44,6 +44,8 @@ VARIANTS = {
         sinks=jnp.zeros((2,), jnp.float32)),
     "hd256_value_dim_64": dict(shape=(1, 256, 2, 256), kv_heads=1, head_dim_v=64,
                                is_causal=True),
+    # Not causal at head dim 64: QK^T takes Q from registers (`q_in_registers`).
+    "dense_hd64_q_in_registers": dict(shape=(1, 256, 2, 64), kv_heads=2),
     "long_walk": dict(shape=(1, 16384, 1, 128), kv_heads=1, is_causal=True),
     # No masked tile at head dim 128: the dK/dV kernel computes dQ too (a ref inside).
     "dense_fused_dq_hd128": dict(shape=(1, 256, 2, 128), kv_heads=1),
@@ -103,3 +105,12 @@ def test_backward_lowers_for_cuda(name, _compiled_mosaic):
     grads = jax.grad(loss, argnums=(0, 1, 2))
     text = jax.jit(grads).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("mosaic_gpu") >= 3 and "triton" not in text
+
+
+
+def test_a_variant_lowers_the_register_q_path():
+    """`dense_hd64_q_in_registers` covers QK^T with Q from registers (the interpreter never
+    takes it)."""
+    from pallas_kernels.mosaic import attention_fwd_sm90 as fwd
+
+    assert fwd.forward_config(64, jnp.bfloat16, causal=False).q_in_registers
