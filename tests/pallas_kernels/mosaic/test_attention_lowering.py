@@ -44,7 +44,8 @@ VARIANTS = {
         sinks=jnp.zeros((2,), jnp.float32)),
     "hd256_value_dim_64": dict(shape=(1, 256, 2, 256), kv_heads=1, head_dim_v=64,
                                is_causal=True),
-    # Not causal at head dim 64: QK^T takes Q from registers (`q_in_registers`).
+    # Head dim 64, pipelined (not causal): QK^T takes Q from registers (`q_in_registers`;
+    # `causal_ragged_hd64` covers the serial schedule's).
     "dense_hd64_q_in_registers": dict(shape=(1, 256, 2, 64), kv_heads=2),
     "long_walk": dict(shape=(1, 16384, 1, 128), kv_heads=1, is_causal=True),
     # No masked tile at head dim 128: the dK/dV kernel computes dQ too (a ref inside).
@@ -114,3 +115,4 @@ def test_a_variant_lowers_the_register_q_path():
     from pallas_kernels.mosaic import attention_fwd_sm90 as fwd
 
     assert fwd.forward_config(64, jnp.bfloat16, causal=False).q_in_registers
+    assert fwd.forward_config(64, jnp.bfloat16, causal=True).q_in_registers
