@@ -9,7 +9,8 @@ q-blocks of one (batch, q head) in turn, with three warpgroups:
   stored PARTIAL tile) into a ring of ``num_stages`` shared-memory slots. A
   slot's K (V) is refilled only after both consumers arrived on its K (V)
   "consumed" barrier. MASKED tiles are never loaded at all;
-* warpgroups 0 and 1 (consumers) each own 64 of the 128 rows: Q once by TMA,
+* warpgroups 0 and 1 (consumers) each own 64 of the 128 rows: Q once by TMA
+  (at head dim 64 then held in registers, ``ForwardConfig.q_in_registers``),
   then per kv-block ``S = Q K^T`` by wgmma, the tile's mask (none for FULL
   tiles, which the walk lists first and a loop without mask code takes;
   indices and mask leaves for COMPUTED tiles; the stored tile for PARTIAL
