@@ -52,6 +52,9 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where CSV/JSON/plots/markdown go (default: $OUT/benchmarks if "
                              "$OUT is set, else ./benchmark-results)")
     parser.add_argument("--no-plots", action="store_true", help="skip the matplotlib plots")
+    parser.add_argument("--markdown", action="store_true",
+                        help="print the table as markdown (it is also written to "
+                             "RESULTS-block.md in --out-dir)")
 
 
 def module_arguments(name: str, module: ModuleType, argv: list[str],
@@ -65,7 +68,8 @@ def module_arguments(name: str, module: ModuleType, argv: list[str],
     module.add_arguments(parser)
     args = parser.parse_args(argv)
     if common is not None:
-        args.out_dir, args.no_plots = common.out_dir, common.no_plots
+        args.out_dir, args.no_plots, args.markdown = (common.out_dir, common.no_plots,
+                                                      common.markdown)
     return args
 
 
@@ -74,7 +78,7 @@ def run_one(name: str, module: ModuleType, args: argparse.Namespace,
     """Runs one benchmark, prints its table and writes its files."""
     print(f"\n== {name} ==", flush=True)
     rows = report.check_rows(name, module.run(args))
-    print(report.format_table(rows), flush=True)
+    print(report.format_table(rows, markdown=args.markdown), flush=True)
     paths = report.save(name, rows, args.out_dir, meta, plots=not args.no_plots)
     print("wrote " + ", ".join(str(p) for p in paths))
     return rows

@@ -18,11 +18,11 @@ masked cases also report the fraction of active mask blocks and, when the
 dense case of the same length was measured, time / (dense time x fraction):
 1.0 means skipping is perfect.
 
-    python -m benchmarks.attention                      # all cases, the default impls
-    python -m benchmarks.attention --cases s4096 --impls omni_triton,cudnn
-    python -m benchmarks.attention --cases "d128 fwd" --dtype float16
-    python -m benchmarks.attention --seqs 1024 4096 32768 --forward-only   # walk lengths
-    python -m benchmarks.attention --tiny               # CPU smoke run
+    python -m benchmarks attention                      # all cases, the default impls
+    python -m benchmarks attention --cases s4096 --impls omni_triton,cudnn
+    python -m benchmarks attention --cases "d128 fwd" --dtype float16
+    python -m benchmarks attention --seqs 1024 4096 32768 --forward-only   # walk lengths
+    python -m benchmarks attention --tiny               # CPU smoke run
 """
 
 from __future__ import annotations
@@ -416,7 +416,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--samples", type=int, default=5)
     parser.add_argument("--inner", type=int, default=3)
-    parser.add_argument("--plot", default="", help="save a TFLOP/s bar chart to this path")
     add_sustain_argument(parser)
 
 
@@ -509,45 +508,9 @@ def _row(case: Case, impl: str, ms: float, throughput: float, note: str) -> dict
             "note": note}
 
 
-def print_table(rows: list[dict]) -> None:
-    print(f"{'case':<34} {'impl':<15} {'ms':>9} {'TFLOP/s':>8} {'vs ' + BASELINE:>9}  note")
-    for r in rows:
-        ratio = "" if r["ratio"] is None else f"{r['ratio']:.2f}x"
-        print(f"{r['case']:<34} {r['impl']:<15} {r['ms']:>9.3f} {r['tflops']:>8.1f} "
-              f"{ratio:>9}  {r['note']}")
-
-
-def save_plot(rows: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cases = list(dict.fromkeys(r["case"] for r in rows))
-    impls = list(dict.fromkeys(r["impl"] for r in rows))
-    width = 0.8 / max(1, len(impls))
-    fig, ax = plt.subplots(figsize=(max(8, len(cases) * 1.2), 5))
-    for i, impl in enumerate(impls):
-        values = {r["case"]: r["tflops"] for r in rows if r["impl"] == impl}
-        ax.bar(np.arange(len(cases)) + i * width, [values.get(c, 0.0) for c in cases], width,
-               label=impl)
-    ax.set_xticks(np.arange(len(cases)) + 0.4 - width / 2, cases, rotation=60, ha="right",
-                  fontsize=7)
-    ax.set_ylabel("TFLOP/s (unmasked work)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    rows = run(args)
-    print_table(rows)
-    if args.plot:
-        save_plot(rows, args.plot)
-
-
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from benchmarks.__main__ import main
+
+    raise SystemExit(main(["attention", *sys.argv[1:]]))

@@ -1,9 +1,9 @@
 """GEMM: omni_jax.matmul's kernels beside cuBLAS (``jnp.dot``) and JAX's Hopper Pallas GEMM.
 
-    python -m benchmarks.matmul                      # H100: bf16 sweep, fused epilogue, fp8
-    python -m benchmarks.matmul --suites sweep --autotune   # tune each shape first
-    python -m benchmarks.matmul --impls mosaic mosaic/pingpong=1/stages=3   # A/B of configs
-    python -m benchmarks.matmul --tiny               # CPU smoke test (XLA rows only)
+    python -m benchmarks matmul                      # H100: bf16 sweep, fused epilogue, fp8
+    python -m benchmarks matmul --suites sweep --autotune   # tune each shape first
+    python -m benchmarks matmul --impls mosaic mosaic/pingpong=1/stages=3   # A/B of configs
+    python -m benchmarks matmul --tiny               # CPU smoke test (XLA rows only)
 
 Suites (the rows of a case are timed on the same inputs, their samples interleaved):
   sweep     bf16 (M, N, K) from 1024 to 16384 per side, plain ``C = A @ B``; a
@@ -74,7 +74,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=int, default=10)
     parser.add_argument("--inner", type=int, default=5)
     add_sustain_argument(parser)
-    parser.add_argument("--markdown", action="store_true", help="print a markdown table")
 
 
 def _impl_name(impl: str) -> str:
@@ -350,24 +349,9 @@ def _geomean_rows(suite: str, rows: list[dict], impls: list[str]) -> list[dict]:
     return out
 
 
-def _print(rows: list[dict], markdown: bool) -> None:
-    if markdown:
-        print("| case | impl | ms | TFLOP/s | ratio | note |\n|---|---|---|---|---|---|")
-    else:
-        print(f"{'case':<30}{'impl':<17}{'ms':>9}{'TFLOP/s':>9}{'ratio':>7}  note")
-    for row in rows:
-        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.3f}"
-        ms = "-" if math.isnan(row["ms"]) else f"{row['ms']:.3f}"
-        flops = "-" if math.isnan(row["tflops"]) else f"{row['tflops']:.1f}"
-        if markdown:
-            print(f"| {row['case']} | {row['impl']} | {ms} | {flops} | {ratio} | {row['note']} |")
-        else:
-            print(f"{row['case']:<30}{row['impl']:<17}{ms:>9}{flops:>9}{ratio:>7}  {row['note']}")
-
-
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.matmul", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    parsed = parser.parse_args()
-    _print(run(parsed), parsed.markdown)
+    import sys
+
+    from benchmarks.__main__ import main
+
+    raise SystemExit(main(["matmul", *sys.argv[1:]]))

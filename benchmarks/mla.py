@@ -1,8 +1,8 @@
 """Sparse MLA prefill: the SM90 FFI kernel, with and without the score output, beside the
 portable JAX path.
 
-    python -m benchmarks.mla            # H100 problem: s_q=4096 h_q=128 topk=2048 s_kv=32768
-    python -m benchmarks.mla --tiny     # CPU smoke test (portable path only)
+    python -m benchmarks mla            # H100 problem: s_q=4096 h_q=128 topk=2048 s_kv=32768
+    python -m benchmarks mla --tiny     # CPU smoke test (portable path only)
 
 TFLOP/s counts 2 * s_q * h_q * topk * (d_qk + d_v) for every row (the score output adds
 memory traffic, not flops). ``ratio`` = portable path ms / this row's ms.
@@ -122,19 +122,9 @@ def run(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def _print(rows: list[dict]) -> None:
-    print(f"{'impl':<18}{'ms':>10}{'TFLOP/s':>10}{'ratio':>8}  note")
-    for row in rows:
-        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}"
-        print(f"{row['impl']:<18}{row['ms']:>10.3f}{row['tflops']:>10.1f}{ratio:>8}  "
-              f"{row['note']}")
-
-
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.mla", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    parsed = parser.parse_args()
-    results = run(parsed)
-    print(results[0]["case"])
-    _print(results)
+    import sys
+
+    from benchmarks.__main__ import main
+
+    raise SystemExit(main(["mla", *sys.argv[1:]]))

@@ -82,6 +82,13 @@ def test_one_benchmark_writes_table_files_plot_and_markdown(modules, tmp_path, c
     assert "| causal b=1 h=2 seq=16 d=8 | xla | 1.000 |" in markdown
 
 
+def test_markdown_prints_the_table_as_markdown(modules, tmp_path, capsys):
+    modules["attention"] = fake_attention()
+    assert cli.main(["attention", "--seq", "16", "--markdown", "--no-plots",
+                     "--out-dir", str(tmp_path)]) == 0
+    assert "| causal b=1 h=2 seq=16 d=8 | xla | 1.000 |" in capsys.readouterr().out
+
+
 def test_all_runs_what_exists_and_reports_the_rest(modules, tmp_path, capsys):
     modules["attention"], modules["matmul"] = fake_attention(), fake_matmul()
     rc = cli.main(["all", "--out-dir", str(tmp_path), "--attention-args", "--seq 8"])
@@ -143,3 +150,13 @@ def test_python_dash_m_entry_point():
     done = subprocess.run([sys.executable, "-m", "benchmarks", "--help"], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0 and "gpu-suite" in done.stdout
+
+
+@pytest.mark.parametrize("name", ["attention", "matmul", "mla"])
+def test_each_module_runs_as_the_one_command(name):
+    """``python -m benchmarks.<name>`` is ``python -m benchmarks <name>``: same options."""
+    done = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"python -m benchmarks {name}" in done.stdout
+    assert "--out-dir" in done.stdout and "--markdown" in done.stdout
