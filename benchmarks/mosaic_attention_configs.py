@@ -1,12 +1,13 @@
 """Sweeps the Mosaic-GPU attention forward configs (block_kv, num_stages, schedule, q-blocks
-per CTA) on one shape.
+per CTA, Q in registers) on one shape.
 
 For tuning `pallas_kernels.mosaic.attention_fwd_sm90._CONFIGS` on an H100:
 
     python -m benchmarks.mosaic_attention_configs --seq 4096 --head-dim 128 --causal
 
-Rows: every config of the sweep ("mosaic[block_kv=..,stages=..,pipelined,q_blocks=..]"), the
-current default config ("mosaic"), cuDNN (the baseline) and the XLA backend.
+Rows: every config of the sweep
+("mosaic[block_kv=..,stages=..,pipelined,q_blocks=..,q_regs=..]"), the current default config
+("mosaic"), cuDNN (the baseline) and the XLA backend.
 Peers that cannot run here are skipped with a note; on a CPU only the XLA row
 runs (use tiny sizes there).
 """
@@ -47,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="consumer schedules (ForwardConfig.pipelined True / False)")
     parser.add_argument("--q-blocks-per-cta", type=int, nargs="+", default=[1],
                         help="ForwardConfig.q_blocks_per_cta values")
+    parser.add_argument("--q-in-registers", type=int, nargs="+", choices=(0, 1), default=None,
+                        help="ForwardConfig.q_in_registers values (default: the head dim's "
+                             "default config's)")
     parser.add_argument("--samples", type=int, default=10)
 
 
@@ -91,12 +95,16 @@ def run(args: argparse.Namespace) -> list[dict]:
     if not mosaic_skipped:
         default = fwd.forward_config(args.head_dim, dtype, args.causal)
         fns["mosaic"] = _mosaic_fn(default, args.seq, args.head_dim, args.causal)
-        for block_kv, stages, schedule, per_cta in itertools.product(
-                args.block_kv, args.stages, args.schedules, args.q_blocks_per_cta):
+        q_in_registers = (args.q_in_registers if args.q_in_registers is not None
+                          else [int(default.q_in_registers)])
+        for block_kv, stages, schedule, per_cta, q_regs in itertools.product(
+                args.block_kv, args.stages, args.schedules, args.q_blocks_per_cta,
+                q_in_registers):
             config = dataclasses.replace(default, block_kv=block_kv, num_stages=stages,
                                          pipelined=schedule == "pipelined",
-                                         q_blocks_per_cta=per_cta)
-            name = f"mosaic[block_kv={block_kv},stages={stages},{schedule},q_blocks={per_cta}]"
+                                         q_blocks_per_cta=per_cta, q_in_registers=bool(q_regs))
+            name = (f"mosaic[block_kv={block_kv},stages={stages},{schedule},q_blocks={per_cta},"
+                    f"q_regs={q_regs}]")
             fns[name] = _mosaic_fn(config, args.seq, args.head_dim, args.causal)
     # Samples in turn, so that clock drift favours no config.
     timed: dict[str, float | None] = {}
