@@ -182,26 +182,34 @@ def batch_head_index(mask_array: Array, batch: Array, head: Array) -> tuple[Arra
 
 
 def structured_visibility(layout: MaskLayout, q_idx: Array, kv_idx: Array,
-                          leaf_values: Sequence[Array]) -> Array:
-    """The structured mask_mod AND ``kv_idx < kv_len`` at global indices."""
-    visible = kv_idx < layout.kv_len
+                          leaf_values: Sequence[Array]) -> Array | None:
+    """The structured mask_mod AND ``kv_idx < kv_len`` at global indices, or None when
+    both hold everywhere (no mask_mod, and kv_len a whole number of kv-blocks)."""
+    visible = kv_idx < layout.kv_len if layout.ragged_kv else None
     if layout.mask_mod_treedef is not None:
         mask_mod = jax.tree.unflatten(layout.mask_mod_treedef, list(leaf_values))
-        visible = visible & mask_mod.predicate(q_idx, kv_idx)
+        predicate = mask_mod.predicate(q_idx, kv_idx)
+        visible = predicate if visible is None else visible & predicate
     return visible
 
 
 def tile_visibility(layout: MaskLayout, flags: Array, q_idx: Array, kv_idx: Array,
-                    leaf_values: Sequence[Array], partial_tile: Array | None) -> Array:
-    """Visible elements of a tile with tile ``flags`` (branch-free in the flags).
+                    leaf_values: Sequence[Array], partial_tile: Array | None) -> Array | None:
+    """Visible elements of a tile with tile ``flags`` (branch-free in the flags), or None
+    when the layout can hide none of them.
 
     ``q_idx [block_q, 1]`` and ``kv_idx [1, block_kv]`` are global positions;
     ``partial_tile [block_q, block_kv]`` is the tile's stored mask (any int or
     bool dtype), or None when the kernel knows no tile is PARTIAL. Kernels
     call this only for tiles with ``flags != 0`` (FULL tiles need no mask).
+    Registers are what the kernels run short of: checks that hold for every index
+    of the layout (the kv bound of a whole number of kv-blocks) are left out.
     """
+    visible = None
     computed = structured_visibility(layout, q_idx, kv_idx, leaf_values)
-    visible = ((flags & COMPUTED) == 0) | computed
+    if computed is not None:
+        visible = ((flags & COMPUTED) == 0) | computed
     if partial_tile is not None:
-        visible = visible & (((flags & PARTIAL) == 0) | (partial_tile != 0))
+        stored = ((flags & PARTIAL) == 0) | (partial_tile != 0)
+        visible = stored if visible is None else visible & stored
     return visible

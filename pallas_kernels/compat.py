@@ -484,3 +484,12 @@ def _results_varying(out_type: Any, axes: frozenset) -> Any:
     import jax
 
     return jax.tree.map(lambda s: result_type(s.shape, s.dtype, axes), out_type)
+
+
+def inputs_read(jaxpr: Any) -> tuple[bool, ...]:
+    """Whether each input of ``jaxpr`` reaches its outputs, dead code left out
+    (`dce_jaxpr`: a jax internal, the same in 0.10 and 0.11)."""
+    from jax._src.interpreters import partial_eval as pe
+
+    _, used = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
+    return tuple(used)

@@ -190,10 +190,6 @@ class _Statics(common.LeafCounts):
         return self.group_size if self.mask_heads > 1 else 1
 
 
-def _iota(shape, axis):
-    return plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
-
-
 def _transposed(ref):
     return ref.transpose((1, 0))
 
@@ -322,8 +318,8 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
         p_stage, ds_stage = (None, None) if staging is None else (staging.at[0, wg],
                                                                    staging.at[1, wg])
 
-        def indices(q_start):
-            return q_start + _iota(tile, 1), kv_start + _iota(tile, 0)
+        def indices(q_start, read):
+            return common.tile_indices(tile, q_start, kv_start, q_axis=1, read=read)
 
         kv_leaf_rows = []
         if s.num_kv_leaves:
@@ -408,7 +404,8 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                 scores, dprobs = _products(tile, (k_tile, _transposed(q_half)),
                                            (v_tile, _transposed(do_half)))
                 scores, slope = common.log2_scores(score_spec, scores, batch, head,
-                                                   lambda: indices(q_start), slope=True)
+                                                   functools.partial(indices, q_start),
+                                                   slope=True)
 
                 def masked(scores):
                     q_leaf_cols = [
@@ -419,7 +416,8 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                                                 q_axis=1)
                     partial = ((mask_ring.at[slot, pl.ds(wg * rows, rows)],
                                 mask_ready.at[slot]) if s.has_partial else None)
-                    return common.masked_scores(scores, s.layout, flags, *indices(q_start),
+                    return common.masked_scores(scores, s.layout, flags,
+                                                functools.partial(indices, q_start),
                                                 leaves, partial, interpret=s.interpret)
 
                 if s.num_q_leaves:  # Loaded for every step, FULL ones too.
@@ -545,8 +543,9 @@ def _dq_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *r
         tile = (rows, block_kv)
         stage = staging.at[wg] if staging is not None else None
 
-        def indices(kv_block):
-            return q_start + _iota(tile, 0), kv_block * block_kv + _iota(tile, 1)
+        def indices(kv_block, read):
+            return common.tile_indices(tile, q_start, kv_block * block_kv, q_axis=0,
+                                       read=read)
 
         q_leaf_rows = []
         if s.num_q_leaves:
@@ -576,13 +575,15 @@ def _dq_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *r
             scores, dprobs = _products(tile, (q_tile, _transposed(k_block)),
                                        (do_tile, _transposed(v_ring.at[slot])))
             scores, slope = common.log2_scores(score_spec, scores, batch, head,
-                                               lambda: indices(kv_block), slope=True)
+                                               functools.partial(indices, kv_block),
+                                               slope=True)
 
             kv_leaf_columns = common.load_kv_leaf_columns(s, kv_leaf_ring, kv_leaf_ready, slot)
             if not full:
                 partial = ((mask_ring.at[slot, pl.ds(wg * rows, rows)], mask_ready.at[slot])
                            if s.has_partial else None)
-                scores = common.masked_q_major_scores(s, scores, flags, *indices(kv_block),
+                scores = common.masked_q_major_scores(s, scores, flags,
+                                                      functools.partial(indices, kv_block),
                                                       q_leaf_rows, kv_leaf_columns, partial)
             # The producer refills the step's mask data together with V.
             plgpu.barrier_arrive(v_consumed.at[slot])

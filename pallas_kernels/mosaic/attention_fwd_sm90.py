@@ -312,12 +312,10 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
                 # Its buffer held Q and O of q-block i - 1, whose store has read it.
                 load_next_q(i)
 
-            # Index tiles are built where needed, never kept live across the loop: a
-            # [64, block_kv] int32 tile costs block_kv / 2 registers per thread.
-            def indices(kv_block):
-                iota = lambda axis: plgpu.broadcasted_iota(jnp.int32, tile, axis,
-                                                           layout=plgpu.Layout.WGMMA)
-                return q_start + iota(0), kv_block * block_kv + iota(1)
+            # Index tiles are built where needed, never kept live across the loop.
+            def indices(kv_block, read):
+                return common.tile_indices(tile, q_start, kv_block * block_kv, q_axis=0,
+                                           read=read)
 
             q_leaf_rows = []
             if s.num_q_leaves:
@@ -339,14 +337,15 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
                 kv_block = common.walk_entry(walk, index_offset + step)
                 if not fold_scale:
                     scores = common.log2_scores(score_spec, scores, batch, head,
-                                                lambda: indices(kv_block))
+                                                functools.partial(indices, kv_block))
                 kv_leaf_columns = common.load_kv_leaf_columns(s, kv_leaf_smem,
                                                               kv_leaf_barriers, slot)
                 if not full:
                     partial = ((mask_smem.at[slot, pl.ds(wg * rows, rows)],
                                 mask_barriers.at[slot]) if s.has_partial else None)
                     flags = common.walk_entry(walk, flags_offset + step)
-                    scores = common.masked_q_major_scores(s, scores, flags, *indices(kv_block),
+                    scores = common.masked_q_major_scores(s, scores, flags,
+                                                          functools.partial(indices, kv_block),
                                                           q_leaf_rows, kv_leaf_columns, partial)
                 new_max = jnp.maximum(row_max, to_log2(scores.max(axis=1)))
                 # Rows that have seen no visible key yet keep max -inf: shift by 0 there.

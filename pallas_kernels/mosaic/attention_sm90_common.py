@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -23,7 +24,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from omni_jax.masks import PARTIAL
 from omni_jax.scores import ConvertedScoreMod, apply_score_mod
 from pallas_kernels import block_sparse, compat
-from pallas_kernels.block_sparse import KernelMask, MaskLayout, batch_head_index, tile_visibility
+from pallas_kernels.block_sparse import (
+    KernelMask,
+    MaskLayout,
+    batch_head_index,
+    structured_visibility,
+    tile_visibility,
+)
 from pallas_kernels.captured import PackedCaptured, score_mod_on_packed
 
 Array = Any
@@ -203,19 +210,54 @@ def load_kv_leaf_columns(statics, ring, ready, slot) -> list:
             for i in range(statics.num_kv_leaves)]
 
 
-def masked_q_major_scores(statics, scores: Array, flags, q_idx: Array, kv_idx: Array,
-                          q_leaf_rows, kv_leaf_columns, partial=None) -> Array:
+def tile_indices(tile: tuple[int, int], q_start, kv_start, *, q_axis: int,
+                 read: tuple[bool, bool]) -> tuple[Array, Array]:
+    """Global (q_idx, kv_idx) over a WGMMA-layout score tile whose q positions run along
+    ``q_axis`` (0 for q-major tiles, 1 for the dK/dV kernel's kv-major ones).
+
+    Built as one vector per axis broadcast over the tile: a thread then holds 2 row and
+    ``tile[1] / 4`` column indices, where a 2-D iota holds ``tile[1] / 2`` of each (under
+    a causal mask the 2-D form spilled up to 636 bytes a thread in the backward). Only
+    the indices the caller reads (``read``: q, kv; `visibility_reads`,
+    `ScoreSpec.reads_indices`) are built, the others left as their scalar start: jax
+    0.11's Mosaic layout inference fails on a broadcast that nothing reads.
+    """
+    def positions(axis, start, needed):
+        if not needed:
+            return start
+        layout = compat.wgmma_row_layout() if axis == 0 else compat.wgmma_col_layout()
+        vector = start + plgpu.broadcasted_iota(jnp.int32, (tile[axis],), 0, layout=layout)
+        return lax.broadcast_in_dim(vector, tile, [axis])
+
+    return (positions(q_axis, q_start, read[0]),
+            positions(1 - q_axis, kv_start, read[1]))
+
+
+@functools.cache
+def visibility_reads(layout: MaskLayout) -> tuple[bool, bool]:
+    """Whether a masked tile's visibility (`structured_visibility`) reads (q, kv) indices."""
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    leaves = [scalar] * len(layout.leaf_kinds)
+    jaxpr = jax.make_jaxpr(lambda q_idx, kv_idx, *leaves: structured_visibility(
+        layout, q_idx, kv_idx, leaves))(scalar, scalar, *leaves).jaxpr
+    return compat.inputs_read(jaxpr)[:2]
+
+
+def masked_q_major_scores(statics, scores: Array, flags, indices, q_leaf_rows,
+                          kv_leaf_columns, partial=None) -> Array:
     """`masked_scores` of a q-major tile (the forward's and the dQ kernel's) from its
     mask leaves: q leaves as rows, kv leaves as columns."""
     leaves = tile_leaves(statics.leaf_slots, q_leaf_rows, kv_leaf_columns, scores.shape,
                          q_axis=0)
-    return masked_scores(scores, statics.layout, flags, q_idx, kv_idx, leaves, partial,
+    return masked_scores(scores, statics.layout, flags, indices, leaves, partial,
                          interpret=statics.interpret)
 
 
-def masked_scores(scores: Array, layout: MaskLayout, flags, q_idx: Array, kv_idx: Array,
-                  leaf_values, partial=None, *, interpret: bool) -> Array:
+def masked_scores(scores: Array, layout: MaskLayout, flags, indices, leaf_values,
+                  partial=None, *, interpret: bool) -> Array:
     """``scores`` of a tile that is not FULL, with its invisible elements at -inf.
+
+    ``indices(read)`` builds the tile's (q_idx, kv_idx) (`tile_indices`).
 
     ``partial`` is (this consumer's slice of the stored-tile slot, its "loaded"
     barrier) when the mask can hold PARTIAL tiles: the producer loads a stored
@@ -230,8 +272,9 @@ def masked_scores(scores: Array, layout: MaskLayout, flags, q_idx: Array, kv_idx
             plgpu.barrier_wait(loaded)
 
         partial_tile = compat.mosaic_load(tile_ref, plgpu.Layout.WGMMA, interpret=interpret)
-    visible = tile_visibility(layout, flags, q_idx, kv_idx, leaf_values, partial_tile)
-    return jnp.where(visible, scores, -jnp.inf)
+    visible = tile_visibility(layout, flags, *indices(visibility_reads(layout)), leaf_values,
+                              partial_tile)
+    return scores if visible is None else jnp.where(visible, scores, -jnp.inf)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,6 +286,8 @@ class ScoreSpec:
     softcap: float | None
     score_mod: ConvertedScoreMod | None
     captured: PackedCaptured | None = None
+    # Whether the score_mod reads its (q_idx, kv_idx) arguments (`tile_indices`).
+    reads_indices: tuple[bool, bool] = (False, False)
 
     @property
     def plain(self) -> bool:
@@ -258,10 +303,14 @@ class ScoreSpec:
 def score_spec(scale: float, softcap: float | None, score_mod: ConvertedScoreMod | None,
                captured) -> tuple[ScoreSpec, Array | None]:
     """A kernel's `ScoreSpec` and its packed captured-array operand (None without any)."""
+    reads = (False, False)
+    if score_mod is not None:
+        reads = compat.inputs_read(score_mod.jaxpr)[3:5]  # (score, b, h, q_idx, kv_idx)
+    spec = ScoreSpec(scale, softcap, score_mod, reads_indices=reads)
     if score_mod is None or not score_mod.num_captured:
-        return ScoreSpec(scale, softcap, score_mod), None
+        return spec, None
     layout, packed = PackedCaptured.pack(captured)
-    return ScoreSpec(scale, softcap, score_mod, layout), packed
+    return dataclasses.replace(spec, captured=layout), packed
 
 
 def with_captured_read(spec: ScoreSpec, captured_smem, batch, head) -> ScoreSpec:
@@ -276,8 +325,8 @@ def with_captured_read(spec: ScoreSpec, captured_smem, batch, head) -> ScoreSpec
 def log2_scores(spec: ScoreSpec, qk: Array, batch, head, indices, *, slope: bool = False):
     """Scale, softcap and score_mod of ``qk``, in log2 units (the softmax runs on exp2).
 
-    ``indices()`` builds the (q_idx, kv_idx) tiles a score_mod needs; a score_mod
-    with captured arrays must come through `with_captured_read`. With ``slope``
+    ``indices(read)`` builds the (q_idx, kv_idx) tiles a score_mod needs (`tile_indices`);
+    a score_mod with captured arrays must come through `with_captured_read`. With ``slope``
     returns ``(scores, d score / d(scale * qk) or None when 1)``: the backward's
     chain rule through softcap and score_mod.
     """
@@ -290,7 +339,8 @@ def log2_scores(spec: ScoreSpec, qk: Array, batch, head, indices, *, slope: bool
         if spec.softcap is not None:
             scaled = spec.softcap * jnp.tanh(scaled * (1.0 / spec.softcap))
         if score_mod is not None:
-            scaled = apply_score_mod(score_mod, (), scaled, batch, head, *indices())
+            scaled = apply_score_mod(score_mod, (), scaled, batch, head,
+                                     *indices(spec.reads_indices))
         return scaled
 
     scaled = qk * spec.scale

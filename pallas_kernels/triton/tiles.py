@@ -356,7 +356,7 @@ class TileScores:
         def computed(s, partial_tile=None):
             visible = tile_visibility(layout, step.flags, self.q_idx, self.kv_idx,
                                       self._leaf_values(), partial_tile)
-            return jnp.where(visible, s, -jnp.inf)
+            return s if visible is None else jnp.where(visible, s, -jnp.inf)
 
         def partial(s):
             return computed(s, self._partial_tile(step))

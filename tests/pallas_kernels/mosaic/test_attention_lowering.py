@@ -34,6 +34,12 @@ VARIANTS = {
                                    q_segment_ids=jnp.zeros((2, 200), jnp.int32),
                                    local_window_size=(30, 0)),
     "partial_tiles_hd128": dict(shape=(1, 300, 2, 128), kv_heads=2, mask=128),
+    # Index tiles are built only where read (`tile_indices`): here neither the mask (segment
+    # ids, kv a whole number of blocks) nor the score_mod reads them.
+    "documents_score_mod_without_indices": dict(
+        shape=(1, 256, 2, 128), kv_heads=1,
+        q_segment_ids=(jnp.arange(256, dtype=jnp.int32) >= 100).astype(jnp.int32)[None],
+        score_mod=lambda s, b, h, i, j: s * 0.5),
     "partial_tiles_block_kv_64": dict(shape=(1, 300, 2, 64), kv_heads=1, mask=64),
     # Per-head tiles under GQA: a dK/dV CTA walks the mask of each head of its group.
     "partial_tiles_per_head_gqa": dict(shape=(1, 300, 4, 64), kv_heads=2, mask=128,
