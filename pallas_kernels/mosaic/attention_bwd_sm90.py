@@ -250,13 +250,15 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
         return entry(g, flags_offset + i), q_block * BLOCK_Q + half * Q_STEP, half, i
 
     # Registers move from the producer to the consumers only with two consumers: with
-    # one, the two warpgroups already get the per-thread maximum each.
+    # one, the two warpgroups already get the per-thread maximum each. 240 + 240 + 24
+    # fills the register file; the consumers' masked steps still spill a little (36
+    # bytes under a causal mask, 52 at 232 registers).
     rebalance = consumers > 1
 
     @pl.when(wg == consumers)
     def _producer():
         if rebalance:
-            plgpu.set_max_registers(24 if s.fused_dq else 40, action="decrease")
+            plgpu.set_max_registers(24, action="decrease")
         common.load_captured(s, captured_ref, captured_smem, captured_barrier)
         mask_b, mask_h = batch_head_index(walk_ref, batch, first_head)
         plgpu.copy_gmem_to_smem(walk_ref.at[mask_b, pl.ds(mask_h, s.dkv_walk_heads), kv_block],
@@ -306,7 +308,7 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
     @pl.when(wg < consumers)
     def _consumer():
         if rebalance:
-            plgpu.set_max_registers(240 if s.fused_dq else 232, action="increase")
+            plgpu.set_max_registers(240, action="increase")
         kv_start = kv_block * cfg.block_kv + wg * rows
         kv_rows = pl.ds(kv_start, rows)
         k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
