@@ -53,9 +53,10 @@ def _check(implementation, m, n, k, dtype, *, transpose_a=False, transpose_b=Fal
                           implementation=implementation)
     expected_dtype = jnp.dtype(out_dtype or dtype)
     assert out.dtype == expected_dtype
-    expected = reference(a, b, bias=bias_vector, activation=activation,
-                         transpose_a=transpose_a, transpose_b=transpose_b)
-    assert_close(out, expected, expected_dtype, seed)
+    expected, product = (reference(a, b, bias=bias_vector, activation=act,
+                                   transpose_a=transpose_a, transpose_b=transpose_b)
+                         for act in (activation, None))
+    assert_close(out, expected, expected_dtype, seed, magnitude=product)
 
 
 # ------------------------------------------------------------------------- XLA: every combination
@@ -488,12 +489,14 @@ def test_gpu_random_problems(implementation, draw):
     out = omni_jax.matmul(a, b, bias=bias, activation=activation, out_dtype=out_dtype,
                           transpose_a=transpose_a, transpose_b=transpose_b,
                           a_scale=scales[0], b_scale=scales[1], implementation=implementation)
-    expected = reference(a, b, bias=bias, activation=activation, transpose_a=transpose_a,
-                         transpose_b=transpose_b,
-                         scale=1.0 if scales[0] is None else scales[0] * scales[1])
+    expected, product = (reference(a, b, bias=bias, activation=act, transpose_a=transpose_a,
+                                   transpose_b=transpose_b,
+                                   scale=1.0 if scales[0] is None else scales[0] * scales[1])
+                         for act in (activation, None))
     tolerance = TOLERANCE[out.dtype] if dtype.itemsize == 2 else max(TOLERANCE[out.dtype],
                                                                      FP8_TOLERANCE)
-    assert_close(out, expected, out.dtype, f"{seed}, problem {drawn}", tolerance)
+    assert_close(out, expected, out.dtype, f"{seed}, problem {drawn}", tolerance,
+                 magnitude=product)
 
 
 @pytest.mark.gpu
