@@ -626,8 +626,9 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
     ``score_mod``'s captured arrays (read by element, as in the forward; their
     own gradients are the caller's); ``has_partial`` False promises no PARTIAL tile.
     ``config.fused_dq`` applies to masks without masked tiles only: the mask code of
-    COMPUTED and PARTIAL steps, next to dQ's accumulator, spills registers (336 bytes
-    under a causal mask, which then runs 20-35% slower than the dQ kernel). Under
+    COMPUTED and PARTIAL steps, next to dQ's accumulator, spills registers (376 bytes
+    under a causal mask, which then runs 12-19% slower than the dQ kernel; 148 bytes and
+    8-23% slower when only FULL steps fuse: RESULTS.md, 2026-11-27). Under
     `jax.vmap` the dQ kernel serves too (the fused dQ's in-place sum cannot be batched),
     and inside a `jax.shard_map` (jax 0.11 rejects a kernel's ref that varies along
     the mesh axes, as the per-device sum does).
