@@ -286,8 +286,10 @@ class ScoreSpec:
     softcap: float | None
     score_mod: ConvertedScoreMod | None
     captured: PackedCaptured | None = None
-    # Whether the score_mod reads its (q_idx, kv_idx) arguments (`tile_indices`).
-    reads_indices: tuple[bool, bool] = (False, False)
+    # Whether the score_mod reads its (q_idx, kv_idx) arguments (`tile_indices`); `score_spec`
+    # finds out, and without it both are built (an unread broadcast fails to lower on jax
+    # 0.11, but a score_mod never gets a scalar start in place of an index tile).
+    reads_indices: tuple[bool, bool] = (True, True)
 
     @property
     def plain(self) -> bool:
