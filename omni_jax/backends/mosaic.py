@@ -123,10 +123,12 @@ class MosaicBackend(AttentionBackend):
         return reason
 
     def trace_key(self, problem: AttentionProblem) -> Hashable:
-        # The forward config also depends on the mask's walk lengths: short or not.
+        # The configs also depend on the mask's walk lengths: short or not (the forward),
+        # long enough for the fused dQ or not (the backward).
         forward = tuple(self._config(problem, causal, mean_walk)
                         for causal in (False, True) for mean_walk in (None, 0.0))
-        return forward, self._backward_config(problem), runtime.interpret_requested()
+        return (forward, self._backward_config(problem), bwd.LONG_FULL_WALK,
+                runtime.interpret_requested())
 
     def block_size(self, problem: AttentionProblem) -> tuple[int, int]:
         config = self._config(problem, causal=False)
@@ -153,7 +155,7 @@ class MosaicBackend(AttentionBackend):
             q, k, v, kmask, layout, out, lse, dout, dlse, scale=problem.scale,
             softcap=problem.softcap, score_mod=problem.score_mod,
             has_partial=problem.has_user_mask, config=config, captured=captured,
-            interpret_params=_interpret_params())
+            mean_full_walk=_mean_walk(kmask.q_num_full), interpret_params=_interpret_params())
         dsinks = None if sinks is None else sinks_cotangent(sinks, lse, delta)
         return dq, dk, dv, dsinks, xla.captured_cotangents(
             problem, q, k, v, block_mask, sinks, captured, out, lse, dout, dlse)
@@ -195,11 +197,12 @@ class MosaicBackend(AttentionBackend):
                               np.dtype(problem.dtype).itemsize, problem.has_user_mask)
 
 
-def _mean_walk(kv_num_blocks) -> float | None:
-    """Mean active kv-blocks per q-block of a mask built at trace time, else None."""
-    if isinstance(kv_num_blocks, jax.core.Tracer):
+def _mean_walk(num_blocks) -> float | None:
+    """Mean walk length (``kv_num_blocks``: active kv-blocks per q-block; ``q_num_full``:
+    FULL q-blocks per kv-block) of a mask built at trace time, else None."""
+    if isinstance(num_blocks, jax.core.Tracer):
         return None
-    return float(np.mean(np.asarray(kv_num_blocks)))
+    return float(np.mean(np.asarray(num_blocks)))
 
 
 def _interpret_params():

@@ -1,8 +1,8 @@
 """Block-sparse attention backward for Hopper (sm90) in Pallas Mosaic-GPU.
 
 Two warp-specialized kernels, both walking the forward's BlockMask (q tiles
-of ``BLOCK_Q = 128`` rows, kv tiles of ``block_kv``), or for masks without
-masked tiles (dense) at head dim 128 the dK/dV kernel alone, adding dQ too:
+of ``BLOCK_Q = 128`` rows, kv tiles of ``block_kv``), or at head dim 128 for
+dense masks and long walks the dK/dV kernel adding dQ too (fused dQ, below):
 
 * dK/dV: one CTA per (kv-block, batch, kv head). Each consumer warpgroup TMA-
   loads its 64 rows of K and V once. The producer warpgroup walks, for each
@@ -38,8 +38,12 @@ consumers' tiles of that step by its 64 columns of K and adds the product to a
 float32 dQ buffer by TMA reduce-add (``pl.kernel`` with a ``jax.new_ref``
 argument, aliased in place). The one-step delay keeps the consumers out of
 lockstep; an earlier form with a rendezvous every step (commit 0e02a52) was no
-faster. Masked tiles keep the dQ kernel (their mask code spills registers in
-the fused kernel), and so do `jax.vmap` (a custom_vmap rule) and `jax.shard_map`.
+faster. Mask code beside the fused dQ's state spills registers, so under masks
+with masked tiles the fused launch walks only the FULL steps and compiles no mask
+code; an unfused dK/dV launch then walks the masked steps, adding the fused
+launch's dK and dV to its own, and a dQ launch their dQ. That pays where walks
+are long (`LONG_FULL_WALK`); shorter ones keep the dQ kernel for every step, and
+so do `jax.vmap` (a custom_vmap rule) and `jax.shard_map`.
 """
 
 from __future__ import annotations
@@ -91,7 +95,8 @@ class BackwardConfig:
     block_q: int = BLOCK_Q
     # dQ added from the dK/dV kernel into a float32 buffer by TMA reduce-add (5 matmuls a
     # tile) instead of the dQ kernel recomputing S and dP (7), for masks without masked
-    # tiles (see `attention_backward`); under `jax.vmap` the dQ kernel serves.
+    # tiles or with long walks (see `attention_backward`); under `jax.vmap` the dQ kernel
+    # serves.
     fused_dq: bool = False
 
     def __post_init__(self):
@@ -118,6 +123,16 @@ _CONFIGS = {
 }
 
 
+# Masks with masked tiles take the fused dQ only where their kv-blocks walk at least this
+# many FULL q-blocks on average (known at trace time for a concrete mask): the FULL steps
+# in the fused launch, the masked ones in unfused launches of both kernels. Those two
+# launches (thousands of CTAs of a few steps each) and the fused chain's fixed cost per CTA
+# then weigh little. H100, 2026-11-27 (benchmarks/RESULTS.md), causal fwd+bwd against the
+# dQ kernel: s2048, s4096 and s8192 (7.5, 15.5 and 31.5 FULL q-blocks) 22%, 10% and 7%
+# slower, s16384 (63.5) 1-3% and s32768 (127.5) 5-7% faster.
+LONG_FULL_WALK = 48.0
+
+
 def backward_config(head_dim: int, dtype: Any, causal: bool) -> BackwardConfig | None:
     """The tuned config for a (padded) head dim, or None above `MAX_HEAD_DIM`."""
     del dtype, causal  # Same tiles for both 16-bit types; the mask walk skips the rest.
@@ -128,7 +143,7 @@ def smem_bytes(config: BackwardConfig, head_dim: int, head_dim_v: int, itemsize:
                has_partial: bool, num_q_leaves: int = 0, num_kv_leaves: int = 0,
                fused_dq: bool = False) -> tuple[int, int]:
     """Shared memory of one (dK/dV, dQ) CTA; head dims already padded. ``fused_dq``:
-    the dK/dV CTA of the fused dQ (which serves masks without masked tiles only)."""
+    the dK/dV CTA of the fused dQ (which walks FULL tiles only)."""
     width = (head_dim + head_dim_v) * itemsize
     dkv_stage = Q_STEP * width + 2 * Q_STEP * 4 + num_q_leaves * Q_STEP * 4
     dq_stage = config.block_kv * width + num_kv_leaves * config.block_kv * 4
@@ -179,6 +194,9 @@ class _Statics(common.LeafCounts):
     leaf_slots: tuple[tuple[str, int], ...]
     interpret: bool
     fused_dq: bool = False  # dQ from this kernel (`attention_backward` decides)
+    # The steps of each walk this launch takes: "all", or with the fused dQ under masked
+    # tiles "full" (the fused launch) and "masked" (the unfused launches that add theirs).
+    walk_part: str = "all"
 
     @property
     def group_size(self) -> int:
@@ -188,6 +206,17 @@ class _Statics(common.LeafCounts):
     def dkv_walk_heads(self) -> int:
         """Walk rows a dK/dV CTA loads: one per query head of its group if the mask has heads."""
         return self.group_size if self.mask_heads > 1 else 1
+
+
+def _walk_loops(s: _Statics, num_full, count) -> list[tuple[Any, Any, bool]]:
+    """``(start, stop, full)`` of a launch's loops over a walk of ``count`` steps whose
+    ``num_full`` FULL steps come first: FULL steps run in a loop without mask code."""
+    loops = []
+    if s.walk_part != "masked":
+        loops.append((0, num_full, True))
+    if s.walk_part != "full" and common.has_masked_tiles(s.layout, s.has_partial):
+        loops.append((num_full, count, False))
+    return loops
 
 
 def _transposed(ref):
@@ -221,6 +250,8 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
     partial_ref, q_leaf_ref, kv_leaf_ref, captured_ref, refs = common.split_optional_refs(
         refs, s)
     dq_sum_ref = refs.pop(0) if s.fused_dq else None
+    # The masked steps' launch adds its sums to the FULL steps' (the fused launch's).
+    full_sums = (refs.pop(0), refs.pop(0)) if s.walk_part == "masked" else None
     dk_ref, dv_ref, smem, barriers = refs
     (k_smem, v_smem, walk_smem, q_ring, do_ring, stats_ring, mask_ring, q_leaf_ring,
      kv_leaf_smem, staging, captured_smem, ds_smem, dq_stage) = smem
@@ -300,7 +331,9 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                                         do_ready.at[slot])
                 return step + 1
 
-            return lax.fori_loop(0, num_steps(g), fetch, step)
+            for start, stop, _ in _walk_loops(s, 2 * entry(g, 1), num_steps(g)):
+                step = lax.fori_loop(start, stop, fetch, step)
+            return step
 
         num_loads = lax.fori_loop(0, s.group_size, head_steps, jnp.int32(0))
         common.drain_ring(num_loads, stages, consumed)
@@ -462,12 +495,9 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                 pl.when(step >= 1)(lambda: add_dq(dq, *previous))
                 return dk, dv, step + 1, (head, q_start)
 
-            # The walk lists FULL tiles first: one loop without mask code, then the rest.
-            num_full = 2 * entry(g, 1)
-            carry = lax.fori_loop(0, num_full, functools.partial(step_fn, full=True), carry)
-            if common.has_masked_tiles(s.layout, s.has_partial):
-                carry = lax.fori_loop(num_full, num_steps(g),
-                                      functools.partial(step_fn, full=False), carry)
+            for start, stop, full in _walk_loops(s, 2 * entry(g, 1), num_steps(g)):
+                carry = lax.fori_loop(start, stop, functools.partial(step_fn, full=full),
+                                      carry)
             return carry
 
         zeros = lambda dim: plgpu.layout_cast(jnp.zeros((rows, dim), jnp.float32),
@@ -489,6 +519,17 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
             @pl.loop(jnp.maximum(num_steps_done - 2, -1), num_steps_done)
             def _(t):
                 plgpu.barrier_wait(ds_free.at[lax.rem(t + 2, 2)])
+        if full_sums is not None:
+            # The FULL steps' dK and dV, through the K and V buffers nothing reads any more.
+            for ref, tile, barrier in zip(full_sums, (k_tile, v_tile), (k_barriers, v_barriers),
+                                          strict=True):
+                plgpu.copy_gmem_to_smem(ref.at[batch, kv_rows, kv_head], tile, barrier.at[wg])
+            for barrier in (k_barriers, v_barriers):
+                plgpu.barrier_wait(barrier.at[wg])
+            load = functools.partial(compat.mosaic_load, layout=plgpu.Layout.WGMMA,
+                                     interpret=s.interpret)
+            dk = dk + load(k_tile).astype(jnp.float32)
+            dv = dv + load(v_tile).astype(jnp.float32)
         # K and V are no longer read: their buffers stage dK and dV for the TMA store.
         k_tile[...] = dk.astype(s.dtype)
         v_tile[...] = dv.astype(s.dtype)
@@ -514,6 +555,11 @@ def _dq_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *r
     offsets = walk_offsets(s.layout.num_kv_blocks)
     index_offset, flags_offset, _ = offsets
 
+    def first_step():
+        """The walk's first step this launch takes (the walk in smem): masked steps only
+        beside the fused dQ, which adds the FULL steps' dQ."""
+        return walk_smem[0, 1] if s.walk_part == "masked" else 0
+
     @pl.when(wg == NUM_DQ_CONSUMERS)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
@@ -522,14 +568,15 @@ def _dq_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *r
             s, walk_ref, walk_smem, walk_barrier,
             (q_leaf_ref, q_leaf_smem, q_leaf_barrier) if s.num_q_leaves else None,
             batch=batch, head=head, q_block=q_block, block_q=BLOCK_Q)
+        first = first_step()
         common.produce_kv_blocks(
-            walk_smem, count, stages=stages, block_kv=block_kv, batch=batch,
+            walk_smem, count, start=first, stages=stages, block_kv=block_kv, batch=batch,
             kv_head=kv_head, offsets=offsets, k=(k_ref, k_ring, k_ready),
             v=(v_ref, v_ring, v_ready), consumed=(k_consumed, v_consumed),
             kv_leaves=((kv_leaf_ref, kv_leaf_ring, kv_leaf_ready)
                        if s.num_kv_leaves else None),
             partial=(partial_ref, mask_ring, mask_ready) if s.has_partial else None)
-        common.drain_ring(count, stages, k_consumed, v_consumed)
+        common.drain_ring(count - first, stages, k_consumed, v_consumed)
 
     @pl.when(wg < NUM_DQ_CONSUMERS)
     def _consumer():
@@ -566,8 +613,10 @@ def _dq_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *r
         common.wait_captured(s, captured_barrier)
         score_spec = common.with_captured_read(s.scores, captured_smem, batch, head)
 
+        first = first_step()
+
         def step_fn(step, dq, full: bool):
-            slot = lax.rem(step, stages)
+            slot = lax.rem(step - first, stages)
             kv_block = common.walk_entry(walk_smem, index_offset + step)
             flags = common.walk_entry(walk_smem, flags_offset + step)
             k_block = k_ring.at[slot]
@@ -601,11 +650,8 @@ def _dq_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *r
             return dq
 
         dq = plgpu.layout_cast(jnp.zeros((rows, s.head_dim), jnp.float32), plgpu.Layout.WGMMA)
-        # The walk lists FULL tiles first: one loop without mask code, then the rest.
-        num_full = walk_smem[0, 1]
-        dq = lax.fori_loop(0, num_full, functools.partial(step_fn, full=True), dq)
-        if common.has_masked_tiles(s.layout, s.has_partial):
-            dq = lax.fori_loop(num_full, count, functools.partial(step_fn, full=False), dq)
+        for start, stop, full in _walk_loops(s, walk_smem[0, 1], count):
+            dq = lax.fori_loop(start, stop, functools.partial(step_fn, full=full), dq)
         # Q is no longer read: its buffer stages dQ for the TMA store (clipped at q_len).
         q_tile[...] = dq.astype(s.dtype)
         plgpu.commit_smem()
@@ -617,7 +663,7 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
                        out: Array, lse: Array, dout: Array, dlse: Array, *, scale: float,
                        softcap: float | None, score_mod: ConvertedScoreMod | None,
                        has_partial: bool, config: BackwardConfig,
-                       captured: Sequence[Array] = (),
+                       captured: Sequence[Array] = (), mean_full_walk: float | None = None,
                        interpret_params: Any = None) -> tuple[Array, Array, Array, Array]:
     """``(dq, dk, dv, delta)``; shapes as `attention_forward`'s inputs.
 
@@ -625,25 +671,29 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
     ``rowsum(dO * O) - dlse``, returned for the sink gradient. ``captured`` are
     ``score_mod``'s captured arrays (read by element, as in the forward; their
     own gradients are the caller's); ``has_partial`` False promises no PARTIAL tile.
-    ``config.fused_dq`` applies to masks without masked tiles only: the mask code of
-    COMPUTED and PARTIAL steps, next to dQ's accumulator, spills registers (376 bytes
-    under a causal mask, which then runs 12-19% slower than the dQ kernel; 148 bytes and
-    8-23% slower when only FULL steps fuse: RESULTS.md, 2026-11-27). Under
-    `jax.vmap` the dQ kernel serves too (the fused dQ's in-place sum cannot be batched),
-    and inside a `jax.shard_map` (jax 0.11 rejects a kernel's ref that varies along
-    the mesh axes, as the per-device sum does).
+    ``config.fused_dq`` applies to masks without masked tiles, and to masks whose
+    kv-blocks walk ``mean_full_walk`` >= `LONG_FULL_WALK` FULL q-blocks on average
+    (None: unknown, as for a traced mask). The masked steps then run in launches of
+    their own: the mask code of COMPUTED and PARTIAL steps next to dQ's accumulator
+    spills registers (376 bytes under a causal mask, which then ran 12-19% slower than
+    the dQ kernel; 148 bytes and 8-23% slower with FULL steps alone fused in the same
+    launch: RESULTS.md, 2026-11-27). Under `jax.vmap` the dQ kernel serves too (the fused
+    dQ's in-place sum cannot be batched), and inside a `jax.shard_map` (jax 0.11 rejects
+    a kernel's ref that varies along the mesh axes, as the per-device sum does).
     """
     static = dict(layout=layout, scale=scale, softcap=softcap, score_mod=score_mod,
                   has_partial=has_partial, interpret_params=interpret_params)
     fused_config = None
     in_shard_map = bool(compat.varying_axes(q, k, v, out, dout))
-    if config.fused_dq and not in_shard_map and not common.has_masked_tiles(layout,
-                                                                            has_partial):
+    long_walks = mean_full_walk is not None and mean_full_walk >= LONG_FULL_WALK
+    if (config.fused_dq and not in_shard_map
+            and (long_walks or not common.has_masked_tiles(layout, has_partial))):
+        # The fused launch walks FULL steps only: no stored tiles, no mask leaves.
         fused_config = fit_config(
             config, common.SMEM_LIMIT, padded_head_dim(q.shape[-1]),
             padded_head_dim(v.shape[-1]), q.dtype.itemsize, False, fused_dq=True)
     if fused_config is None:
-        return _backward(q, k, v, kmask, out, lse, dout, dlse, captured, fused_dq=False,
+        return _backward(q, k, v, kmask, out, lse, dout, dlse, captured, fused_config=None,
                          config=config, **static)
     # Concrete mask arrays stay constants of the kernels (`trace_time_eval`): only the
     # traced ones become operands of the custom_vmap function.
@@ -654,7 +704,7 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
         given = iter(traced_leaves)
         leaves = [next(given) if t else x for t, x in zip(traced, mask_leaves, strict=True)]
         return _backward(q, k, v, jax.tree.unflatten(mask_tree, leaves), *rest,
-                         fused_dq=fused_dq, config=fused_config if fused_dq else config,
+                         fused_config=fused_config if fused_dq else None, config=config,
                          **static)
 
     def unfused_under_vmap(axis_size, in_batched, *args):
@@ -676,8 +726,9 @@ def _backward(q: Array, k: Array, v: Array, kmask: KernelMask, out: Array, lse: 
               dout: Array, dlse: Array, captured: Sequence[Array], *, layout: MaskLayout,
               scale: float, softcap: float | None, score_mod: ConvertedScoreMod | None,
               has_partial: bool, config: BackwardConfig, interpret_params: Any,
-              fused_dq: bool) -> tuple[Array, Array, Array, Array]:
-    """`attention_backward`, dQ from the dK/dV kernel (``fused_dq``) or the dQ kernel."""
+              fused_config: BackwardConfig | None) -> tuple[Array, Array, Array, Array]:
+    """`attention_backward`; with ``fused_config``, the FULL steps' dQ from the dK/dV
+    kernel (and the masked steps, if any, from unfused launches that walk only them)."""
     batch, q_len, num_q_heads, head_dim = q.shape
     kv_len, num_kv_heads, head_dim_v = k.shape[1], v.shape[2], v.shape[3]
     if (layout.block_q, layout.block_kv) != (config.block_q, config.block_kv):
@@ -711,40 +762,57 @@ def _backward(q: Array, k: Array, v: Array, kmask: KernelMask, out: Array, lse: 
         head_dim=dim, head_dim_v=dim_v, dtype=q.dtype, scores=scores, has_partial=has_partial,
         dq_walk_lines=dq_walk.shape[-2], dkv_walk_lines=dkv_walk.shape[-2],
         mask_heads=dq_walk.shape[1], leaf_slots=leaf_slots,
-        interpret=interpret, fused_dq=fused_dq)
+        interpret=interpret)
 
-    def operands(walk, partial_tiles):
-        extra = [partial_tiles] if has_partial else []
+    def operands(s: _Statics, walk, partial_tiles):
+        extra = [partial_tiles] if s.has_partial else []
+        leaves = (q_leaves, kv_leaves) if s.leaf_slots else ()
         return [q, k, v, do, stats, walk, *extra,
-                *(x for x in (q_leaves, kv_leaves, packed_captured) if x is not None)]
+                *(x for x in (*leaves, packed_captured) if x is not None)]
 
     params = plgpu.CompilerParams(approx_math=True)
-    dkv_kernel = functools.partial(
-        compat.mosaic_kernel_accumulating if fused_dq else compat.mosaic_kernel,
-        functools.partial(_dkv_kernel, statics),
-        (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
-        scratch_types=_dkv_scratch(statics),
-        # Blocks of one head side by side (the last axis varies fastest), sharing its Q/dO in L2.
-        grid=(batch * num_kv_heads, layout.num_kv_blocks), grid_names=("batch_head", "kv_block"),
-        num_threads=config.dkv_consumers + 1, thread_name="wg", compiler_params=params,
-        interpret=interpret_params)
-    dkv_operands = operands(dkv_walk, partial_masks_kv_major)
-    if fused_dq:
-        dq_sum = jnp.zeros((_dq_adders(statics), batch, q_padded, num_q_heads, dim),
-                           jnp.float32)
-        (dk, dv), dq = dkv_kernel()(*dkv_operands, dq_sum)
-        return (dq.sum(0)[:, :q_len, :, :head_dim].astype(q.dtype), dk[:, :kv_len, :, :head_dim],
-                dv[:, :kv_len, :, :head_dim_v], delta)
-    dk, dv = dkv_kernel()(*dkv_operands)
-    dq = compat.mosaic_kernel(
-        functools.partial(_dq_kernel, statics), jax.ShapeDtypeStruct(q.shape, q.dtype),
-        scratch_types=_dq_scratch(statics),
-        grid=(batch * num_q_heads, layout.num_q_blocks), grid_names=("batch_head", "q_block"),
-        num_threads=NUM_DQ_CONSUMERS + 1, thread_name="wg", compiler_params=params,
-        interpret=interpret_params,
-    )(*operands(dq_walk, partial_masks))
-    return (dq[:, :q_len, :, :head_dim], dk[:, :kv_len, :, :head_dim],
-            dv[:, :kv_len, :, :head_dim_v], delta)
+
+    def dkv_kernel(s: _Statics, *extra):
+        return (compat.mosaic_kernel_accumulating if s.fused_dq else compat.mosaic_kernel)(
+            functools.partial(_dkv_kernel, s),
+            (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+            scratch_types=_dkv_scratch(s),
+            # Blocks of one head side by side (the last axis varies fastest), sharing its
+            # Q/dO in L2.
+            grid=(batch * num_kv_heads, layout.num_kv_blocks),
+            grid_names=("batch_head", "kv_block"), num_threads=s.config.dkv_consumers + 1,
+            thread_name="wg", compiler_params=params, interpret=interpret_params,
+        )(*operands(s, dkv_walk, partial_masks_kv_major), *extra)
+
+    def dq_kernel(s: _Statics):
+        return compat.mosaic_kernel(
+            functools.partial(_dq_kernel, s), jax.ShapeDtypeStruct(q.shape, q.dtype),
+            scratch_types=_dq_scratch(s),
+            grid=(batch * num_q_heads, layout.num_q_blocks),
+            grid_names=("batch_head", "q_block"), num_threads=NUM_DQ_CONSUMERS + 1,
+            thread_name="wg", compiler_params=params, interpret=interpret_params,
+        )(*operands(s, dq_walk, partial_masks))
+
+    unpad = lambda x, length, d: x[:, :length, :, :d]
+    if fused_config is None:
+        dk, dv = dkv_kernel(statics)
+        dq = dq_kernel(statics)
+        return (unpad(dq, q_len, head_dim), unpad(dk, kv_len, head_dim),
+                unpad(dv, kv_len, head_dim_v), delta)
+    # The fused launch walks the FULL steps only, so it compiles no mask code (which
+    # beside the fused dQ's state spills registers); the masked steps, if any, go to
+    # unfused launches of both kernels, whose sums are added.
+    fused = dataclasses.replace(statics, config=fused_config, fused_dq=True,
+                                walk_part="full", has_partial=False, leaf_slots=())
+    dq_sum = jnp.zeros((_dq_adders(fused), batch, q_padded, num_q_heads, dim), jnp.float32)
+    (dk, dv), dq_sum = dkv_kernel(fused, dq_sum)
+    dq = dq_sum.sum(0)
+    if common.has_masked_tiles(layout, has_partial):
+        masked = dataclasses.replace(statics, walk_part="masked")
+        dk, dv = dkv_kernel(masked, dk, dv)
+        dq = dq[:, :q.shape[1]] + dq_kernel(masked).astype(jnp.float32)
+    return (unpad(dq, q_len, head_dim).astype(q.dtype), unpad(dk, kv_len, head_dim),
+            unpad(dv, kv_len, head_dim_v), delta)
 
 
 def _dkv_scratch(s: _Statics):

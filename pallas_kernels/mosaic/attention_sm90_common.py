@@ -354,8 +354,9 @@ def log2_scores(spec: ScoreSpec, qk: Array, batch, head, indices, *, slope: bool
 
 def produce_kv_blocks(walk_smem, count, *, stages: int, block_kv: int, batch, kv_head,
                       offsets: tuple[int, int, int], k, v, consumed, kv_leaves=None,
-                      partial=None, first_step=0) -> None:
-    """The producer loop of one q-block: TMA-loads its active kv-blocks into the ring.
+                      partial=None, first_step=0, start=0) -> None:
+    """The producer loop of one q-block: TMA-loads its active kv-blocks (from walk
+    position ``start`` on) into the ring.
 
     ``k`` and ``v`` are (gmem ref, smem ring, "loaded" barriers); ``consumed``
     the (K, V) "consumed" barriers the consumers arrive on. The q-block's steps
@@ -369,9 +370,9 @@ def produce_kv_blocks(walk_smem, count, *, stages: int, block_kv: int, batch, kv
     index_offset, flags_offset, partial_offset = offsets
     k_consumed, v_consumed = consumed
 
-    @pl.loop(0, count)
+    @pl.loop(start, count)
     def _fetch(step):
-        ring_step = first_step + step
+        ring_step = first_step + step - start
         slot = lax.rem(ring_step, stages)
         kv_block = walk_entry(walk_smem, index_offset + step)
         rows_kv = pl.ds(kv_block * block_kv, block_kv)

@@ -16,6 +16,7 @@ import pytest
 
 import omni_jax
 from pallas_kernels import compat, runtime
+from pallas_kernels.mosaic import attention_bwd_sm90 as bwd
 from pallas_kernels.mosaic import attention_fwd_sm90 as fwd
 from tests.mosaic_interpret import interpreted_mosaic
 from tests.omni_jax.attention_suite import CASES, AttentionSuite, Case, check_case
@@ -89,16 +90,26 @@ class TestMosaicAttentionGpu(_MosaicSuite):
 @pytest.mark.skipif(runtime.interpret_requested() or runtime.gpu_compute_capability() != (9, 0),
                     reason="needs an sm90 GPU (compiled Mosaic-GPU kernels)")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_fused_dq_backward_through_the_public_call(dtype, monkeypatch):
-    """Head dim 128 without masked tiles: the dK/dV kernel also sums dQ (into a ref),
-    a path the suite's smaller head dims never take."""
+@pytest.mark.parametrize("case", [
+    Case("dense_head_dim_128", batch=1, q_len=256, kv_len=256, heads=4, kv_heads=2,
+         head_dim=128),
+    # Masked tiles: the FULL steps in the fused launch, the masked ones in launches of
+    # their own (taken here whatever the walk length).
+    Case("causal_ragged_head_dim_128", batch=2, q_len=300, kv_len=400, heads=4, kv_heads=2,
+         head_dim=128, is_causal=True),
+    Case("window_alibi_sinks_head_dim_128", batch=1, q_len=512, kv_len=512, heads=4,
+         kv_heads=1, head_dim=128, is_causal=True, window=(200, 0), score_mod="alibi",
+         sinks=True),
+], ids=lambda case: case.name)
+def test_fused_dq_backward_through_the_public_call(case, dtype, monkeypatch):
+    """Head dim 128: the dK/dV kernel also sums dQ (into a ref), a path the suite's
+    smaller head dims never take."""
+    monkeypatch.setattr(bwd, "LONG_FULL_WALK", 0.0)
     backends = record_backward_backends(monkeypatch)
     accumulating = []
     kernel = compat.mosaic_kernel_accumulating
     monkeypatch.setattr(compat, "mosaic_kernel_accumulating",
                         lambda *args, **kwargs: accumulating.append(1) or kernel(*args, **kwargs))
-    case = Case("dense_head_dim_128", batch=1, q_len=256, kv_len=256, heads=4, kv_heads=2,
-                head_dim=128)
     check_case("mosaic", case, dtype, (128, 128), block_rows=32)
     assert set(backends) == {"mosaic"} and accumulating, (backends, accumulating)
 

@@ -5,6 +5,8 @@ descriptors, smem budget), which the interpreter skips: what fails here would
 fail on the H100 before the first launch.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -33,6 +35,7 @@ VARIANTS = {
     "documents_window_hd128": dict(shape=(2, 200, 2, 128), kv_heads=2,
                                    q_segment_ids=jnp.zeros((2, 200), jnp.int32),
                                    local_window_size=(30, 0)),
+    "window_ragged_hd128": dict(shape=(2, 300, 4, 128), kv_heads=2, local_window_size=(100, 0)),
     "partial_tiles_hd128": dict(shape=(1, 300, 2, 128), kv_heads=2, mask=128),
     # Index tiles are built only where read (`tile_indices`): here neither the mask (segment
     # ids, kv a whole number of blocks) nor the score_mod reads them.
@@ -53,6 +56,8 @@ VARIANTS = {
     # Head dim 64, pipelined (not causal): QK^T takes Q from registers (`q_in_registers`;
     # `causal_ragged_hd64` covers the serial schedule's).
     "dense_hd64_q_in_registers": dict(shape=(1, 256, 2, 64), kv_heads=2),
+    # Long walks under a causal mask: the backward's fused dQ for the FULL steps, the
+    # masked steps in launches of their own.
     "long_walk": dict(shape=(1, 16384, 1, 128), kv_heads=1, is_causal=True),
     # No masked tile at head dim 128: the dK/dV kernel computes dQ too (a ref inside).
     "dense_fused_dq_hd128": dict(shape=(1, 256, 2, 128), kv_heads=1),
@@ -99,9 +104,7 @@ def test_forward_lowers_for_cuda(name, _compiled_mosaic):
     assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("name", BACKWARD_VARIANTS)
-def test_backward_lowers_for_cuda(name, _compiled_mosaic):
-    """Forward and both backward kernels (dK/dV, dQ) lower; no Triton kernel is involved."""
+def _lowered_backward(name) -> str:
     (q, k, v), kwargs = _arguments(name)
 
     def loss(q, k, v):
@@ -110,8 +113,27 @@ def test_backward_lowers_for_cuda(name, _compiled_mosaic):
         return out.astype(jnp.float32).sum() + lse.sum()
 
     grads = jax.grad(loss, argnums=(0, 1, 2))
-    text = jax.jit(grads).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+    return jax.jit(grads).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("name", BACKWARD_VARIANTS)
+def test_backward_lowers_for_cuda(name, _compiled_mosaic):
+    """Forward and both backward kernels (dK/dV, dQ) lower; no Triton kernel is involved."""
+    text = _lowered_backward(name)
     assert text.count("mosaic_gpu") >= 3 and "triton" not in text
+
+
+@pytest.mark.parametrize("name", ["partial_tiles_hd128", "window_ragged_hd128"])
+def test_split_fused_backward_lowers_for_cuda(name, _compiled_mosaic, monkeypatch):
+    """Masked tiles of a mask known at trace time, with the fused dQ at any walk length:
+    the fused launch (FULL steps, no mask code) and the masked steps' dK/dV and dQ
+    launches lower with the forward."""
+    from pallas_kernels.mosaic import attention_bwd_sm90 as bwd
+
+    monkeypatch.setattr(bwd, "LONG_FULL_WALK", 0.0)
+    text = _lowered_backward(name)
+    kernels = re.findall(r"custom_call @(\w+)", text)
+    assert kernels == ["mosaic_gpu_v2"] * 4, kernels
 
 
 
