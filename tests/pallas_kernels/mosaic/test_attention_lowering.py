@@ -123,17 +123,22 @@ def test_backward_lowers_for_cuda(name, _compiled_mosaic):
     assert text.count("mosaic_gpu") >= 3 and "triton" not in text
 
 
-@pytest.mark.parametrize("name", ["partial_tiles_hd128", "window_ragged_hd128"])
-def test_split_fused_backward_lowers_for_cuda(name, _compiled_mosaic, monkeypatch):
-    """Masked tiles of a mask known at trace time, with the fused dQ at any walk length:
-    the fused launch (FULL steps, no mask code) and the masked steps' dK/dV and dQ
-    launches lower with the forward."""
+@pytest.mark.parametrize("name,long_full_walk,launches", [
+    ("dense_fused_dq_hd128", None, 2),  # the forward, the dK/dV kernel adding dQ
+    ("window_ragged_hd128", None, 3),  # short walks: the forward, dK/dV, dQ
+    ("long_walk", None, 4),  # the fused launch (FULL steps), masked dK/dV and dQ launches
+    # The split at any walk length: stored tiles, and a ragged window under GQA.
+    ("partial_tiles_hd128", 0.0, 4),
+    ("window_ragged_hd128", 0.0, 4),
+])
+def test_backward_launches(name, long_full_walk, launches, _compiled_mosaic, monkeypatch):
+    """Which kernels a head-dim-128 gradient launches, by its mask's walks."""
     from pallas_kernels.mosaic import attention_bwd_sm90 as bwd
 
-    monkeypatch.setattr(bwd, "LONG_FULL_WALK", 0.0)
-    text = _lowered_backward(name)
-    kernels = re.findall(r"custom_call @(\w+)", text)
-    assert kernels == ["mosaic_gpu_v2"] * 4, kernels
+    if long_full_walk is not None:
+        monkeypatch.setattr(bwd, "LONG_FULL_WALK", long_full_walk)
+    kernels = re.findall(r"custom_call @(\w+)", _lowered_backward(name))
+    assert kernels == ["mosaic_gpu_v2"] * launches, kernels
 
 
 
