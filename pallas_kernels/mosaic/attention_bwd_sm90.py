@@ -309,7 +309,7 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                 # The slot held step - stages: wait until every consumer is done with it.
                 @pl.when(step >= stages)
                 def _():
-                    plgpu.barrier_wait(consumed.at[slot])
+                    common.wait_released(consumed.at[slot], interpret=s.interpret)
 
                 flags, q_start, half, i = step_position(g, j)
                 q_rows = pl.ds(q_start, Q_STEP)
@@ -398,7 +398,7 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
             return dq
 
         def add_dq(dq, head, q_start):
-            adder = wg if _dq_adders(s) > 1 else 0
+            adder = _dq_adder(s, kv_block, wg)
             dst = dq_sum_ref.at[adder, batch, pl.ds(q_start, Q_STEP), head,
                                 pl.ds(dq_col0, cols)]
             if s.interpret:  # No TMA reductions there; CTAs run one at a time.
@@ -573,7 +573,7 @@ def _dq_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *r
             walk_smem, count, start=first, stages=stages, block_kv=block_kv, batch=batch,
             kv_head=kv_head, offsets=offsets, k=(k_ref, k_ring, k_ready),
             v=(v_ref, v_ring, v_ready), consumed=(k_consumed, v_consumed),
-            kv_leaves=((kv_leaf_ref, kv_leaf_ring, kv_leaf_ready)
+            interpret=s.interpret, kv_leaves=((kv_leaf_ref, kv_leaf_ring, kv_leaf_ready)
                        if s.num_kv_leaves else None),
             partial=(partial_ref, mask_ring, mask_ready) if s.has_partial else None)
         common.drain_ring(count - first, stages, k_consumed, v_consumed)
@@ -856,12 +856,26 @@ def _dkv_scratch(s: _Statics):
 
 def _dq_adders(s: _Statics) -> int:
     """Partial dQ sums of the fused backward. Compiled, one: TMA reductions are atomic.
-    Interpreted, the read-modify-write that stands in for them would race when both
-    consumers add to the same columns, so each then has a sum of its own."""
+    Interpreted, a read-modify-write stands in for them, which would race where two
+    writers add to the same elements: each kv-block's CTA then has sums of its own (the
+    interpreter of jax 0.11 and later reports the adds of two CTAs as racing), and so
+    does each consumer when both add to the same columns."""
+    if not s.interpret:
+        return 1
+    return s.layout.num_kv_blocks * _dq_adders_per_cta(s)
+
+
+def _dq_adders_per_cta(s: _Statics) -> int:
     consumers = s.config.dkv_consumers
-    if s.interpret and _dq_columns(s.head_dim, consumers) == s.head_dim:
-        return consumers
-    return 1
+    return consumers if _dq_columns(s.head_dim, consumers) == s.head_dim else 1
+
+
+def _dq_adder(s: _Statics, kv_block, wg):
+    """The partial dQ sum (`_dq_adders`) the consumer ``wg`` of ``kv_block``'s CTA adds to."""
+    if not s.interpret:
+        return 0
+    per_cta = _dq_adders_per_cta(s)
+    return kv_block * per_cta + (wg if per_cta > 1 else 0)
 
 
 def _dq_columns(head_dim: int, consumers: int) -> int:

@@ -352,9 +352,25 @@ def log2_scores(spec: ScoreSpec, qk: Array, batch, head, indices, *, slope: bool
     return scores * LOG2E, derivative
 
 
+def wait_released(consumed_barrier, *, interpret: bool) -> None:
+    """Producer: waits until the consumers released a ring slot, before TMA refills it.
+
+    Consumers read some ring buffers with plain loads (lse and delta, mask leaves,
+    stored tiles) and release them by a barrier arrival; the TMA that refills them
+    writes through the async proxy. The Mosaic-GPU interpreter of jax 0.11 and later
+    orders such a write after those reads only through a proxy fence in the issuing
+    thread (`commit_smem`), and reports a race without one. Compiled kernels skip the
+    fence: the reads are complete (their values in registers) before the arrival that
+    the wait observes, which is what CUTLASS's TMA pipelines rely on as well.
+    """
+    plgpu.barrier_wait(consumed_barrier)
+    if interpret:
+        plgpu.commit_smem()
+
+
 def produce_kv_blocks(walk_smem, count, *, stages: int, block_kv: int, batch, kv_head,
-                      offsets: tuple[int, int, int], k, v, consumed, kv_leaves=None,
-                      partial=None, first_step=0, start=0) -> None:
+                      offsets: tuple[int, int, int], k, v, consumed, interpret: bool,
+                      kv_leaves=None, partial=None, first_step=0, start=0) -> None:
     """The producer loop of one q-block: TMA-loads its active kv-blocks (from walk
     position ``start`` on) into the ring.
 
@@ -381,16 +397,16 @@ def produce_kv_blocks(walk_smem, count, *, stages: int, block_kv: int, batch, kv
         # slot's previous contents (ring_step - stages): a consumer that keeps V for its
         # software-pipelined P @ V then does not hold back the next K. The mask data
         # of a step is read by the softmax, after K was released: it goes with V.
-        def wait_released(consumed):
+        def wait_slot(consumed):
             @pl.when(ring_step >= stages)
             def _():
-                plgpu.barrier_wait(consumed.at[slot])
+                wait_released(consumed.at[slot], interpret=interpret)
 
         k_ref, k_smem, k_barriers = k
-        wait_released(k_consumed)
+        wait_slot(k_consumed)
         plgpu.copy_gmem_to_smem(k_ref.at[batch, rows_kv, kv_head], k_smem.at[slot],
                                 k_barriers.at[slot])
-        wait_released(v_consumed)
+        wait_slot(v_consumed)
         if kv_leaves is not None:
             leaf_ref, leaf_smem, leaf_barriers = kv_leaves
             plgpu.copy_gmem_to_smem(leaf_ref.at[batch, :, rows_kv], leaf_smem.at[slot],
