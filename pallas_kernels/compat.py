@@ -1,9 +1,10 @@
 """JAX API differences between the releases we support, wrapped in one place: Pallas
 (Triton and Mosaic GPU) and the types of arrays inside `jax.shard_map`.
 
-Supported: jax 0.10.x (the CPU machines, where kernels run interpreted) and
-0.11.x (the GPU machines). Kernels import whatever moved between releases from
-here instead of guarding imports themselves, so a rename is fixed once.
+Supported: jax 0.10.x (the CPU machines, where kernels run interpreted),
+0.11.x (the GPU machines) and 0.12.x (Python 3.12's newest). Kernels import
+whatever moved between releases from here instead of guarding imports
+themselves, so a rename is fixed once.
 Append new wrappers; keep existing signatures stable.
 """
 
@@ -34,6 +35,23 @@ def triton_compiler_params(*, num_warps: int, num_stages: int) -> Any:
     pl_triton = _triton_module()
     params = getattr(pl_triton, "CompilerParams", None) or pl_triton.TritonCompilerParams
     return params(num_warps=num_warps, num_stages=num_stages)
+
+
+def triton_slices_past_array_end() -> bool:
+    """Whether a Triton-lowered kernel may slice a ref past the end of an axis, to load or
+    store a power-of-two tile under a mask (`pallas_kernels.triton.tiles`): jax 0.12
+    checks static slice bounds while tracing and rejects such slices."""
+    import jax
+
+    return jax.__version_info__ < (0, 12)
+
+
+def triton_lowers_without_gpu() -> bool:
+    """Whether Triton-lowered kernels lower for CUDA on a machine without a GPU: from jax
+    0.11 on, the Triton lowering asks the (absent) device for its compute capability."""
+    import jax
+
+    return jax.__version_info__ < (0, 11)
 
 
 def triton_load(ref, *, mask=None, other=None):

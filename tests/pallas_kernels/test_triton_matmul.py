@@ -9,12 +9,14 @@ import pytest
 
 from pallas_kernels import runtime
 from pallas_kernels.triton import matmul as triton_matmul
+from tests.jax_releases import skip_unless_triton_lowers_here
 from tests.omni_jax.matmul_helpers import check_vectors_batched_apart
 from tests.pallas_kernels.gemm_lowering import LOWERING_CASES, lower_gemm_for_cuda
 
 
 @pytest.fixture
 def _compiling(monkeypatch):
+    skip_unless_triton_lowers_here()
     monkeypatch.delenv(runtime.INTERPRET_ENV_VAR, raising=False)
 
 
