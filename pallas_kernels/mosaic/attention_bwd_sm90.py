@@ -401,7 +401,7 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
             adder = _dq_adder(s, kv_block, wg)
             dst = dq_sum_ref.at[adder, batch, pl.ds(q_start, Q_STEP), head,
                                 pl.ds(dq_col0, cols)]
-            if s.interpret:  # No TMA reductions there; CTAs run one at a time.
+            if s.interpret:  # No TMA reductions there: a sum of its own (`_dq_adders`).
                 dst[...] = dst[...] + dq
             else:  # The previous reduction has read the stage (`wait_stage_read`).
                 dq_stage.at[wg][...] = dq
@@ -573,7 +573,8 @@ def _dq_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *r
             walk_smem, count, start=first, stages=stages, block_kv=block_kv, batch=batch,
             kv_head=kv_head, offsets=offsets, k=(k_ref, k_ring, k_ready),
             v=(v_ref, v_ring, v_ready), consumed=(k_consumed, v_consumed),
-            interpret=s.interpret, kv_leaves=((kv_leaf_ref, kv_leaf_ring, kv_leaf_ready)
+            interpret=s.interpret,
+            kv_leaves=((kv_leaf_ref, kv_leaf_ring, kv_leaf_ready)
                        if s.num_kv_leaves else None),
             partial=(partial_ref, mask_ring, mask_ready) if s.has_partial else None)
         common.drain_ring(count - first, stages, k_consumed, v_consumed)

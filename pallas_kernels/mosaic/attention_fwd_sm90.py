@@ -264,7 +264,8 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
                 walk_smem.at[buffer], count, stages=stages, block_kv=block_kv, batch=batch,
                 kv_head=kv_head, offsets=offsets, k=(k_ref, k_smem, k_barriers),
                 v=(v_ref, v_smem, v_barriers), consumed=(k_consumed, v_consumed),
-                interpret=s.interpret, kv_leaves=((kv_leaf_ref, kv_leaf_smem, kv_leaf_barriers)
+                interpret=s.interpret,
+                kv_leaves=((kv_leaf_ref, kv_leaf_smem, kv_leaf_barriers)
                            if s.num_kv_leaves else None),
                 partial=(partial_ref, mask_smem, mask_barriers) if s.has_partial else None,
                 first_step=first_step)
