@@ -37,13 +37,13 @@ def triton_compiler_params(*, num_warps: int, num_stages: int) -> Any:
     return params(num_warps=num_warps, num_stages=num_stages)
 
 
-def triton_slices_past_array_end() -> bool:
-    """Whether a Triton-lowered kernel may slice a ref past the end of an axis, to load or
-    store a power-of-two tile under a mask (`pallas_kernels.triton.tiles`): jax 0.12
-    checks static slice bounds while tracing and rejects such slices."""
-    import jax
-
-    return jax.__version_info__ < (0, 12)
+def triton_overhanging_start(start: int) -> Array:
+    """``start`` as a traced value, for a window that runs past the end of a ref's axis
+    under a mask (a power-of-two tile over a head dim of 40, 80 or 96): jax 0.12 rejects
+    a static window that overhangs while tracing, whatever the mask; a traced start
+    leaves the bounds to the mask (a zero staged into the kernel, not a Python constant;
+    Triton folds it back into one)."""
+    return jnp.zeros((), jnp.int32) + start
 
 
 def triton_lowers_without_gpu() -> bool:

@@ -142,10 +142,6 @@ class TritonBackend(AttentionBackend):
         for name, dim in (("head_dim", problem.head_dim), ("head_dim_v", problem.head_dim_v)):
             if dim > tiles.MAX_HEAD_DIM:
                 return f"{name}={dim} exceeds {tiles.MAX_HEAD_DIM}"
-            if tiles.padded_head_dim(dim) != dim and not compat.triton_slices_past_array_end():
-                return (f"{name}={dim}: the kernels read it as {tiles.padded_head_dim(dim)} "
-                        f"columns under a mask, which jax {jax.__version__} rejects (a "
-                        f"power-of-two head dim, or jax < 0.12, runs on Triton)")
         if problem.block_size is not None:
             for name, block in zip(("block_q", "block_kv"), problem.block_size, strict=True):
                 if _largest_power_of_two_divisor(block) < tiles.MIN_TILE:

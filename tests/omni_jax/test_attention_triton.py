@@ -13,8 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 import omni_jax
-from pallas_kernels import compat, runtime
-from tests.jax_releases import triton_takes_head_dims
+from pallas_kernels import runtime
 from tests.omni_jax.attention_suite import CASES, AttentionSuite
 
 _GATHERING_SCORE_MODS = ("relative_table",)  # captured arrays indexed per score
@@ -31,7 +30,7 @@ def interpret(monkeypatch):
 class TestTritonAttention(AttentionSuite):
     implementation = "triton"
     dtypes = ("float32",)
-    cases = tuple(c for c in CASES if triton_takes_head_dims(c.head_dim, c.head_dim_v))
+    cases = CASES
 
 
 _BF16_CASES = ("causal_ragged", "generic_block_mask_and_causal", "softcap_sinks")
@@ -56,8 +55,7 @@ class TestTritonAttentionBfloat16(AttentionSuite):
 class TestTritonAttentionGpu(AttentionSuite):
     implementation = "triton"
     dtypes = ("float32", "bfloat16", "float16")
-    cases = tuple(c for c in CASES if c.score_mod not in _GATHERING_SCORE_MODS
-                  and triton_takes_head_dims(c.head_dim, c.head_dim_v))
+    cases = tuple(c for c in CASES if c.score_mod not in _GATHERING_SCORE_MODS)
 
 
 @pytest.mark.gpu
@@ -69,15 +67,3 @@ def test_compiled_kernels_decline_captured_arrays_indexed_per_score():
         omni_jax.attention(q, q, q, score_mod=lambda s, b, h, i, j: s + table[jnp.abs(i - j)],
                            implementation="triton")
 
-
-def test_head_dims_the_jax_release_cannot_slice_past_are_declined(monkeypatch):
-    """jax 0.12 rejects the kernels' masked reads past a head dim that is not a power of
-    two: the backend declines such a head dim by name instead of failing inside the trace,
-    and `implementation=None` takes another backend."""
-    monkeypatch.setattr(compat, "triton_slices_past_array_end", lambda: False)
-    monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
-    q = jnp.ones((1, 64, 2, 32), jnp.float32)
-    v = jnp.ones((1, 64, 2, 48), jnp.float32)
-    with pytest.raises(ValueError, match="head_dim_v=48"):
-        omni_jax.attention(q, q, v, implementation="triton")
-    assert omni_jax.attention(q, q, v).shape == v.shape

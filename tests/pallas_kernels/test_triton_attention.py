@@ -25,7 +25,7 @@ from pallas_kernels import compat, runtime
 from pallas_kernels.block_sparse import kernel_mask
 from pallas_kernels.triton.attention_bwd import BackwardConfig, attention_backward
 from pallas_kernels.triton.attention_fwd import ForwardConfig, attention_forward
-from tests.jax_releases import skip_unless_triton_lowers_here, triton_takes_head_dims
+from tests.jax_releases import skip_unless_triton_lowers_here
 from tests.omni_jax.attention_suite import Case, check_case
 from tests.reference import relative_error
 
@@ -42,8 +42,6 @@ def interpret(monkeypatch):
           window=(50, 20)), "float16"),
 ], ids=lambda x: getattr(x, "name", x))
 def test_tails_and_head_dims_match_reference(case, dtype):
-    if not triton_takes_head_dims(case.head_dim, case.head_dim_v):
-        pytest.skip("this jax rejects the kernels' masked reads past a head dim")
     check_case("triton", case, dtype, (32, 32))
 
 
