@@ -40,10 +40,11 @@ argument, aliased in place). The one-step delay keeps the consumers out of
 lockstep; an earlier form with a rendezvous every step (commit 0e02a52) was no
 faster. Mask code beside the fused dQ's state spills registers, so under masks
 with masked tiles the fused launch walks only the FULL steps and compiles no mask
-code; an unfused dK/dV launch then walks the masked steps, adding the fused
-launch's dK and dV to its own, and a dQ launch their dQ. That pays where walks
-are long (`LONG_FULL_WALK`); shorter ones keep the dQ kernel for every step, and
-so do `jax.vmap` (a custom_vmap rule) and `jax.shard_map`.
+code; a second fused launch walks the masked steps (its few steps a CTA bear the
+spills), adding the first launch's dK and dV to its own and its dQ to the same
+buffer. That pays where walks are long (`LONG_FULL_WALK`); shorter ones keep the
+dQ kernel for every step, and so do `jax.vmap` (a custom_vmap rule) and
+`jax.shard_map`.
 """
 
 from __future__ import annotations
@@ -125,11 +126,11 @@ _CONFIGS = {
 
 # Masks with masked tiles take the fused dQ only where their kv-blocks walk at least this
 # many FULL q-blocks on average (known at trace time for a concrete mask): the FULL steps
-# in the fused launch, the masked ones in unfused launches of both kernels. Those two
-# launches (thousands of CTAs of a few steps each) and the fused chain's fixed cost per CTA
-# then weigh little. H100, 2026-11-27 (benchmarks/RESULTS.md), causal fwd+bwd against the
-# dQ kernel: s2048, s4096 and s8192 (7.5, 15.5 and 31.5 FULL q-blocks) 22%, 10% and 7%
-# slower, s16384 (63.5) 1-3% and s32768 (127.5) 5-7% faster.
+# in one fused launch, the masked ones in a second. That launch (thousands of CTAs of a
+# few steps each) and the fused chain's fixed cost per CTA then weigh little. H100,
+# 2026-11-27 (benchmarks/RESULTS.md), causal fwd+bwd against the dQ kernel: s4096 and
+# s8192 (15.5 and 31.5 FULL q-blocks) 5% and 1% slower, s16384 (63.5) 2-4% and s32768
+# (127.5) 10% faster.
 LONG_FULL_WALK = 48.0
 
 
@@ -195,7 +196,7 @@ class _Statics(common.LeafCounts):
     interpret: bool
     fused_dq: bool = False  # dQ from this kernel (`attention_backward` decides)
     # The steps of each walk this launch takes: "all", or with the fused dQ under masked
-    # tiles "full" (the fused launch) and "masked" (the unfused launches that add theirs).
+    # tiles "full" (the first fused launch) and "masked" (the second, which adds theirs).
     walk_part: str = "all"
 
     @property
@@ -249,9 +250,9 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
     rows, stages, consumers = ROWS_PER_CONSUMER, cfg.dkv_stages, cfg.dkv_consumers
     partial_ref, q_leaf_ref, kv_leaf_ref, captured_ref, refs = common.split_optional_refs(
         refs, s)
-    dq_sum_ref = refs.pop(0) if s.fused_dq else None
     # The masked steps' launch adds its sums to the FULL steps' (the fused launch's).
     full_sums = (refs.pop(0), refs.pop(0)) if s.walk_part == "masked" else None
+    dq_sum_ref = refs.pop(0) if s.fused_dq else None
     dk_ref, dv_ref, smem, barriers = refs
     (k_smem, v_smem, walk_smem, q_ring, do_ring, stats_ring, mask_ring, q_leaf_ring,
      kv_leaf_smem, staging, captured_smem, ds_smem, dq_stage) = smem
@@ -555,11 +556,6 @@ def _dq_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *r
     offsets = walk_offsets(s.layout.num_kv_blocks)
     index_offset, flags_offset, _ = offsets
 
-    def first_step():
-        """The walk's first step this launch takes (the walk in smem): masked steps only
-        beside the fused dQ, which adds the FULL steps' dQ."""
-        return walk_smem[0, 1] if s.walk_part == "masked" else 0
-
     @pl.when(wg == NUM_DQ_CONSUMERS)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
@@ -568,16 +564,15 @@ def _dq_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *r
             s, walk_ref, walk_smem, walk_barrier,
             (q_leaf_ref, q_leaf_smem, q_leaf_barrier) if s.num_q_leaves else None,
             batch=batch, head=head, q_block=q_block, block_q=BLOCK_Q)
-        first = first_step()
         common.produce_kv_blocks(
-            walk_smem, count, start=first, stages=stages, block_kv=block_kv, batch=batch,
+            walk_smem, count, stages=stages, block_kv=block_kv, batch=batch,
             kv_head=kv_head, offsets=offsets, k=(k_ref, k_ring, k_ready),
             v=(v_ref, v_ring, v_ready), consumed=(k_consumed, v_consumed),
             interpret=s.interpret,
             kv_leaves=((kv_leaf_ref, kv_leaf_ring, kv_leaf_ready)
                        if s.num_kv_leaves else None),
             partial=(partial_ref, mask_ring, mask_ready) if s.has_partial else None)
-        common.drain_ring(count - first, stages, k_consumed, v_consumed)
+        common.drain_ring(count, stages, k_consumed, v_consumed)
 
     @pl.when(wg < NUM_DQ_CONSUMERS)
     def _consumer():
@@ -614,10 +609,8 @@ def _dq_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *r
         common.wait_captured(s, captured_barrier)
         score_spec = common.with_captured_read(s.scores, captured_smem, batch, head)
 
-        first = first_step()
-
         def step_fn(step, dq, full: bool):
-            slot = lax.rem(step - first, stages)
+            slot = lax.rem(step, stages)
             kv_block = common.walk_entry(walk_smem, index_offset + step)
             flags = common.walk_entry(walk_smem, flags_offset + step)
             k_block = k_ring.at[slot]
@@ -674,27 +667,25 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
     own gradients are the caller's); ``has_partial`` False promises no PARTIAL tile.
     ``config.fused_dq`` applies to masks without masked tiles, and to masks whose
     kv-blocks walk ``mean_full_walk`` >= `LONG_FULL_WALK` FULL q-blocks on average
-    (None: unknown, as for a traced mask). The masked steps then run in launches of
+    (None: unknown, as for a traced mask). The masked steps then run in a fused launch of
     their own: the mask code of COMPUTED and PARTIAL steps next to dQ's accumulator
     spills registers (376 bytes under a causal mask, which then ran 12-19% slower than
     the dQ kernel; 148 bytes and 8-23% slower with FULL steps alone fused in the same
-    launch: RESULTS.md, 2026-11-27). Under `jax.vmap` the dQ kernel serves too (the fused
-    dQ's in-place sum cannot be batched), and inside a `jax.shard_map` (jax 0.11 rejects
-    a kernel's ref that varies along the mesh axes, as the per-device sum does).
+    launch: RESULTS.md, 2026-11-27), which a CTA of a few masked steps bears. Under
+    `jax.vmap` the dQ kernel serves too (the fused dQ's in-place sum cannot be batched),
+    and inside a `jax.shard_map` (jax 0.11 rejects a kernel's ref that varies along the
+    mesh axes, as the per-device sum does).
     """
     static = dict(layout=layout, scale=scale, softcap=softcap, score_mod=score_mod,
                   has_partial=has_partial, interpret_params=interpret_params)
-    fused_config = None
+    fused_configs = None
     in_shard_map = bool(compat.varying_axes(q, k, v, out, dout))
+    masked_tiles = common.has_masked_tiles(layout, has_partial)
     long_walks = mean_full_walk is not None and mean_full_walk >= LONG_FULL_WALK
-    if (config.fused_dq and not in_shard_map
-            and (long_walks or not common.has_masked_tiles(layout, has_partial))):
-        # The fused launch walks FULL steps only: no stored tiles, no mask leaves.
-        fused_config = fit_config(
-            config, common.SMEM_LIMIT, padded_head_dim(q.shape[-1]),
-            padded_head_dim(v.shape[-1]), q.dtype.itemsize, False, fused_dq=True)
-    if fused_config is None:
-        return _backward(q, k, v, kmask, out, lse, dout, dlse, captured, fused_config=None,
+    if config.fused_dq and not in_shard_map and (long_walks or not masked_tiles):
+        fused_configs = _fused_configs(config, layout, has_partial, q, v)
+    if fused_configs is None:
+        return _backward(q, k, v, kmask, out, lse, dout, dlse, captured, fused_configs=None,
                          config=config, **static)
     # Concrete mask arrays stay constants of the kernels (`trace_time_eval`): only the
     # traced ones become operands of the custom_vmap function.
@@ -705,7 +696,7 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
         given = iter(traced_leaves)
         leaves = [next(given) if t else x for t, x in zip(traced, mask_leaves, strict=True)]
         return _backward(q, k, v, jax.tree.unflatten(mask_tree, leaves), *rest,
-                         fused_config=fused_config if fused_dq else None, config=config,
+                         fused_configs=fused_configs if fused_dq else None, config=config,
                          **static)
 
     def unfused_under_vmap(axis_size, in_batched, *args):
@@ -723,13 +714,29 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
     return fused(q, k, v, traced_leaves, out, lse, dout, dlse, tuple(captured))
 
 
+def _fused_configs(config: BackwardConfig, layout: MaskLayout, has_partial: bool, q: Array,
+                   v: Array) -> tuple[BackwardConfig, BackwardConfig | None] | None:
+    """The fused dQ's (FULL steps' launch, masked steps' launch or None without masked
+    tiles) configs, their stages fitted to shared memory; None if one does not fit."""
+    dims = padded_head_dim(q.shape[-1]), padded_head_dim(v.shape[-1]), q.dtype.itemsize
+    # The FULL steps' launch loads no stored tiles and no mask leaves.
+    full = fit_config(config, common.SMEM_LIMIT, *dims, False, fused_dq=True)
+    if not common.has_masked_tiles(layout, has_partial):
+        return None if full is None else (full, None)
+    num_q_leaves = sum(kind != "kv" for kind in layout.leaf_kinds)  # "batch" ones read as q
+    masked = fit_config(config, common.SMEM_LIMIT, *dims, has_partial, num_q_leaves,
+                        len(layout.leaf_kinds) - num_q_leaves, fused_dq=True)
+    return None if full is None or masked is None else (full, masked)
+
+
 def _backward(q: Array, k: Array, v: Array, kmask: KernelMask, out: Array, lse: Array,
               dout: Array, dlse: Array, captured: Sequence[Array], *, layout: MaskLayout,
               scale: float, softcap: float | None, score_mod: ConvertedScoreMod | None,
               has_partial: bool, config: BackwardConfig, interpret_params: Any,
-              fused_config: BackwardConfig | None) -> tuple[Array, Array, Array, Array]:
-    """`attention_backward`; with ``fused_config``, the FULL steps' dQ from the dK/dV
-    kernel (and the masked steps, if any, from unfused launches that walk only them)."""
+              fused_configs: tuple[BackwardConfig, BackwardConfig | None] | None,
+              ) -> tuple[Array, Array, Array, Array]:
+    """`attention_backward`; with ``fused_configs`` (`_fused_configs`), dQ from the dK/dV
+    kernel: the FULL steps in one launch, the masked ones, if any, in a second."""
     batch, q_len, num_q_heads, head_dim = q.shape
     kv_len, num_kv_heads, head_dim_v = k.shape[1], v.shape[2], v.shape[3]
     if (layout.block_q, layout.block_kv) != (config.block_q, config.block_kv):
@@ -795,23 +802,24 @@ def _backward(q: Array, k: Array, v: Array, kmask: KernelMask, out: Array, lse: 
         )(*operands(s, dq_walk, partial_masks))
 
     unpad = lambda x, length, d: x[:, :length, :, :d]
-    if fused_config is None:
+    if fused_configs is None:
         dk, dv = dkv_kernel(statics)
         dq = dq_kernel(statics)
         return (unpad(dq, q_len, head_dim), unpad(dk, kv_len, head_dim),
                 unpad(dv, kv_len, head_dim_v), delta)
-    # The fused launch walks the FULL steps only, so it compiles no mask code (which
-    # beside the fused dQ's state spills registers); the masked steps, if any, go to
-    # unfused launches of both kernels, whose sums are added.
-    fused = dataclasses.replace(statics, config=fused_config, fused_dq=True,
+    # The first fused launch walks the FULL steps only, so it compiles no mask code
+    # (which beside the fused dQ's state spills registers); the second, if the mask has
+    # masked tiles, walks the rest and adds to the first's sums.
+    full_config, masked_config = fused_configs
+    fused = dataclasses.replace(statics, config=full_config, fused_dq=True,
                                 walk_part="full", has_partial=False, leaf_slots=())
     dq_sum = jnp.zeros((_dq_adders(fused), batch, q_padded, num_q_heads, dim), jnp.float32)
     (dk, dv), dq_sum = dkv_kernel(fused, dq_sum)
+    if masked_config is not None:
+        masked = dataclasses.replace(statics, config=masked_config, fused_dq=True,
+                                     walk_part="masked")
+        (dk, dv), dq_sum = dkv_kernel(masked, dk, dv, dq_sum)
     dq = dq_sum.sum(0)
-    if common.has_masked_tiles(layout, has_partial):
-        masked = dataclasses.replace(statics, walk_part="masked")
-        dk, dv = dkv_kernel(masked, dk, dv)
-        dq = dq[:, :q.shape[1]] + dq_kernel(masked).astype(jnp.float32)
     return (unpad(dq, q_len, head_dim).astype(q.dtype), unpad(dk, kv_len, head_dim),
             unpad(dv, kv_len, head_dim_v), delta)
 

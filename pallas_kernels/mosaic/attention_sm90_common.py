@@ -370,9 +370,8 @@ def wait_released(consumed_barrier, *, interpret: bool) -> None:
 
 def produce_kv_blocks(walk_smem, count, *, stages: int, block_kv: int, batch, kv_head,
                       offsets: tuple[int, int, int], k, v, consumed, interpret: bool,
-                      kv_leaves=None, partial=None, first_step=0, start=0) -> None:
-    """The producer loop of one q-block: TMA-loads its active kv-blocks (from walk
-    position ``start`` on) into the ring.
+                      kv_leaves=None, partial=None, first_step=0) -> None:
+    """The producer loop of one q-block: TMA-loads its active kv-blocks into the ring.
 
     ``k`` and ``v`` are (gmem ref, smem ring, "loaded" barriers); ``consumed``
     the (K, V) "consumed" barriers the consumers arrive on. The q-block's steps
@@ -386,9 +385,9 @@ def produce_kv_blocks(walk_smem, count, *, stages: int, block_kv: int, batch, kv
     index_offset, flags_offset, partial_offset = offsets
     k_consumed, v_consumed = consumed
 
-    @pl.loop(start, count)
+    @pl.loop(0, count)
     def _fetch(step):
-        ring_step = first_step + step - start
+        ring_step = first_step + step
         slot = lax.rem(ring_step, stages)
         kv_block = walk_entry(walk_smem, index_offset + step)
         rows_kv = pl.ds(kv_block * block_kv, block_kv)

@@ -93,8 +93,8 @@ class TestMosaicAttentionGpu(_MosaicSuite):
 @pytest.mark.parametrize("case", [
     Case("dense_head_dim_128", batch=1, q_len=256, kv_len=256, heads=4, kv_heads=2,
          head_dim=128),
-    # Masked tiles: the FULL steps in the fused launch, the masked ones in launches of
-    # their own (taken here whatever the walk length).
+    # Masked tiles: the FULL steps in one fused launch, the masked ones in a second
+    # (taken here whatever the walk length).
     Case("causal_ragged_head_dim_128", batch=2, q_len=300, kv_len=400, heads=4, kv_heads=2,
          head_dim=128, is_causal=True),
     Case("window_alibi_sinks_head_dim_128", batch=1, q_len=512, kv_len=512, heads=4,
