@@ -8,6 +8,7 @@
 # OUT_DIR defaults to $OUT when set, else ./gpu-results. STAGEs (default: all, in order):
 #   env        jax/jaxlib versions, devices, nvidia-smi              -> env.txt
 #   gpu-tests  pytest -m gpu                                          -> gpu-tests.log/.xml
+#              (verbose: a run cut short by a time limit still names each result so far)
 #   tests      pytest -m "not gpu and not interpreted", Pallas kernels compiled for real
 #              (tests that force the interpreter run at CPU speed; CI covers them) -> tests.log/.xml
 #   bench      python -m benchmarks all                               -> benchmarks/, bench.log
@@ -64,10 +65,10 @@ for s in $STAGES; do
       ;;
     gpu-tests)
       eval "set -- ${PYTEST_ARGS:-}"
-      stage gpu-tests "$PY" -m pytest -m gpu -q -rfEs --junitxml="$OUT_DIR/gpu-tests.xml" "$@" ;;
+      stage gpu-tests "$PY" -m pytest -m gpu -v -rfEs --junitxml="$OUT_DIR/gpu-tests.xml" "$@" ;;
     tests)
       eval "set -- ${PYTEST_ARGS:-}"
-      stage tests "$PY" -m pytest -m "not gpu and not interpreted" -q -rfEs --junitxml="$OUT_DIR/tests.xml" "$@" ;;
+      stage tests "$PY" -m pytest -m "not gpu and not interpreted" -v -rfEs --junitxml="$OUT_DIR/tests.xml" "$@" ;;
     bench)
       eval "set -- ${BENCH_ARGS:-}"
       stage bench "$PY" -m benchmarks all --out-dir "$OUT_DIR/benchmarks" "$@"
