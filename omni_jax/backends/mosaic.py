@@ -127,8 +127,7 @@ class MosaicBackend(AttentionBackend):
         # long enough for the fused dQ or not (the backward).
         forward = tuple(self._config(problem, causal, mean_walk)
                         for causal in (False, True) for mean_walk in (None, 0.0))
-        return (forward, self._backward_config(problem), bwd.LONG_FULL_WALK,
-                runtime.interpret_requested())
+        return forward, self._backward_config(problem), runtime.interpret_requested()
 
     def block_size(self, problem: AttentionProblem) -> tuple[int, int]:
         config = self._config(problem, causal=False)

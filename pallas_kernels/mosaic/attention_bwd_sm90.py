@@ -42,9 +42,9 @@ faster. Mask code beside the fused dQ's state spills registers, so under masks
 with masked tiles the fused launch walks only the FULL steps and compiles no mask
 code; a second fused launch walks the masked steps (its few steps a CTA bear the
 spills), adding the first launch's dK and dV to its own and its dQ to the same
-buffer. That pays where walks are long (`LONG_FULL_WALK`); shorter ones keep the
-dQ kernel for every step, and so do `jax.vmap` (a custom_vmap rule) and
-`jax.shard_map`.
+buffer. That pays where walks are long (`BackwardConfig.fused_dq_min_full_walk`);
+shorter ones keep the dQ kernel for every step, and so do `jax.vmap` (a
+custom_vmap rule) and `jax.shard_map`.
 """
 
 from __future__ import annotations
@@ -99,6 +99,14 @@ class BackwardConfig:
     # tiles or with long walks (see `attention_backward`); under `jax.vmap` the dQ kernel
     # serves.
     fused_dq: bool = False
+    # Masks with masked tiles take the fused dQ only where their kv-blocks walk at least
+    # this many FULL q-blocks on average (known at trace time for a concrete mask): the
+    # FULL steps in one fused launch, the masked ones in a second. That launch (thousands
+    # of CTAs of a few steps each) and the fused chain's fixed cost per CTA then weigh
+    # little. H100, 2026-11-27 (benchmarks/RESULTS.md), causal fwd+bwd against the dQ
+    # kernel: s4096 and s8192 (15.5 and 31.5 FULL q-blocks) 5% and 1% slower, s16384
+    # (63.5) 2-4% and s32768 (127.5) 10% faster.
+    fused_dq_min_full_walk: float = 48.0
 
     def __post_init__(self):
         if self.block_q != BLOCK_Q:
@@ -123,15 +131,6 @@ _CONFIGS = {
     128: BackwardConfig(block_kv=128, dkv_stages=3, dq_stages=2, fused_dq=True),
 }
 
-
-# Masks with masked tiles take the fused dQ only where their kv-blocks walk at least this
-# many FULL q-blocks on average (known at trace time for a concrete mask): the FULL steps
-# in one fused launch, the masked ones in a second. That launch (thousands of CTAs of a
-# few steps each) and the fused chain's fixed cost per CTA then weigh little. H100,
-# 2026-11-27 (benchmarks/RESULTS.md), causal fwd+bwd against the dQ kernel: s4096 and
-# s8192 (15.5 and 31.5 FULL q-blocks) 5% and 1% slower, s16384 (63.5) 2-4% and s32768
-# (127.5) 10% faster.
-LONG_FULL_WALK = 48.0
 
 
 def backward_config(head_dim: int, dtype: Any, causal: bool) -> BackwardConfig | None:
@@ -666,9 +665,9 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
     ``score_mod``'s captured arrays (read by element, as in the forward; their
     own gradients are the caller's); ``has_partial`` False promises no PARTIAL tile.
     ``config.fused_dq`` applies to masks without masked tiles, and to masks whose
-    kv-blocks walk ``mean_full_walk`` >= `LONG_FULL_WALK` FULL q-blocks on average
-    (None: unknown, as for a traced mask). The masked steps then run in a fused launch of
-    their own: the mask code of COMPUTED and PARTIAL steps next to dQ's accumulator
+    kv-blocks walk ``mean_full_walk`` >= ``config.fused_dq_min_full_walk`` FULL q-blocks
+    on average (None: unknown, as for a traced mask). The masked steps then run in a
+    fused launch of their own: the mask code of COMPUTED and PARTIAL steps next to dQ's accumulator
     spills registers (376 bytes under a causal mask, which then ran 12-19% slower than
     the dQ kernel; 148 bytes and 8-23% slower with FULL steps alone fused in the same
     launch: RESULTS.md, 2026-11-27), which a CTA of a few masked steps bears. Under
@@ -681,7 +680,8 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
     fused_configs = None
     in_shard_map = bool(compat.varying_axes(q, k, v, out, dout))
     masked_tiles = common.has_masked_tiles(layout, has_partial)
-    long_walks = mean_full_walk is not None and mean_full_walk >= LONG_FULL_WALK
+    long_walks = (mean_full_walk is not None
+                  and mean_full_walk >= config.fused_dq_min_full_walk)
     if config.fused_dq and not in_shard_map and (long_walks or not masked_tiles):
         fused_configs = _fused_configs(config, layout, has_partial, q, v)
     if fused_configs is None:

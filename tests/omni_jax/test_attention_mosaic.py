@@ -104,7 +104,9 @@ class TestMosaicAttentionGpu(_MosaicSuite):
 def test_fused_dq_backward_through_the_public_call(case, dtype, monkeypatch):
     """Head dim 128: the dK/dV kernel also sums dQ (into a ref), a path the suite's
     smaller head dims never take."""
-    monkeypatch.setattr(bwd, "LONG_FULL_WALK", 0.0)
+    default = bwd.backward_config
+    monkeypatch.setattr(bwd, "backward_config", lambda *args, **kwargs: dataclasses.replace(
+        default(*args, **kwargs), fused_dq_min_full_walk=0.0))
     backends = record_backward_backends(monkeypatch)
     accumulating = []
     kernel = compat.mosaic_kernel_accumulating

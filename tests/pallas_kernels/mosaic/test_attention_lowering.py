@@ -5,6 +5,7 @@ descriptors, smem budget), which the interpreter skips: what fails here would
 fail on the H100 before the first launch.
 """
 
+import dataclasses
 import re
 
 import jax
@@ -123,7 +124,7 @@ def test_backward_lowers_for_cuda(name, _compiled_mosaic):
     assert text.count("mosaic_gpu") >= 3 and "triton" not in text
 
 
-@pytest.mark.parametrize("name,long_full_walk,launches", [
+@pytest.mark.parametrize("name,min_full_walk,launches", [
     ("dense_fused_dq_hd128", None, 2),  # the forward, the dK/dV kernel adding dQ
     ("window_ragged_hd128", None, 3),  # short walks: the forward, dK/dV, dQ
     ("long_walk", None, 3),  # the forward, fused launches for FULL and masked steps
@@ -131,12 +132,14 @@ def test_backward_lowers_for_cuda(name, _compiled_mosaic):
     ("partial_tiles_hd128", 0.0, 3),
     ("window_ragged_hd128", 0.0, 3),
 ])
-def test_backward_launches(name, long_full_walk, launches, _compiled_mosaic, monkeypatch):
+def test_backward_launches(name, min_full_walk, launches, _compiled_mosaic, monkeypatch):
     """Which kernels a head-dim-128 gradient launches, by its mask's walks."""
     from pallas_kernels.mosaic import attention_bwd_sm90 as bwd
 
-    if long_full_walk is not None:
-        monkeypatch.setattr(bwd, "LONG_FULL_WALK", long_full_walk)
+    if min_full_walk is not None:
+        default = bwd.backward_config
+        monkeypatch.setattr(bwd, "backward_config", lambda *args, **kwargs: dataclasses.replace(
+            default(*args, **kwargs), fused_dq_min_full_walk=min_full_walk))
     kernels = re.findall(r"custom_call @(\w+)", _lowered_backward(name))
     assert kernels == ["mosaic_gpu_v2"] * launches, kernels
 
