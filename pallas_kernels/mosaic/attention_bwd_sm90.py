@@ -132,7 +132,6 @@ _CONFIGS = {
 }
 
 
-
 def backward_config(head_dim: int, dtype: Any, causal: bool) -> BackwardConfig | None:
     """The tuned config for a (padded) head dim, or None above `MAX_HEAD_DIM`."""
     del dtype, causal  # Same tiles for both 16-bit types; the mask walk skips the rest.
