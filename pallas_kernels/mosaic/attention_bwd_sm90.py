@@ -666,13 +666,13 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
     ``config.fused_dq`` applies to masks without masked tiles, and to masks whose
     kv-blocks walk ``mean_full_walk`` >= ``config.fused_dq_min_full_walk`` FULL q-blocks
     on average (None: unknown, as for a traced mask). The masked steps then run in a
-    fused launch of their own: the mask code of COMPUTED and PARTIAL steps next to dQ's accumulator
-    spills registers (376 bytes under a causal mask, which then ran 12-19% slower than
-    the dQ kernel; 148 bytes and 8-23% slower with FULL steps alone fused in the same
-    launch: RESULTS.md, 2026-11-27), which a CTA of a few masked steps bears. Under
-    `jax.vmap` the dQ kernel serves too (the fused dQ's in-place sum cannot be batched),
-    and inside a `jax.shard_map` (jax 0.11 rejects a kernel's ref that varies along the
-    mesh axes, as the per-device sum does).
+    fused launch of their own: the mask code of COMPUTED and PARTIAL steps next to dQ's
+    accumulator spills registers (376 bytes under a causal mask, which then ran 12-19%
+    slower than the dQ kernel; 148 bytes and 8-23% slower with FULL steps alone fused in
+    the same launch: RESULTS.md, 2026-11-27), which a CTA of a few masked steps bears.
+    Under `jax.vmap` the dQ kernel serves too (the fused dQ's in-place sum cannot be
+    batched), and inside a `jax.shard_map` (jax 0.11 rejects a kernel's ref that varies
+    along the mesh axes, as the per-device sum does).
     """
     static = dict(layout=layout, scale=scale, softcap=softcap, score_mod=score_mod,
                   has_partial=has_partial, interpret_params=interpret_params)

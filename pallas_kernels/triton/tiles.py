@@ -82,7 +82,7 @@ def load_rows(ref: Any, b: Array, start: Array, size: int, head: Array, *,
         masks.append(start + lax.broadcasted_iota(jnp.int32, (size, width), 0) < seq)
     if dim != width:
         masks.append(lax.broadcasted_iota(jnp.int32, (size, width), 1) < dim)
-    columns = pl.ds(0 if dim == width else compat.triton_overhanging_start(0), width)
+    columns = pl.ds(0 if dim == width else compat.triton_overhanging_start(), width)
     return compat.triton_load(ref.at[b, pl.ds(start, size), head, columns],
                               mask=functools.reduce(jnp.logical_and, masks), other=0.0)
 

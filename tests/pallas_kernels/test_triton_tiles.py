@@ -74,7 +74,7 @@ def test_store_rows_writes_only_inside_the_array(shape, seed):
     def kernel(y_ref, o_ref, lse_ref):
         i, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         rows = pl.ds(i * tile, tile)
-        columns = pl.ds(compat.triton_overhanging_start(0), width)
+        columns = pl.ds(compat.triton_overhanging_start(), width)
         tiles.store_rows(o_ref.at[b, rows, h, columns], y_ref[...], i * tile, length=seq,
                          dim=dim)
         tiles.store_rows(lse_ref.at[b, h, rows], y_ref[:, 0], i * tile, length=seq)
