@@ -682,7 +682,7 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
     long_walks = (mean_full_walk is not None
                   and mean_full_walk >= config.fused_dq_min_full_walk)
     if config.fused_dq and not in_shard_map and (long_walks or not masked_tiles):
-        fused_configs = _fused_configs(config, layout, has_partial, q, v)
+        fused_configs = _fused_configs(config, layout, has_partial, masked_tiles, q, v)
     if fused_configs is None:
         return _backward(q, k, v, kmask, out, lse, dout, dlse, captured, fused_configs=None,
                          config=config, **static)
@@ -713,14 +713,16 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
     return fused(q, k, v, traced_leaves, out, lse, dout, dlse, tuple(captured))
 
 
-def _fused_configs(config: BackwardConfig, layout: MaskLayout, has_partial: bool, q: Array,
-                   v: Array) -> tuple[BackwardConfig, BackwardConfig | None] | None:
-    """The fused dQ's (FULL steps' launch, masked steps' launch or None without masked
-    tiles) configs, their stages fitted to shared memory; None if one does not fit."""
+def _fused_configs(config: BackwardConfig, layout: MaskLayout, has_partial: bool,
+                   masked_tiles: bool, q: Array, v: Array,
+                   ) -> tuple[BackwardConfig, BackwardConfig | None] | None:
+    """The fused dQ's (FULL steps' launch, masked steps' launch or None without
+    ``masked_tiles``) configs, their stages fitted to shared memory; None if one does
+    not fit."""
     dims = padded_head_dim(q.shape[-1]), padded_head_dim(v.shape[-1]), q.dtype.itemsize
     # The FULL steps' launch loads no stored tiles and no mask leaves.
     full = fit_config(config, common.SMEM_LIMIT, *dims, False, fused_dq=True)
-    if not common.has_masked_tiles(layout, has_partial):
+    if not masked_tiles:
         return None if full is None else (full, None)
     num_q_leaves = sum(kind != "kv" for kind in layout.leaf_kinds)  # "batch" ones read as q
     masked = fit_config(config, common.SMEM_LIMIT, *dims, has_partial, num_q_leaves,

@@ -5,7 +5,12 @@ rows, every head dim, GQA ratio and mask combination at random (fresh each run;
 a failure names the whole problem and the input seed), and check each block of 32
 rows of the output and the gradients against float64 on its own, so a wrong tile
 at a ragged tail cannot hide in the norm of the whole tensor.
+
+``OMNI_JAX_RANDOM_DRAWS`` sets the number of problems per backend (default 8): a
+larger soak on a GPU machine is one environment variable away.
 """
+
+import os
 
 import numpy as np
 import pytest
@@ -14,7 +19,7 @@ from pallas_kernels import runtime
 from tests.omni_jax.attention_suite import check_case, random_case
 
 _CAPABILITY = runtime.gpu_compute_capability()
-_DRAWS = 8
+_DRAWS = int(os.environ.get("OMNI_JAX_RANDOM_DRAWS", "8"))
 
 # (implementation, dtypes, head dims, mask block sizes, needs sm90)
 _BACKENDS = {
