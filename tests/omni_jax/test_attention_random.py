@@ -10,20 +10,25 @@ at a ragged tail cannot hide in the norm of the whole tensor.
 larger soak on a GPU machine is one environment variable away.
 """
 
+import dataclasses
 import os
 
 import numpy as np
 import pytest
 
 from pallas_kernels import runtime
+from pallas_kernels.mosaic import attention_bwd_sm90 as bwd
 from tests.omni_jax.attention_suite import check_case, random_case
 
 _CAPABILITY = runtime.gpu_compute_capability()
 _DRAWS = int(os.environ.get("OMNI_JAX_RANDOM_DRAWS", "8"))
 
-# (implementation, dtypes, head dims, mask block sizes, needs sm90)
+# (dtypes, head dims, mask block sizes, needs sm90) per implementation. "mosaic-split":
+# the Mosaic backward's fused dQ in two launches (FULL steps, masked steps) at every walk
+# length; by default only masks of thousands of rows (long walks) take it.
 _BACKENDS = {
     "mosaic": (("bfloat16", "float16"), (64, 80, 128, 256), ((128, 64), (128, 128)), True),
+    "mosaic-split": (("bfloat16", "float16"), (128,), ((128, 128),), True),
     "triton": (("float32", "bfloat16", "float16"), (32, 64, 96, 128, 256),
                ((32, 32), (64, 64), (128, 64)), False),
     None: (("bfloat16", "float16"), (64, 96, 128, 192),
@@ -34,12 +39,16 @@ _BACKENDS = {
 @pytest.mark.gpu
 @pytest.mark.parametrize("draw", range(_DRAWS))
 @pytest.mark.parametrize("implementation", list(_BACKENDS), ids=str)
-def test_random_problem(implementation, draw):
+def test_random_problem(implementation, draw, monkeypatch):
     dtypes, head_dims, block_sizes, needs_sm90 = _BACKENDS[implementation]
     if runtime.interpret_requested() or _CAPABILITY is None:
         pytest.skip("needs a CUDA GPU (compiled kernels)")
     if needs_sm90 and _CAPABILITY != (9, 0):
         pytest.skip("needs an sm90 GPU")
+    if implementation == "mosaic-split":
+        implementation, default = "mosaic", bwd.backward_config
+        monkeypatch.setattr(bwd, "backward_config", lambda *args, **kwargs: dataclasses.replace(
+            default(*args, **kwargs), fused_dq_min_full_walk=0.0))
     rng = np.random.default_rng()
     case = random_case(rng, head_dims)
     dtype = dtypes[int(rng.integers(len(dtypes)))]
