@@ -139,11 +139,15 @@ class ForwardConfig:
 #   and 4-6% slower on documents; masks with short walks take two (`SHORT_WALK`).
 #   Staggered at d128 (2-4% faster dense and causal up to s16384, 8% on the window, 9%
 #   with ALiBi, 1% slower on documents); not at d256, where it lost 13% dense.
+# * 96: served natively (rows of 192 bytes in a 64-byte swizzle) instead of padded to
+#   128; it takes d128's config, not tuned on its own.
 _CONFIGS = {
     (64, False): ForwardConfig(block_kv=128, num_stages=3, pipelined=True, staggered=True,
                                q_blocks_per_cta=2, q_in_registers=True),
     (64, True): ForwardConfig(block_kv=128, num_stages=3, pipelined=False,
                               q_blocks_per_cta=4, q_in_registers=True),
+    (96, False): ForwardConfig(block_kv=128, num_stages=2, pipelined=True, staggered=True),
+    (96, True): ForwardConfig(block_kv=128, num_stages=2, pipelined=True, staggered=True),
     (128, False): ForwardConfig(block_kv=128, num_stages=2, pipelined=True, staggered=True),
     (128, True): ForwardConfig(block_kv=128, num_stages=2, pipelined=True, staggered=True),
     (256, False): ForwardConfig(block_kv=64, num_stages=2, pipelined=True),
@@ -169,7 +173,7 @@ def forward_config(head_dim: int, dtype: Any, causal: bool,
     """
     del dtype  # Same tile sizes for both 16-bit types.
     config = _CONFIGS[(padded_head_dim(head_dim), bool(causal))]
-    if mean_walk is not None and mean_walk <= SHORT_WALK and padded_head_dim(head_dim) == 128:
+    if mean_walk is not None and mean_walk <= SHORT_WALK and padded_head_dim(head_dim) in (96, 128):
         config = dataclasses.replace(config, q_blocks_per_cta=2)
     return config
 

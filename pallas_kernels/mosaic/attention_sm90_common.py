@@ -37,7 +37,7 @@ Array = Any
 
 ROWS_PER_CONSUMER = 64  # One wgmma M tile per consumer warpgroup.
 BLOCK_Q = 128  # The q tile of every BlockMask the Mosaic kernels walk.
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_HEAD_DIMS = (64, 96, 128, 256)
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 # A walk row is stored as [rows, WALK_LINE]: a TMA box is at most 256 elements per dim.
@@ -453,9 +453,17 @@ def pad_sequence(x: Array) -> Array:
     return x if not extra else jnp.pad(x, ((0, 0), (0, extra), (0, 0), (0, 0)))
 
 
-def swizzled(shape, dtype) -> Any:
-    """SMEM in swizzled 8-row tiles (wgmma operands, register loads) of up to 128 bytes."""
+def swizzle_bytes(row_elements: int, dtype) -> int:
+    """The widest swizzle (128, 64 or 32 bytes) that divides a row of ``row_elements``
+    (a head dim of 96: 64 bytes); rows narrower than 32 bytes get their own width."""
+    row_bytes = row_elements * jnp.dtype(dtype).itemsize
+    return next(w for w in (128, 64, 32, row_bytes) if row_bytes % w == 0)
+
+
+def swizzled(shape, dtype, swizzle: int | None = None) -> Any:
+    """SMEM in swizzled 8-row tiles (wgmma operands, register loads), by default with
+    `swizzle_bytes`; a wgmma reading both operands from smem needs them to agree."""
     itemsize = jnp.dtype(dtype).itemsize
-    swizzle = min(128, shape[-1] * itemsize)
+    swizzle = swizzle or swizzle_bytes(shape[-1], dtype)
     return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // itemsize)),
                                                 plgpu.SwizzleTransform(swizzle)))

@@ -60,7 +60,8 @@ CASES = (
     Case("partial_gqa_blind_blocks", "bfloat16", 1, 256, 256, 4, 2, 64, 64, 128, True,
          "partial"),
     # Documents (q and kv mask leaves) and causal; ragged q and kv, q_len != kv_len,
-    # head dims padded (96 -> 128, 40 -> 64), one dK/dV consumer (block_kv 64).
+    # head dim 96 (64-byte swizzle) with a value head dim of 40 (padded to 64), one dK/dV
+    # consumer (block_kv 64).
     Case("documents_causal_ragged", "bfloat16", 2, 100, 150, 2, 1, 96, 40, 64, False,
          "documents"),
     # Softcap and score_mod chain rule, fp16, causal (COMPUTED diagonal tiles).
@@ -195,7 +196,7 @@ def _converted(score_mod):
 
 
 def test_configs_fit_shared_memory():
-    for head_dim in (64, 128):
+    for head_dim in (64, 96, 128):
         config = bwd.backward_config(head_dim, jnp.bfloat16, causal=True)
         for has_partial in (False, True):
             fitted = bwd.fit_config(config, 219 * 1024, head_dim, head_dim, 2, has_partial)

@@ -52,6 +52,13 @@ VARIANTS = {
         shape=(1, 256, 2, 128), kv_heads=1, dtype=jnp.float16, softcap=5.0,
         score_mod=lambda s, b, h, i, j: s - 0.1 * jnp.abs(i - j),
         sinks=jnp.zeros((2,), jnp.float32)),
+    # Head dim 96 (and 80, served at 96): smem rows of 192 bytes take the 64-byte swizzle.
+    "causal_ragged_hd96_value_dim_64": dict(shape=(1, 300, 2, 96), kv_heads=1, head_dim_v=64,
+                                            is_causal=True),
+    "dense_hd96": dict(shape=(1, 256, 2, 96), kv_heads=1),
+    # Head dim 80 under the value head dim's config (128): the fused dQ reads dS^T beside
+    # K, both in K's 64-byte swizzle.
+    "dense_hd80_value_dim_128": dict(shape=(1, 256, 2, 80), kv_heads=1, head_dim_v=128),
     "hd256_value_dim_64": dict(shape=(1, 256, 2, 256), kv_heads=1, head_dim_v=64,
                                is_causal=True),
     # Head dim 64, pipelined (not causal): QK^T takes Q from registers (`q_in_registers`;
@@ -124,22 +131,26 @@ def test_backward_lowers_for_cuda(name, _compiled_mosaic):
     assert text.count("mosaic_gpu") >= 3 and "triton" not in text
 
 
-@pytest.mark.parametrize("name,min_full_walk,launches", [
-    ("dense_fused_dq_hd128", None, 2),  # the forward, the dK/dV kernel adding dQ
-    ("window_ragged_hd128", None, 3),  # short walks: the forward, dK/dV, dQ
-    ("long_walk", None, 3),  # the forward, fused launches for FULL and masked steps
+@pytest.mark.parametrize("name,fields,launches", [
+    ("dense_fused_dq_hd128", {}, 2),  # the forward, the dK/dV kernel adding dQ
+    ("window_ragged_hd128", {}, 3),  # short walks: the forward, dK/dV, dQ
+    ("long_walk", {}, 3),  # the forward, fused launches for FULL and masked steps
     # The split at any walk length: stored tiles, and a ragged window under GQA.
-    ("partial_tiles_hd128", 0.0, 3),
-    ("window_ragged_hd128", 0.0, 3),
+    ("partial_tiles_hd128", {"fused_dq_min_full_walk": 0.0}, 3),
+    ("window_ragged_hd128", {"fused_dq_min_full_walk": 0.0}, 3),
+    # Head dim 96 takes the dQ kernel (its fused dQ, forced, lowers too).
+    ("dense_hd96", {}, 3),
+    ("dense_hd96", {"fused_dq": True}, 2),
+    ("dense_hd80_value_dim_128", {}, 2),
 ])
-def test_backward_launches(name, min_full_walk, launches, _compiled_mosaic, monkeypatch):
-    """Which kernels a head-dim-128 gradient launches, by its mask's walks."""
+def test_backward_launches(name, fields, launches, _compiled_mosaic, monkeypatch):
+    """Which kernels a gradient launches, by its head dim, its mask's walks and the
+    backward's config (``fields`` replaced)."""
     from pallas_kernels.mosaic import attention_bwd_sm90 as bwd
 
-    if min_full_walk is not None:
-        default = bwd.backward_config
-        monkeypatch.setattr(bwd, "backward_config", lambda *args, **kwargs: dataclasses.replace(
-            default(*args, **kwargs), fused_dq_min_full_walk=min_full_walk))
+    default = bwd.backward_config
+    monkeypatch.setattr(bwd, "backward_config", lambda *args, **kwargs: dataclasses.replace(
+        default(*args, **kwargs), **fields))
     kernels = re.findall(r"custom_call @(\w+)", _lowered_backward(name))
     assert kernels == ["mosaic_gpu_v2"] * launches, kernels
 
