@@ -90,7 +90,7 @@ def default_cases(tiny: bool) -> list[Case]:
     for mask in ("dense", "causal", *DOCUMENT_MASKS, "window"):
         for backward in (False, True):
             cases.append(Case(1, 32768, 16, 128, mask, backward))
-    for head_dim in (64, 256):
+    for head_dim in (64, 192, 256):
         for mask in ("dense", "causal"):
             cases.append(Case(4, 4096, 16, head_dim, mask, False))
     # Head dim 96 (Phi-3 and others): the Mosaic kernels serve it natively, not padded.

@@ -3,7 +3,7 @@
 Runs on sm90 GPUs, or anywhere under ``OMNI_JAX_PALLAS_INTERPRET=1`` through
 the Mosaic-GPU interpreter (race detection on; TMA bounds as on hardware).
 
-Serves bf16/fp16 inputs with head dims up to 256 (zero-padded to 64, 96, 128 or 256), any
+Serves bf16/fp16 inputs with head dims up to 256 (zero-padded to 64, 96, 128, 192 or 256), any
 lengths, GQA/MQA, every BlockMask with ``block_q = 128`` (the kernel's q tile),
 softcap, sinks and score_mods that use only elementwise operations and read
 captured float arrays (at most 1024 elements) by element at indices of the

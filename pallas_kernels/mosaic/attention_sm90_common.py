@@ -37,7 +37,7 @@ Array = Any
 
 ROWS_PER_CONSUMER = 64  # One wgmma M tile per consumer warpgroup.
 BLOCK_Q = 128  # The q tile of every BlockMask the Mosaic kernels walk.
-SUPPORTED_HEAD_DIMS = (64, 96, 128, 256)
+SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 # A walk row is stored as [rows, WALK_LINE]: a TMA box is at most 256 elements per dim.

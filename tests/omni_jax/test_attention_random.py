@@ -28,7 +28,7 @@ _DRAWS = int(os.environ.get("OMNI_JAX_RANDOM_DRAWS", "8"))
 # length; by default only masks of thousands of rows (long walks) take it, and only at
 # head dim 128 (forced here at 96 too).
 _BACKENDS = {
-    "mosaic": (("bfloat16", "float16"), (64, 80, 96, 128, 256), ((128, 64), (128, 128)),
+    "mosaic": (("bfloat16", "float16"), (64, 80, 96, 128, 192, 256), ((128, 64), (128, 128)),
                True),
     "mosaic-split": (("bfloat16", "float16"), (96, 128), ((128, 128),), True),
     "triton": (("float32", "bfloat16", "float16"), (32, 64, 96, 128, 256),

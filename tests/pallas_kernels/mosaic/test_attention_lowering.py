@@ -59,6 +59,9 @@ VARIANTS = {
     # Head dim 80 under the value head dim's config (128): the fused dQ reads dS^T beside
     # K, both in K's 64-byte swizzle.
     "dense_hd80_value_dim_128": dict(shape=(1, 256, 2, 80), kv_heads=1, head_dim_v=128),
+    # DeepSeek's head dims (query-key 192, value 128): no padding to 256; Triton's backward.
+    "hd192_value_dim_128": dict(shape=(1, 256, 2, 192), kv_heads=1, head_dim_v=128,
+                                is_causal=True),
     "hd256_value_dim_64": dict(shape=(1, 256, 2, 256), kv_heads=1, head_dim_v=64,
                                is_causal=True),
     # Head dim 64, pipelined (not causal): QK^T takes Q from registers (`q_in_registers`;
@@ -77,8 +80,9 @@ VARIANTS = {
 }
 
 
-# Head dim 256 has no Mosaic backward (Triton serves it): see test_backward_fallbacks.
-BACKWARD_VARIANTS = sorted(name for name in VARIANTS if not name.startswith("hd256"))
+# Head dims above 128 have no Mosaic backward (Triton serves them): see
+# test_backward_fallbacks.
+BACKWARD_VARIANTS = sorted(name for name in VARIANTS if not name.startswith(("hd192", "hd256")))
 
 
 def _arguments(name):
