@@ -160,11 +160,11 @@ _CONFIGS = {
 
 
 # Masks whose q-blocks walk at most this many kv-blocks on average (a sliding window of
-# 1024 keys: 9-10) take two q-blocks per CTA at head dim 128: a CTA's fixed cost, several
-# kv steps, then weighs more than pairing the q-blocks loses. H100, 2026-11-25 16:51-17:00
-# (benchmarks/RESULTS.md): window 3.5-7% and causal s2048 (8.5 steps) 4% faster, causal
-# s1024 (4.5) 2% slower; at 16.5 steps (causal s4096) even, beyond that slower (causal
-# documents, 23 steps: 4%; documents, 45: 1-2%).
+# 1024 keys: 9-10) take two q-blocks per CTA at head dims 96 and 128: a CTA's fixed cost,
+# several kv steps, then weighs more than pairing the q-blocks loses. H100, head dim 128,
+# 2026-11-25 16:51-17:00 (benchmarks/RESULTS.md): window 3.5-7% and causal s2048 (8.5
+# steps) 4% faster, causal s1024 (4.5) 2% slower; at 16.5 steps (causal s4096) even,
+# beyond that slower (causal documents, 23 steps: 4%; documents, 45: 1-2%).
 SHORT_WALK = 12
 
 

@@ -455,7 +455,7 @@ def pad_sequence(x: Array) -> Array:
 
 def swizzle_bytes(row_elements: int, dtype) -> int:
     """The widest swizzle (128, 64 or 32 bytes) that divides a row of ``row_elements``
-    (a head dim of 96: 64 bytes); rows narrower than 32 bytes get their own width."""
+    (a head dim of 96: 64 bytes); a row of fewer than 32 bytes, its own width."""
     row_bytes = row_elements * jnp.dtype(dtype).itemsize
     return next(w for w in (128, 64, 32, row_bytes) if row_bytes % w == 0)
 
