@@ -148,15 +148,13 @@ _CONFIGS = {
                                q_blocks_per_cta=2, q_in_registers=True),
     (64, True): ForwardConfig(block_kv=128, num_stages=3, pipelined=False,
                               q_blocks_per_cta=4, q_in_registers=True),
-    (96, False): ForwardConfig(block_kv=128, num_stages=2, pipelined=True, staggered=True),
-    (96, True): ForwardConfig(block_kv=128, num_stages=2, pipelined=True, staggered=True),
     (128, False): ForwardConfig(block_kv=128, num_stages=2, pipelined=True, staggered=True),
     (128, True): ForwardConfig(block_kv=128, num_stages=2, pipelined=True, staggered=True),
-    (192, False): ForwardConfig(block_kv=64, num_stages=2, pipelined=True),
-    (192, True): ForwardConfig(block_kv=64, num_stages=2, pipelined=True),
     (256, False): ForwardConfig(block_kv=64, num_stages=2, pipelined=True),
     (256, True): ForwardConfig(block_kv=64, num_stages=2, pipelined=True),
 }
+_CONFIGS |= {(dim, causal): _CONFIGS[(tuned, causal)]  # see "96" above
+             for dim, tuned in ((96, 128), (192, 256)) for causal in (False, True)}
 
 
 # Masks whose q-blocks walk at most this many kv-blocks on average (a sliding window of
