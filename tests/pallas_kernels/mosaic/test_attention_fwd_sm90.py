@@ -51,6 +51,7 @@ def _compare(dtype, q, k, v, **kwargs):
     ("float16", 128, 130, 60, False),  # two q blocks, kv shorter than one block
     ("bfloat16", 256, 40, 40, True),   # the widest head dim
     ("float16", 80, 64, 64, False),    # head dim padded to 96 (a 64-byte swizzle)
+    ("bfloat16", 160, 40, 70, True),   # head dim padded to 192 (rows of 384 bytes)
 ])
 def test_lengths_dims_dtypes(dtype, head_dim, q_len, kv_len, causal):
     rng = np.random.default_rng()
