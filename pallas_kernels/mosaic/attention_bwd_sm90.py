@@ -128,11 +128,11 @@ class BackwardConfig:
 # counts are upper bounds that `fit_config` lowers until shared memory fits.
 _CONFIGS = {
     64: BackwardConfig(block_kv=128, dkv_stages=4, dq_stages=3),
-    # The fused dQ cannot split 96 columns between the consumers in whole swizzle tiles,
-    # so both would add all of them: 0.95x cuDNN dense against 1.14x with the dQ kernel.
-    96: BackwardConfig(block_kv=128, dkv_stages=3, dq_stages=2),
     128: BackwardConfig(block_kv=128, dkv_stages=3, dq_stages=2, fused_dq=True),
 }
+# 96 takes 128's tiles; its fused dQ declines (`fused_dq_splits`): 0.95x cuDNN dense
+# against 1.14x with the dQ kernel.
+_CONFIGS[96] = _CONFIGS[128]
 
 
 def backward_config(head_dim: int, dtype: Any, causal: bool) -> BackwardConfig | None:
@@ -154,8 +154,7 @@ def smem_bytes(config: BackwardConfig, head_dim: int, head_dim_v: int, itemsize:
         dq_stage += config.block_q * config.block_kv
     dkv = config.block_kv * width + config.dkv_stages * dkv_stage
     if fused_dq:  # dS^T tiles of two steps, each consumer's float32 dQ stage
-        dkv += (2 * config.block_kv * Q_STEP * itemsize
-                + config.dkv_consumers * Q_STEP * _dq_columns(head_dim, config.dkv_consumers) * 4)
+        dkv += 2 * config.block_kv * Q_STEP * itemsize + Q_STEP * head_dim * 4
     dq = config.block_q * width + 2 * config.block_q * 4 + config.dq_stages * dq_stage
     return dkv, dq
 
@@ -371,22 +370,21 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
         common.wait_captured(s, captured_barrier)
 
         # Fused dQ. Step t's dS^T tiles (every consumer's) go to ds_smem[t % 2]; one
-        # step later each consumer adds its dQ columns of step t's q rows into the
-        # float32 sum: dS K over all of the CTA's kv rows when the head dim splits into
-        # whole 64-column tiles of K, else over its own kv rows (then both consumers add
-        # all columns). The delay lets the consumers run out of step (one's softmax under
-        # the other's matmuls). ds_ready[p]: both tiles of parity p written; ds_free[p]:
-        # both consumers' products have read them. A zero tile of parity 1 stands for
-        # step -1, so that every step issues its product (a wgmma under a branch would
-        # make ptxas serialize all of the kernel's wgmmas); only its add is skipped.
-        cols = _dq_columns(s.head_dim, consumers)
-        split = cols < s.head_dim
-        dq_col0 = wg * cols if split else 0
+        # step later each consumer adds its share of dQ's columns (whole 64-column tiles
+        # of K, `fused_dq_splits`) of step t's q rows into the float32 sum: dS K over all
+        # of the CTA's kv rows. The delay lets the consumers run out of step (one's
+        # softmax under the other's matmuls). ds_ready[p]: both tiles of parity p
+        # written; ds_free[p]: both consumers' products have read them. A zero tile of
+        # parity 1 stands for step -1, so that every step issues its product (a wgmma
+        # under a branch would make ptxas serialize all of the kernel's wgmmas); only its
+        # add is skipped.
+        cols = s.head_dim // consumers
+        dq_col0 = wg * cols
 
         def dq_products(parity):
             # Own tile first, then the peer's (traced indices: constants would become
             # run_state outputs, which the Mosaic-GPU lowering rejects).
-            parts = [wg, consumers - 1 - wg] if split else [wg]
+            parts = [wg, consumers - 1 - wg] if consumers > 1 else [wg]
             return [(_transposed(ds_smem.at[parity, c]), k_smem.at[c, :, pl.ds(dq_col0, cols)])
                     for c in parts]
 
@@ -400,7 +398,7 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
             return dq
 
         def add_dq(dq, head, q_start):
-            adder = _dq_adder(s, kv_block, wg)
+            adder = _dq_adder(s, kv_block)
             dst = dq_sum_ref.at[adder, batch, pl.ds(q_start, Q_STEP), head,
                                 pl.ds(dq_col0, cols)]
             if s.interpret:  # No TMA reductions there: a sum of its own (`_dq_adders`).
@@ -721,8 +719,10 @@ def _fused_configs(config: BackwardConfig, layout: MaskLayout, has_partial: bool
                    ) -> tuple[BackwardConfig, BackwardConfig | None] | None:
     """The fused dQ's (FULL steps' launch, masked steps' launch or None without
     ``masked_tiles``) configs, their stages fitted to shared memory; None if one does
-    not fit."""
+    not fit or the query-key head dim does not split (`fused_dq_splits`)."""
     dims = padded_head_dim(q.shape[-1]), padded_head_dim(v.shape[-1]), q.dtype.itemsize
+    if not fused_dq_splits(dims[0], config.dkv_consumers):
+        return None
     # The FULL steps' launch loads no stored tiles and no mask leaves.
     full = fit_config(config, common.SMEM_LIMIT, *dims, False, fused_dq=True)
     if not masked_tiles:
@@ -849,7 +849,7 @@ def _dkv_scratch(s: _Statics):
         # each consumer's float32 dQ stage.
         (common.swizzled((2, consumers, rows, Q_STEP), s.dtype,
                          common.swizzle_bytes(s.head_dim, s.dtype)) if s.fused_dq else None),
-        (plgpu.SMEM((consumers, Q_STEP, _dq_columns(s.head_dim, consumers)), jnp.float32)
+        (plgpu.SMEM((consumers, Q_STEP, s.head_dim // consumers), jnp.float32)
          if s.fused_dq and not s.interpret else None),
     )
     ring = lambda: plgpu.Barrier(num_barriers=stages)
@@ -872,33 +872,25 @@ def _dkv_scratch(s: _Statics):
 def _dq_adders(s: _Statics) -> int:
     """Partial dQ sums of the fused backward. Compiled, one: TMA reductions are atomic.
     Interpreted, a read-modify-write stands in for them, which would race where two
-    writers add to the same elements: each kv-block's CTA then has sums of its own (the
-    interpreter of jax 0.11 and later reports the adds of two CTAs as racing), and so
-    does each consumer when both add to the same columns."""
-    if not s.interpret:
-        return 1
-    return s.layout.num_kv_blocks * _dq_adders_per_cta(s)
+    writers add to the same elements: each kv-block's CTA then has a sum of its own (the
+    interpreter of jax 0.11 and later reports the adds of two CTAs as racing); its
+    consumers add disjoint columns."""
+    return s.layout.num_kv_blocks if s.interpret else 1
 
 
-def _dq_adders_per_cta(s: _Statics) -> int:
-    consumers = s.config.dkv_consumers
-    return consumers if _dq_columns(s.head_dim, consumers) == s.head_dim else 1
+def _dq_adder(s: _Statics, kv_block):
+    """The partial dQ sum (`_dq_adders`) ``kv_block``'s CTA adds to."""
+    return kv_block if s.interpret else 0
 
 
-def _dq_adder(s: _Statics, kv_block, wg):
-    """The partial dQ sum (`_dq_adders`) the consumer ``wg`` of ``kv_block``'s CTA adds to."""
-    if not s.interpret:
-        return 0
-    per_cta = _dq_adders_per_cta(s)
-    return kv_block * per_cta + (wg if per_cta > 1 else 0)
-
-
-def _dq_columns(head_dim: int, consumers: int) -> int:
-    """dQ columns a consumer adds in the fused backward: its share of the head dim, over
-    every consumer's kv rows, when that is whole 64-column tiles of K; else all of them,
-    over its own kv rows."""
-    share = head_dim // consumers
-    return share if share >= 64 else head_dim
+def fused_dq_splits(head_dim: int, consumers: int) -> bool:
+    """Whether the fused dQ can serve a (padded) query-key head dim: each dK/dV consumer
+    adds whole 64-column tiles of K's columns, over all of the CTA's kv rows (or one
+    consumer adds all). Where the columns do not split (64 or 96 between two consumers)
+    both consumers would add every column over their own kv rows, twice the reductions:
+    H100, 2026-11-27 (benchmarks/RESULTS.md), query-key 96 / value 128 fwd+bwd 13%
+    slower than with the dQ kernel, query-key 64 / value 128 even."""
+    return consumers == 1 or head_dim // consumers >= 64
 
 
 def _dq_scratch(s: _Statics):

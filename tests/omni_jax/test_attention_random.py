@@ -25,12 +25,12 @@ _DRAWS = int(os.environ.get("OMNI_JAX_RANDOM_DRAWS", "8"))
 
 # (dtypes, head dims, mask block sizes, needs sm90) per implementation. "mosaic-split":
 # the Mosaic backward's fused dQ in two launches (FULL steps, masked steps) at every walk
-# length; by default only masks of thousands of rows (long walks) take it, and only at
-# head dim 128 (forced here at 96 too).
+# length; by default only masks of thousands of rows (long walks) take it. Head dim 96
+# takes it with kv blocks of 64 (one dK/dV consumer) only (`bwd.fused_dq_splits`).
 _BACKENDS = {
     "mosaic": (("bfloat16", "float16"), (64, 80, 96, 128, 192, 256), ((128, 64), (128, 128)),
                True),
-    "mosaic-split": (("bfloat16", "float16"), (96, 128), ((128, 128),), True),
+    "mosaic-split": (("bfloat16", "float16"), (96, 128), ((128, 64), (128, 128)), True),
     "triton": (("float32", "bfloat16", "float16"), (32, 64, 96, 128, 256),
                ((32, 32), (64, 64), (128, 64)), False),
     None: (("bfloat16", "float16"), (64, 96, 128, 192),

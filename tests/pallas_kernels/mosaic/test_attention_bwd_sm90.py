@@ -106,6 +106,9 @@ def _mask(case: Case, rng):
 @pytest.mark.parametrize("fused_dq", [False, True], ids=["dq_kernel", "fused_dq"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_gradients_match_float64(case: Case, fused_dq: bool, _interpreted):
+    if fused_dq and not bwd.fused_dq_splits(bwd.padded_head_dim(case.head_dim),
+                                            case.block_kv // bwd.ROWS_PER_CONSUMER):
+        pytest.skip("the fused dQ declines this head dim (the dQ kernel serves it)")
     seed = int(np.random.default_rng().integers(2**31))
     rng = np.random.default_rng(seed)
     shapes = ((case.batch, case.q_len, case.heads, case.head_dim),
@@ -193,6 +196,12 @@ def _converted(score_mod):
     converted, captured = convert_score_mod(score_mod)
     assert not captured
     return converted
+
+
+@pytest.mark.parametrize("head_dim,consumers,splits", [
+    (128, 2, True), (96, 2, False), (64, 2, False), (96, 1, True), (64, 1, True)])
+def test_fused_dq_serves_where_columns_split(head_dim, consumers, splits):
+    assert bwd.fused_dq_splits(head_dim, consumers) == splits
 
 
 def test_configs_fit_shared_memory():

@@ -56,9 +56,12 @@ VARIANTS = {
     "causal_ragged_hd96_value_dim_64": dict(shape=(1, 300, 2, 96), kv_heads=1, head_dim_v=64,
                                             is_causal=True),
     "dense_hd96": dict(shape=(1, 256, 2, 96), kv_heads=1),
-    # Head dim 80 under the value head dim's config (128): the fused dQ reads dS^T beside
-    # K, both in K's 64-byte swizzle.
+    # Head dim 80 (served at 96) under the value head dim's config (128).
     "dense_hd80_value_dim_128": dict(shape=(1, 256, 2, 80), kv_heads=1, head_dim_v=128),
+    # The same with one dK/dV consumer (kv blocks of 64): a fused dQ there reads dS^T
+    # beside K, both in K's 64-byte swizzle.
+    "partial_tiles_hd80_value_dim_128_block_kv_64": dict(shape=(1, 256, 2, 80), kv_heads=1,
+                                                          head_dim_v=128, mask=64),
     # DeepSeek's head dims (query-key 192, value 128): no padding to 256; Triton's backward.
     "hd192_value_dim_128": dict(shape=(1, 256, 2, 192), kv_heads=1, head_dim_v=128,
                                 is_causal=True),
@@ -135,27 +138,36 @@ def test_backward_lowers_for_cuda(name, _compiled_mosaic):
     assert text.count("mosaic_gpu") >= 3 and "triton" not in text
 
 
-@pytest.mark.parametrize("name,fields,launches", [
-    ("dense_fused_dq_hd128", {}, 2),  # the forward, the dK/dV kernel adding dQ
-    ("window_ragged_hd128", {}, 3),  # short walks: the forward, dK/dV, dQ
-    ("long_walk", {}, 3),  # the forward, fused launches for FULL and masked steps
+@pytest.mark.parametrize("name,fields,launches,fused", [
+    ("dense_fused_dq_hd128", {}, 2, True),  # the forward, the dK/dV kernel adding dQ
+    ("window_ragged_hd128", {}, 3, False),  # short walks: the forward, dK/dV, dQ
+    ("long_walk", {}, 3, True),  # the forward, fused launches for FULL and masked steps
     # The split at any walk length: stored tiles, and a ragged window under GQA.
-    ("partial_tiles_hd128", {"fused_dq_min_full_walk": 0.0}, 3),
-    ("window_ragged_hd128", {"fused_dq_min_full_walk": 0.0}, 3),
-    # Head dim 96 takes the dQ kernel (its fused dQ, forced, lowers too).
-    ("dense_hd96", {}, 3),
-    ("dense_hd96", {"fused_dq": True}, 2),
-    ("dense_hd80_value_dim_128", {}, 2),
+    ("partial_tiles_hd128", {"fused_dq_min_full_walk": 0.0}, 3, True),
+    ("window_ragged_hd128", {"fused_dq_min_full_walk": 0.0}, 3, True),
+    # Query-key head dims 64 and 96 take the dQ kernel under a config with the fused dQ
+    # (128's: head dim 96, or a value head dim of 128): their dQ columns do not split
+    # between two consumers (`fused_dq_splits`). One consumer adds all of them.
+    ("dense_hd96", {}, 3, False),
+    ("dense_hd80_value_dim_128", {}, 3, False),
+    ("partial_tiles_hd80_value_dim_128_block_kv_64", {"fused_dq_min_full_walk": 0.0}, 3, True),
 ])
-def test_backward_launches(name, fields, launches, _compiled_mosaic, monkeypatch):
+def test_backward_launches(name, fields, launches, fused, _compiled_mosaic, monkeypatch):
     """Which kernels a gradient launches, by its head dim, its mask's walks and the
-    backward's config (``fields`` replaced)."""
+    backward's config (``fields`` replaced); ``fused``: whether dQ comes from the dK/dV
+    kernel."""
     from pallas_kernels.mosaic import attention_bwd_sm90 as bwd
 
     default = bwd.backward_config
     monkeypatch.setattr(bwd, "backward_config", lambda *args, **kwargs: dataclasses.replace(
         default(*args, **kwargs), **fields))
+    chosen = []
+    fused_configs = bwd._fused_configs
+    monkeypatch.setattr(bwd, "_fused_configs",
+                        lambda *args: chosen.append(fused_configs(*args)) or chosen[-1])
+    jax.clear_caches()  # an earlier test's trace of the same call would skip the choice
     kernels = re.findall(r"custom_call @(\w+)", _lowered_backward(name))
+    assert any(c is not None for c in chosen) == fused, chosen
     assert kernels == ["mosaic_gpu_v2"] * launches, kernels
 
 
