@@ -161,7 +161,7 @@ class MosaicBackend(AttentionBackend):
 
     def _backward_config(self, problem: AttentionProblem) -> bwd.BackwardConfig | str:
         """The backward kernels' config for ``problem``, or why they cannot serve it."""
-        dims = [fwd.padded_head_dim(problem.head_dim), fwd.padded_head_dim(problem.head_dim_v)]
+        dims = fwd.padded_head_dims(problem.head_dim, problem.head_dim_v)
         config = bwd.backward_config(max(dims), problem.dtype, causal=False)
         if config is None:
             return (f"head_dim={problem.head_dim}, head_dim_v={problem.head_dim_v} pad to "
@@ -191,8 +191,8 @@ class MosaicBackend(AttentionBackend):
 
     @staticmethod
     def _smem(problem: AttentionProblem, config: fwd.ForwardConfig) -> int:
-        return fwd.smem_bytes(config, fwd.padded_head_dim(problem.head_dim),
-                              fwd.padded_head_dim(problem.head_dim_v),
+        return fwd.smem_bytes(config, *fwd.padded_head_dims(problem.head_dim,
+                                                            problem.head_dim_v),
                               np.dtype(problem.dtype).itemsize, problem.has_user_mask)
 
 

@@ -72,6 +72,7 @@ from pallas_kernels.mosaic.attention_sm90_common import (
     LOG2E,
     ROWS_PER_CONSUMER,
     padded_head_dim,
+    padded_head_dims,
 )
 
 Array = Any
@@ -720,7 +721,7 @@ def _fused_configs(config: BackwardConfig, layout: MaskLayout, has_partial: bool
     """The fused dQ's (FULL steps' launch, masked steps' launch or None without
     ``masked_tiles``) configs, their stages fitted to shared memory; None if one does
     not fit or the query-key head dim does not split (`fused_dq_splits`)."""
-    dims = padded_head_dim(q.shape[-1]), padded_head_dim(v.shape[-1]), q.dtype.itemsize
+    dims = *padded_head_dims(q.shape[-1], v.shape[-1]), q.dtype.itemsize
     if not fused_dq_splits(dims[0], config.dkv_consumers):
         return None
     # The FULL steps' launch loads no stored tiles and no mask leaves.
@@ -746,7 +747,7 @@ def _backward(q: Array, k: Array, v: Array, kmask: KernelMask, out: Array, lse: 
     if (layout.block_q, layout.block_kv) != (config.block_q, config.block_kv):
         raise ValueError(f"mask tiles {(layout.block_q, layout.block_kv)} differ from the "
                          f"kernels' {(config.block_q, config.block_kv)}")
-    dim, dim_v = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
+    dim, dim_v = padded_head_dims(head_dim, head_dim_v)
     if max(dim, dim_v) > MAX_HEAD_DIM:
         raise ValueError(f"head dims {head_dim}, {head_dim_v} exceed {MAX_HEAD_DIM}")
 

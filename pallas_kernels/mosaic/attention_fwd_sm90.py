@@ -72,13 +72,14 @@ from pallas_kernels.mosaic.attention_sm90_common import (
     ROWS_PER_CONSUMER,
     SUPPORTED_HEAD_DIMS,
     padded_head_dim,
+    padded_head_dims,
 )
 
 Array = Any
 
 NUM_CONSUMERS = 2
 __all__ = ["BLOCK_Q", "SUPPORTED_HEAD_DIMS", "ForwardConfig", "attention_forward",
-           "forward_config", "padded_head_dim", "smem_bytes"]
+           "forward_config", "padded_head_dim", "padded_head_dims", "smem_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -646,7 +647,7 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
     if (layout.block_q, layout.block_kv) != (config.block_q, config.block_kv):
         raise ValueError(f"mask tiles {(layout.block_q, layout.block_kv)} differ from the "
                          f"kernel's {(config.block_q, config.block_kv)}")
-    dim, dim_v = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
+    dim, dim_v = padded_head_dims(head_dim, head_dim_v)
     q, k, v = common.pad_last(q, dim), common.pad_last(k, dim), common.pad_last(v, dim_v)
     # TMA boxes into 8-row-tiled smem need sequence lengths that are multiples of 8;
     # padded keys lie past kv_len, in the ragged (COMPUTED, hence masked) last block.

@@ -52,6 +52,17 @@ def padded_head_dim(head_dim: int) -> int | None:
     return next((d for d in SUPPORTED_HEAD_DIMS if head_dim <= d), None)
 
 
+def padded_head_dims(head_dim: int, head_dim_v: int) -> tuple[int | None, int | None]:
+    """The kernel head dims serving a query-key and a value head dim: each its own
+    `padded_head_dim`, except that two different ones above 128 (192 and 256) both take
+    the larger. Q and O then share one shared-memory buffer; 192 beside 256 would need
+    both and, with kv tiles of 64 rows, more than an SM has."""
+    dim, dim_v = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
+    if dim is not None and dim_v is not None and dim != dim_v and min(dim, dim_v) > 128:
+        dim = dim_v = max(dim, dim_v)
+    return dim, dim_v
+
+
 def packed_walk(mask: KernelMask, over: str) -> Array:
     """`block_sparse.packed_walk` as ``[Bm, Hm, n, R, WALK_LINE]``: one walked block's row
     is one 2-D TMA box per CTA."""

@@ -15,6 +15,7 @@ import omni_jax
 from pallas_kernels import compat, runtime
 from pallas_kernels.block_sparse import kernel_mask
 from pallas_kernels.mosaic import attention_fwd_sm90 as fwd
+from pallas_kernels.mosaic import attention_sm90_common as common
 from tests.mosaic_interpret import interpreted_mosaic
 from tests.reference import relative_error
 
@@ -106,6 +107,18 @@ def test_poisoned_outputs_are_all_written(pipelined, staggered):
 def test_config_rejects_what_the_kernel_cannot_run(fields, message):
     with pytest.raises(ValueError, match=message):
         fwd.ForwardConfig(**{"block_kv": 128, "num_stages": 2, **fields})
+
+
+@pytest.mark.parametrize("head_dim_v", fwd.SUPPORTED_HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", fwd.SUPPORTED_HEAD_DIMS)
+def test_default_configs_fit_shared_memory(head_dim, head_dim_v):
+    """Calls without a BlockMask take the default config unchecked: it must fit for every
+    pair of served head dims, stored tiles or not (192 beside 256 did not, padded apart)."""
+    for causal in (False, True):
+        config = fwd.forward_config(max(head_dim, head_dim_v), jnp.bfloat16, causal)
+        dims = fwd.padded_head_dims(head_dim, head_dim_v)
+        for has_partial in (False, True):
+            assert fwd.smem_bytes(config, *dims, 2, has_partial) <= common.SMEM_LIMIT
 
 
 @pytest.mark.parametrize("head_dim,mean_walk,expected", [

@@ -65,6 +65,10 @@ VARIANTS = {
     # DeepSeek's head dims (query-key 192, value 128): no padding to 256; Triton's backward.
     "hd192_value_dim_128": dict(shape=(1, 256, 2, 192), kv_heads=1, head_dim_v=128,
                                 is_causal=True),
+    # 192 beside 256 pads to 256 (`padded_head_dims`): with a separate O buffer the
+    # stored tiles' kv blocks of 64 would not fit shared memory.
+    "hd192_value_dim_256_stored_tiles": dict(shape=(1, 256, 2, 192), kv_heads=1,
+                                             head_dim_v=256, mask=64),
     "hd256_value_dim_64": dict(shape=(1, 256, 2, 256), kv_heads=1, head_dim_v=64,
                                is_causal=True),
     # Head dim 64, pipelined (not causal): QK^T takes Q from registers (`q_in_registers`;

@@ -1,5 +1,6 @@
-"""Which tile indices the Mosaic attention kernels build: only those a mask or score_mod
-reads (jax 0.11's Mosaic layout inference rejects an index broadcast nothing reads)."""
+"""Helpers shared by the Mosaic attention kernels: which tile indices they build (only
+those a mask or score_mod reads: jax 0.11's Mosaic layout inference rejects an index
+broadcast nothing reads), and the head dims that serve a problem's."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -45,3 +46,13 @@ def test_score_spec_reads_indices(score_mod, reads):
     converted, captured = convert_score_mod(score_mod)
     spec, _ = common.score_spec(0.1, None, converted, captured)
     assert spec.reads_indices == reads
+
+
+@pytest.mark.parametrize("dims,padded", [
+    ((128, 128), (128, 128)), ((80, 40), (96, 64)), ((192, 128), (192, 128)),
+    ((64, 256), (64, 256)), ((160, 256), (256, 256)), ((256, 192), (256, 256)),
+    ((200, 300), (256, None)),
+])
+def test_padded_head_dims(dims, padded):
+    """192 beside 256 takes 256 for both (Q and O in one buffer: shared memory)."""
+    assert common.padded_head_dims(*dims) == padded
