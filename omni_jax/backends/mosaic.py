@@ -111,8 +111,15 @@ class MosaicBackend(AttentionBackend):
             if block_q != fwd.BLOCK_Q or block_kv % 64 or not 64 <= block_kv <= 256:
                 return (f"BlockMask block_size {problem.block_size}: the kernels need "
                         f"block_q={fwd.BLOCK_Q} and block_kv a multiple of 64 up to 256")
-            if self._smem(problem, self._config(problem, causal=False)) > SMEM_LIMIT:
-                return f"block_kv={block_kv} with head_dim {problem.head_dim} exceeds smem"
+            smem = self._smem(problem, self._config(problem, causal=False))
+            if smem > SMEM_LIMIT:
+                smaller = problem.with_block_size((block_q, 64))
+                hint = (" (a BlockMask with block_kv=64 fits)" if block_kv > 64
+                        and self._smem(smaller, self._config(smaller, causal=False))
+                        <= SMEM_LIMIT else "")
+                return (f"BlockMask block_kv={block_kv} with head_dim={problem.head_dim}, "
+                        f"head_dim_v={problem.head_dim_v} needs {smem} bytes of shared "
+                        f"memory, over the {SMEM_LIMIT} the kernels may use{hint}")
         return score_mod_unsupported_reason(problem)
 
     def backward_unsupported_reason(self, problem: AttentionProblem) -> str | None:

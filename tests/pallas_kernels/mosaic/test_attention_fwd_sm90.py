@@ -189,6 +189,14 @@ def test_declines_what_it_cannot_serve():
     with pytest.raises(ValueError, match="block_q=128"):
         omni_jax.attention(q.astype(jnp.bfloat16), q.astype(jnp.bfloat16),
                            q.astype(jnp.bfloat16), mask=mask, implementation="mosaic")
+    # Stored tiles of 128 kv columns beside a value head dim of 192: the ring of K/V
+    # stages would not fit, and the message says what would.
+    mask = omni_jax.create_block_mask(lambda b, h, i, j: (i + j) % 3 != 0, None, None, 128,
+                                      128, (128, 128))
+    q, v = jnp.ones((1, 128, 1, 32), jnp.bfloat16), jnp.ones((1, 128, 1, 192), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"block_kv=128 with head_dim=32, head_dim_v=192 "
+                                         r"needs \d+ bytes.*block_kv=64 fits"):
+        omni_jax.attention(q, q, v, mask=mask, implementation="mosaic")
 
 
 @pytest.mark.parametrize("pipelined", [True, False])
