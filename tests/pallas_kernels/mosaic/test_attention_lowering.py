@@ -11,6 +11,8 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import omni_jax
 from pallas_kernels import runtime
@@ -174,6 +176,36 @@ def test_backward_launches(name, fields, launches, fused, _compiled_mosaic, monk
     assert any(c is not None for c in chosen) == fused, chosen
     assert kernels == ["mosaic_gpu_v2"] * launches, kernels
 
+
+
+@settings(max_examples=6, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(head_dim=st.integers(1, 256), head_dim_v=st.integers(1, 256),
+       mask=st.sampled_from([None, "causal", 64, 128]), backward=st.booleans())
+def test_any_head_dims_lower_or_decline(head_dim, head_dim_v, mask, backward,
+                                        _compiled_mosaic):
+    """Any pair of head dims up to 256, under any mask, either lowers (shared-memory
+    budget included; the backward above 128 lowers Triton's) or is declined at trace time
+    for its shared memory: never a kernel that fails to build on the GPU (192 beside 256
+    did, 2026-11-27)."""
+    kwargs = {"is_causal": True} if mask == "causal" else {}
+    if isinstance(mask, int):
+        kwargs["mask"] = _generic_mask(256, mask)
+    q = jax.ShapeDtypeStruct((1, 256, 2, head_dim), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 256, 1, head_dim), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((1, 256, 1, head_dim_v), jnp.bfloat16)
+
+    def forward(q, k, v):
+        return omni_jax.attention(q, k, v, implementation="mosaic", **kwargs)
+
+    fn = (jax.grad(lambda *a: forward(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+          if backward else forward)
+    try:
+        text = jax.jit(fn).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+    except ValueError as error:
+        assert "bytes of shared memory" in str(error), str(error)
+        return
+    assert "mosaic_gpu" in text
 
 
 def test_a_variant_lowers_the_register_q_path():
