@@ -142,8 +142,9 @@ class ForwardConfig:
 #   with ALiBi, 1% slower on documents); not at d256, where it lost 13% dense.
 # * 96: served natively (rows of 192 bytes in a 64-byte swizzle) instead of padded to
 #   128; it takes d128's config, not tuned on its own. 192 (DeepSeek's query-key head
-#   dim) likewise takes d256's instead of padding to 256, untuned: dense b4 s4096 ran
-#   1.73 ms there against 1.64 ms for d256 itself (2026-11-27), so it has room.
+#   dim) likewise takes d256's instead of padding to 256: 1.08x cuDNN dense and causal
+#   at b4 s4096 (2026-11-27 10:50-10:57); of six variants only two q-blocks per CTA
+#   gained (2-4%, causal only), not adopted without a GPU check of its numerics.
 _CONFIGS = {
     (64, False): ForwardConfig(block_kv=128, num_stages=3, pipelined=True, staggered=True,
                                q_blocks_per_cta=2, q_in_registers=True),
