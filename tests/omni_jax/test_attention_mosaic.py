@@ -152,3 +152,23 @@ def test_backward_falls_back_where_mosaic_has_none(head_dim, block_kv, score_mod
     jax.eval_shape(lambda q: omni_jax.attention(q, q, q, mask=mask, score_mod=score_mod,
                                                 implementation="mosaic"), q)
     assert len(names) == 1 and (names[0] == "mosaic") == mosaic_backward, names
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(runtime.interpret_requested() or runtime.gpu_compute_capability() != (9, 0),
+                    reason="needs an sm90 GPU (compiled Mosaic-GPU kernels)")
+@pytest.mark.parametrize("q_blocks_per_cta", [1, 2])
+@pytest.mark.parametrize("head_dim", [96, 192, 256])
+@pytest.mark.parametrize("case", [
+    Case("causal_ragged", batch=1, q_len=700, kv_len=900, heads=2, kv_heads=1, is_causal=True),
+    Case("causal_documents", batch=1, q_len=640, kv_len=640, heads=2, kv_heads=1,
+         segments="packed", is_causal=True),
+], ids=lambda case: case.name)
+def test_wide_head_dims_compiled(case, head_dim, q_blocks_per_cta, monkeypatch):
+    """The suite runs compiled at head dim 32; these are the forward's other configs (96
+    on 128's, 192 on 256's tiles) with one and two q-blocks per CTA."""
+    default = fwd.forward_config
+    monkeypatch.setattr(fwd, "forward_config", lambda *args: dataclasses.replace(
+        default(*args), q_blocks_per_cta=q_blocks_per_cta))
+    check_case("mosaic", dataclasses.replace(case, head_dim=head_dim), "bfloat16", (128, 64),
+               check_gradients=False, block_rows=32)
