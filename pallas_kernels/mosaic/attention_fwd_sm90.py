@@ -144,7 +144,9 @@ class ForwardConfig:
 #   128; it takes d128's config, not tuned on its own. 192 (DeepSeek's query-key head
 #   dim) likewise takes d256's instead of padding to 256: 1.08x cuDNN dense and causal
 #   at b4 s4096 (2026-11-27 10:50-10:57); of six variants only two q-blocks per CTA
-#   gained (2-4%, causal only), not adopted without a GPU check of its numerics.
+#   gained (2-4%, causal only). Causal 192 and 256 take two q-blocks per CTA: at b4
+#   s4096, d192 2-4% faster in three runs of four and even in one, d256 1% and 3% in
+#   two (2026-11-27); dense d192 lost 2%.
 _CONFIGS = {
     (64, False): ForwardConfig(block_kv=128, num_stages=3, pipelined=True, staggered=True,
                                q_blocks_per_cta=2, q_in_registers=True),
@@ -153,7 +155,7 @@ _CONFIGS = {
     (128, False): ForwardConfig(block_kv=128, num_stages=2, pipelined=True, staggered=True),
     (128, True): ForwardConfig(block_kv=128, num_stages=2, pipelined=True, staggered=True),
     (256, False): ForwardConfig(block_kv=64, num_stages=2, pipelined=True),
-    (256, True): ForwardConfig(block_kv=64, num_stages=2, pipelined=True),
+    (256, True): ForwardConfig(block_kv=64, num_stages=2, pipelined=True, q_blocks_per_cta=2),
 }
 _CONFIGS |= {(dim, causal): _CONFIGS[(tuned, causal)]  # see "96" above
              for dim, tuned in ((96, 128), (192, 256)) for causal in (False, True)}
