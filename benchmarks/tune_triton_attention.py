@@ -35,11 +35,13 @@ def forward_candidates(head_dim: int) -> list[ForwardConfig]:
 
 
 def backward_candidates(head_dim: int) -> list[BackwardConfig]:
-    small = (16, 32) if head_dim > 128 else (32, 64)
-    large = (64,) if head_dim > 128 else (64, 128)
-    grid = itertools.product(small, large, (4, 8), (2, 3) if head_dim <= 128 else (1, 2))
-    return [BackwardConfig(s, big, big, s, num_warps=w, num_stages=st)
-            for s, big, w, st in grid]
+    """Above head dim 128 also with dK and dV in launches of their own (`split_dkdv`)."""
+    wide = head_dim > 128
+    small = (16, 32) if wide else (32, 64)
+    grid = itertools.product(small, (64, 128), (4, 8), (1, 2) if wide else (2, 3),
+                             (False, True) if wide else (False,))
+    return [BackwardConfig(s, big, big, s, num_warps=w, num_stages=st, split_dkdv=split)
+            for s, big, w, st, split in grid]
 
 
 def _sweep(kind, candidates, tune_key, fn, args, flops, samples):

@@ -49,14 +49,25 @@ class BackwardConfig:
     block_kv_dq: int = 32
     num_warps: int = 4
     num_stages: int = 1
+    # dK and dV in launches of their own: each program then holds one float32
+    # accumulator instead of two (at head dim 256 the two spill), for one more QK^T per
+    # tile (the dV launch's; it skips dO V^T).
+    split_dkdv: bool = False
+
+
+def _tile_probabilities(scores: tiles.TileScores, step: tiles.Step, q: Array, k: Array,
+                        lse2: Array) -> tuple[Array, Array | None]:
+    """(p, the score_mod's slope or None) of one tile, recomputed from the lse."""
+    spec = scores.spec
+    s, slope = scores.softmax_scores(tiles.dot_nt(q, k))
+    return tiles.exp2(scores.masked(s, step), lse2, scale=spec.exp2_scale, ptx=spec.ptx), slope
 
 
 def _tile_gradients(scores: tiles.TileScores, step: tiles.Step, q: Array, k: Array, v: Array,
                     do: Array, lse2: Array, delta: Array) -> tuple[Array, Array]:
     """(p, dS) of one tile; dS is d loss / d(q.k), the scale folded in."""
     spec = scores.spec
-    s, slope = scores.softmax_scores(tiles.dot_nt(q, k))
-    p = tiles.exp2(scores.masked(s, step), lse2, scale=spec.exp2_scale, ptx=spec.ptx)
+    p, slope = _tile_probabilities(scores, step, q, k, lse2)
     dp = tiles.dot_nt(do, v)
     ds = p * (dp - delta[:, None])
     if slope is not None:
@@ -64,15 +75,17 @@ def _tile_gradients(scores: tiles.TileScores, step: tiles.Step, q: Array, k: Arr
     return p, ds * spec.scale
 
 
-def _dkdv_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, group: int) -> None:
-    inputs, (dk_ref, dv_ref) = tiles.unpack_refs(refs, treedef)
+def _dkdv_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, group: int,
+                 gradients: tuple[str, ...]) -> None:
+    """Sums ``gradients`` ("dk", "dv" or both) of one kv tile over its q walk."""
+    inputs, out_refs = tiles.unpack_refs(refs, treedef)
     layout = spec.layout
     load = functools.partial(tiles.load_operand, inputs, layout)
     tq, tkv = spec.tile_q, spec.tile_kv
     kv_tile, kv_head, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kv_start = kv_tile * tkv
     k = load("k", b, kv_start, tkv, kv_head)
-    v = load("v", b, kv_start, tkv, kv_head)
+    v = load("v", b, kv_start, tkv, kv_head) if "dk" in gradients else None
     mask = inputs["mask"]
 
     def head(g, carry):
@@ -80,28 +93,32 @@ def _dkdv_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, group: int) ->
         walk = tiles.Walk(mask.q_walk, b, h, lax.div(kv_start, layout.block_kv),
                           layout.block_q // tq)
 
-        def body(step, carry):
-            dk, dv = carry
+        def body(step, sums):
             q_start = step.block * layout.block_q + step.sub * tq
             q = load("q", b, q_start, tq, h)
             do = load("do", b, q_start, tq, h)
             lse2 = inputs["lse2"][b, h, pl.ds(q_start, tq)]
-            delta = inputs["delta"][b, h, pl.ds(q_start, tq)]
             scores = tiles.TileScores(spec, mask, inputs["captured"], b, h, q_start, kv_start)
-            p, ds = _tile_gradients(scores, step, q, k, v, do, lse2, delta)
-            dv = dv + tiles.dot_tn(p.astype(do.dtype), do)
-            dk = dk + tiles.dot_tn(ds.astype(q.dtype), q)
-            return dk, dv
+            sums = dict(sums)
+            if "dk" in sums:
+                delta = inputs["delta"][b, h, pl.ds(q_start, tq)]
+                p, ds = _tile_gradients(scores, step, q, k, v, do, lse2, delta)
+                sums["dk"] = sums["dk"] + tiles.dot_tn(ds.astype(q.dtype), q)
+            else:
+                p, _ = _tile_probabilities(scores, step, q, k, lse2)
+            if "dv" in sums:
+                sums["dv"] = sums["dv"] + tiles.dot_tn(p.astype(do.dtype), do)
+            return sums
 
         return walk.fold(body, carry, spec.masked_tiles)
 
-    init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    dk, dv = lax.fori_loop(0, group, head, init)
-    kv_len = inputs["k"].shape[1]
-    tiles.store_rows(dk_ref, dk.astype(dk_ref.dtype), kv_start, length=kv_len,
-                     dim=inputs["k"].shape[3])
-    tiles.store_rows(dv_ref, dv.astype(dv_ref.dtype), kv_start, length=kv_len,
-                     dim=inputs["v"].shape[3])
+    refs = dict(zip(gradients, out_refs, strict=True))
+    sums = lax.fori_loop(0, group, head, {name: jnp.zeros(ref.shape, jnp.float32)
+                                          for name, ref in refs.items()})
+    widths = {"dk": inputs["k"].shape[3], "dv": inputs["v"].shape[3]}
+    for name, ref in refs.items():
+        tiles.store_rows(ref, sums[name].astype(ref.dtype), kv_start,
+                         length=inputs["k"].shape[1], dim=widths[name])
 
 
 def _dq_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, group: int) -> None:
@@ -181,16 +198,26 @@ def attention_backward(q: Array, k: Array, v: Array, mask: KernelMask, layout: M
     # arrays (rows past the length, columns past the head dim are not written).
     tkv = dkdv_spec.tile_kv
     axes = compat.varying_axes(flat)  # Inside a jax.shard_map.
-    dk, dv = pl.pallas_call(
-        functools.partial(_dkdv_kernel, treedef=treedef, spec=dkdv_spec, group=group),
-        grid=(pl.cdiv(kv_len, tkv), num_kv_heads, batch),
-        in_specs=tiles.whole_array_specs(flat),
-        out_specs=[pl.BlockSpec((None, tkv, None, dim), lambda i, h, b: (b, i, h, 0)),
-                   pl.BlockSpec((None, tkv, None, dim_v), lambda i, h, b: (b, i, h, 0))],
-        out_shape=[compat.result_type(k.shape, k.dtype, axes),
-                   compat.result_type(v.shape, v.dtype, axes)],
-        compiler_params=params, interpret=interpret, name="omni_attention_dkdv",
-    )(*flat)
+    results = {"dk": (k, dim), "dv": (v, dim_v)}
+
+    def dkdv_launch(gradients: tuple[str, ...]) -> list[Array]:
+        return pl.pallas_call(
+            functools.partial(_dkdv_kernel, treedef=treedef, spec=dkdv_spec, group=group,
+                              gradients=gradients),
+            grid=(pl.cdiv(kv_len, tkv), num_kv_heads, batch),
+            in_specs=tiles.whole_array_specs(flat),
+            out_specs=[pl.BlockSpec((None, tkv, None, results[name][1]),
+                                    lambda i, h, b: (b, i, h, 0)) for name in gradients],
+            out_shape=[compat.result_type(results[name][0].shape, results[name][0].dtype, axes)
+                       for name in gradients],
+            compiler_params=params, interpret=interpret,
+            name="omni_attention_" + "".join(gradients),
+        )(*flat)
+
+    if config.split_dkdv:
+        (dk,), (dv,) = dkdv_launch(("dk",)), dkdv_launch(("dv",))
+    else:
+        dk, dv = dkdv_launch(("dk", "dv"))
     tq = dq_spec.tile_q
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, treedef=treedef, spec=dq_spec, group=group),

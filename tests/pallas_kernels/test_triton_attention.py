@@ -23,6 +23,7 @@ from omni_jax.problem import AttentionProblem
 from omni_jax.scores import convert_score_mod
 from pallas_kernels import compat, runtime
 from pallas_kernels.block_sparse import kernel_mask
+from pallas_kernels.triton import configs
 from pallas_kernels.triton.attention_bwd import BackwardConfig, attention_backward
 from pallas_kernels.triton.attention_fwd import ForwardConfig, attention_forward
 from tests.jax_releases import skip_unless_triton_lowers_here
@@ -41,7 +42,11 @@ def interpret(monkeypatch):
     (Case("short_q_long_kv", batch=1, q_len=16, kv_len=300, heads=2, kv_heads=1,
           window=(50, 20)), "float16"),
 ], ids=lambda x: getattr(x, "name", x))
-def test_tails_and_head_dims_match_reference(case, dtype):
+@pytest.mark.parametrize("split_dkdv", [False, True], ids=["dkdv", "dk_then_dv"])
+def test_tails_and_head_dims_match_reference(case, dtype, split_dkdv, monkeypatch):
+    default = configs.backward_config
+    monkeypatch.setattr(configs, "backward_config", lambda *args: dataclasses.replace(
+        default(*args), split_dkdv=split_dkdv))
     check_case("triton", case, dtype, (32, 32))
 
 
@@ -61,7 +66,8 @@ def _generic_problem(q_len, kv_len, block, rng, dtype=jnp.float32, mask_mod=None
     return problem, q, k, v, mask
 
 
-def test_partial_tiles_split_into_smaller_kernel_tiles():
+@pytest.mark.parametrize("split_dkdv", [False, True], ids=["dkdv", "dk_then_dv"])
+def test_partial_tiles_split_into_smaller_kernel_tiles(split_dkdv):
     rng = np.random.default_rng()
     problem, q, k, v, block_mask = _generic_problem(70, 90, (32, 64), rng)
     mask, layout = kernel_mask(block_mask)
@@ -76,7 +82,8 @@ def test_partial_tiles_split_into_smaller_kernel_tiles():
     dout = jnp.asarray(rng.standard_normal(out.shape), out.dtype)
     dlse = jnp.asarray(rng.standard_normal(lse.shape), jnp.float32)
     grads = attention_backward(q, k, v, mask, layout, (), out, lse, dout, dlse, **kwargs,
-                               config=BackwardConfig(16, 32, 32, 16))[:3]
+                               config=BackwardConfig(16, 32, 32, 16,
+                                                     split_dkdv=split_dkdv))[:3]
     ref_grads = xla_backward(problem, q, k, v, block_mask, None, (), ref_out, ref_lse, dout,
                              dlse)[:3]
     for name, grad, ref in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
