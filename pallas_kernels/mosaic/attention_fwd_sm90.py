@@ -145,8 +145,9 @@ class ForwardConfig:
 #   dim) likewise takes d256's instead of padding to 256: 1.08x cuDNN dense and causal
 #   at b4 s4096 (2026-11-27 10:50-10:57); of six variants only two q-blocks per CTA
 #   gained (2-4%, causal only). Causal 192 and 256 take two q-blocks per CTA: at b4
-#   s4096, d192 2-4% faster in three runs of four and even in one, d256 1% and 3% in
-#   two (2026-11-27); dense d192 lost 2%.
+#   s4096, d192 2-4% faster in three A/B runs of five, even in one, 6% slower in one
+#   whose timings (cuDNN's too) were 8-25% off the other runs'; d256 1-3% faster in
+#   three of three (2026-11-27); dense d192 lost 2%.
 _CONFIGS = {
     (64, False): ForwardConfig(block_kv=128, num_stages=3, pipelined=True, staggered=True,
                                q_blocks_per_cta=2, q_in_registers=True),
