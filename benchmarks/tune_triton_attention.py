@@ -35,13 +35,15 @@ def forward_candidates(head_dim: int) -> list[ForwardConfig]:
 
 
 def backward_candidates(head_dim: int) -> list[BackwardConfig]:
-    """Above head dim 128 also with dK and dV in launches of their own (`split_dkdv`)."""
-    wide = head_dim > 128
-    small = (16, 32) if wide else (32, 64)
-    grid = itertools.product(small, (64, 128), (4, 8), (1, 2) if wide else (2, 3),
-                             (False, True) if wide else (False,))
-    return [BackwardConfig(s, big, big, s, num_warps=w, num_stages=st, split_dkdv=split)
-            for s, big, w, st, split in grid]
+    """Above head dim 128: kv tiles of 64 rows, dQ tiles apart, and dK and dV in one
+    launch or in launches of their own (`split_dkdv`)."""
+    if head_dim > 128:
+        grid = itertools.product((32, 64), ((64, 32), (64, 64)), (4, 8), (1, 2), (False, True))
+        return [BackwardConfig(q_dkv, 64, q_dq, kv_dq, num_warps=w, num_stages=st,
+                               split_dkdv=split)
+                for q_dkv, (q_dq, kv_dq), w, st, split in grid]
+    grid = itertools.product((32, 64), (64, 128), (4, 8), (2, 3))
+    return [BackwardConfig(s, big, big, s, num_warps=w, num_stages=st) for s, big, w, st in grid]
 
 
 def _sweep(kind, candidates, tune_key, fn, args, flops, samples):

@@ -28,9 +28,11 @@ Config = TypeVar("Config")
 # 16 heads, seq 4096); the other rows are estimates. Causal masks take the same rows: with
 # `tiles.exp2` the 128x64 tile also wins causal d128 (2026-11-25 sweep: s4096 0.734 ms
 # against 0.760 for 128x128 with 8 warps and 3 stages, s16384 2.415 against 2.465).
-# The sm90 16-bit head-dim-256 backward (also 192's, padded to 256) won the 2026-11-27
-# sweep with dK and dV in launches of their own: fwd+bwd b4 s4096 dense 16.8 ms against
-# 34.3 for the previous row (both accumulators in one program spill); sm80 takes its tiles.
+# The sm90 16-bit head-dim-256 backward (also 192's, padded to 256): dK and dV in
+# launches of their own, 64 x 64 tiles (2026-11-27 sweeps, b4 s4096 fwd+bwd): 16.9 ms dense
+# and 7.0 causal against 34.3 and 17.9 for the previous row, whose one program
+# holding both accumulators spills (the dense best, 15.7 ms, took 10.0 causal); sm80 takes
+# its tiles with one stage.
 _FORWARD = {
     (64, "16bit", "sm90"): ForwardConfig(block_q=64, block_kv=128, num_warps=4, num_stages=3),
     (128, "16bit", "sm90"): ForwardConfig(block_q=128, block_kv=64, num_warps=4, num_stages=2),
@@ -48,11 +50,11 @@ _FORWARD = {
 _BACKWARD = {
     (64, "16bit", "sm90"): BackwardConfig(32, 128, 128, 32, num_warps=4, num_stages=3),
     (128, "16bit", "sm90"): BackwardConfig(64, 64, 64, 64, num_warps=4, num_stages=2),
-    (256, "16bit", "sm90"): BackwardConfig(32, 64, 64, 32, num_warps=4, num_stages=2,
+    (256, "16bit", "sm90"): BackwardConfig(64, 64, 64, 64, num_warps=4, num_stages=2,
                                            split_dkdv=True),
     (64, "16bit", "sm80"): BackwardConfig(32, 128, 128, 32, num_warps=4, num_stages=2),
     (128, "16bit", "sm80"): BackwardConfig(32, 64, 64, 32, num_warps=4, num_stages=2),
-    (256, "16bit", "sm80"): BackwardConfig(32, 64, 64, 32, num_warps=4, num_stages=1,
+    (256, "16bit", "sm80"): BackwardConfig(64, 64, 64, 64, num_warps=4, num_stages=1,
                                            split_dkdv=True),
     (64, "fp32", "sm90"): BackwardConfig(32, 64, 64, 32, num_warps=4, num_stages=1),
     (128, "fp32", "sm90"): BackwardConfig(16, 64, 64, 16, num_warps=4, num_stages=1),

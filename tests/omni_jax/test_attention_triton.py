@@ -9,12 +9,14 @@ decline score_mods that capture arrays (they need gathers), so those cases
 instead check the decline.
 """
 
+import dataclasses
+
 import jax.numpy as jnp
 import pytest
 
 import omni_jax
 from pallas_kernels import runtime
-from tests.omni_jax.attention_suite import CASES, AttentionSuite
+from tests.omni_jax.attention_suite import CASES, AttentionSuite, Case, check_case
 
 _GATHERING_SCORE_MODS = ("relative_table",)  # captured arrays indexed per score
 _ON_GPU = runtime.gpu_compute_capability() is not None
@@ -67,3 +69,19 @@ def test_compiled_kernels_decline_captured_arrays_indexed_per_score():
         omni_jax.attention(q, q, q, score_mod=lambda s, b, h, i, j: s + table[jnp.abs(i - j)],
                            implementation="triton")
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("head_dim", [192, 256])
+@pytest.mark.parametrize("case", [
+    Case("causal_ragged", batch=1, q_len=700, kv_len=900, heads=4, kv_heads=2, is_causal=True),
+    Case("documents_window", batch=1, q_len=640, kv_len=640, heads=2, kv_heads=1,
+         segments="packed", window=(200, 0)),
+], ids=lambda case: case.name)
+def test_wide_head_dims_compiled(case, head_dim, dtype):
+    """The suite runs compiled at head dim 32; this is the 16-bit table row above 128
+    (dK and dV in launches of their own) on many tiles with ragged tails."""
+    check_case("triton", dataclasses.replace(case, head_dim=head_dim), dtype, (64, 64),
+               block_rows=32)
