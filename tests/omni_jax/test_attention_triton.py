@@ -70,7 +70,6 @@ def test_compiled_kernels_decline_captured_arrays_indexed_per_score():
                            implementation="triton")
 
 
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
