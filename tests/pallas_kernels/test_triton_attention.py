@@ -208,6 +208,26 @@ def test_kernels_lower_to_triton(name, monkeypatch):
     assert lowered.as_text().count("xla.gpu.triton") >= 3  # forward, dK/dV, dQ
 
 
+def test_split_dkdv_lowers_to_triton(monkeypatch):
+    """dK and dV in launches of their own (the sm90 head-dim-256 row) lower too."""
+    skip_unless_triton_lowers_here()
+    monkeypatch.delenv(runtime.INTERPRET_ENV_VAR)
+    monkeypatch.setattr(runtime, "can_run_triton", lambda: True)
+    default = configs.backward_config
+    monkeypatch.setattr(configs, "backward_config", lambda *args: dataclasses.replace(
+        default(*args), split_dkdv=True))
+    q = jax.ShapeDtypeStruct((1, 128, 4, 256), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 128, 2, 256), jnp.bfloat16)
+
+    def forward_backward(q, k, v):
+        out, vjp = jax.vjp(lambda q, k, v: omni_jax.attention(
+            q, k, v, is_causal=True, implementation="triton"), q, k, v)
+        return vjp(out)
+
+    lowered = jax.jit(forward_backward).trace(q, kv, kv).lower(lowering_platforms=("cuda",))
+    assert lowered.as_text().count("xla.gpu.triton") >= 4  # forward, dK, dV, dQ
+
+
 def test_autotune_caches_the_fastest_config_that_runs():
     import time
 
