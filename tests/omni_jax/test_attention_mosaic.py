@@ -18,6 +18,7 @@ import omni_jax
 from pallas_kernels import compat, runtime
 from pallas_kernels.mosaic import attention_bwd_sm90 as bwd
 from pallas_kernels.mosaic import attention_fwd_sm90 as fwd
+from tests.forced_configs import force_config_fields
 from tests.mosaic_interpret import interpreted_mosaic
 from tests.omni_jax.attention_suite import CASES, AttentionSuite, Case, check_case
 
@@ -57,9 +58,8 @@ class _MosaicSuite(AttentionSuite):
         """Every case under both consumer schedules of the forward kernel, with one and
         with two q-blocks per CTA."""
         schedule, per_cta = request.param
-        default = fwd.forward_config
-        monkeypatch.setattr(fwd, "forward_config", lambda *args: dataclasses.replace(
-            default(*args), pipelined=schedule == "pipelined", q_blocks_per_cta=per_cta))
+        force_config_fields(monkeypatch, fwd, "forward_config",
+                            pipelined=schedule == "pipelined", q_blocks_per_cta=per_cta)
 
     @pytest.fixture(autouse=True)
     def _mosaic_backward(self, monkeypatch):
@@ -104,9 +104,7 @@ class TestMosaicAttentionGpu(_MosaicSuite):
 def test_fused_dq_backward_through_the_public_call(case, dtype, monkeypatch):
     """Head dim 128: the dK/dV kernel also sums dQ (into a ref), a path the suite's
     smaller head dims never take."""
-    default = bwd.backward_config
-    monkeypatch.setattr(bwd, "backward_config", lambda *args, **kwargs: dataclasses.replace(
-        default(*args, **kwargs), fused_dq_min_full_walk=0.0))
+    force_config_fields(monkeypatch, bwd, "backward_config", fused_dq_min_full_walk=0.0)
     backends = record_backward_backends(monkeypatch)
     accumulating = []
     kernel = compat.mosaic_kernel_accumulating
@@ -167,8 +165,6 @@ def test_backward_falls_back_where_mosaic_has_none(head_dim, block_kv, score_mod
 def test_wide_head_dims_compiled(case, head_dim, q_blocks_per_cta, monkeypatch):
     """The suite runs compiled at head dim 32; these are the forward's other configs (96
     on 128's, 192 on 256's tiles) with one and two q-blocks per CTA."""
-    default = fwd.forward_config
-    monkeypatch.setattr(fwd, "forward_config", lambda *args: dataclasses.replace(
-        default(*args), q_blocks_per_cta=q_blocks_per_cta))
+    force_config_fields(monkeypatch, fwd, "forward_config", q_blocks_per_cta=q_blocks_per_cta)
     check_case("mosaic", dataclasses.replace(case, head_dim=head_dim), "bfloat16", (128, 64),
                check_gradients=False, block_rows=32)

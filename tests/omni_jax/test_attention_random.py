@@ -10,7 +10,6 @@ at a ragged tail cannot hide in the norm of the whole tensor.
 larger soak on a GPU machine is one environment variable away.
 """
 
-import dataclasses
 import os
 
 import numpy as np
@@ -18,6 +17,7 @@ import pytest
 
 from pallas_kernels import runtime
 from pallas_kernels.mosaic import attention_bwd_sm90 as bwd
+from tests.forced_configs import force_config_fields
 from tests.omni_jax.attention_suite import check_case, random_case
 
 _CAPABILITY = runtime.gpu_compute_capability()
@@ -48,9 +48,9 @@ def test_random_problem(implementation, draw, monkeypatch):
     if needs_sm90 and _CAPABILITY != (9, 0):
         pytest.skip("needs an sm90 GPU")
     if implementation == "mosaic-split":
-        implementation, default = "mosaic", bwd.backward_config
-        monkeypatch.setattr(bwd, "backward_config", lambda *args, **kwargs: dataclasses.replace(
-            default(*args, **kwargs), fused_dq=True, fused_dq_min_full_walk=0.0))
+        implementation = "mosaic"
+        force_config_fields(monkeypatch, bwd, "backward_config", fused_dq=True,
+                            fused_dq_min_full_walk=0.0)
     rng = np.random.default_rng()
     case = random_case(rng, head_dims)
     dtype = dtypes[int(rng.integers(len(dtypes)))]

@@ -26,6 +26,7 @@ from pallas_kernels.block_sparse import kernel_mask
 from pallas_kernels.triton import configs
 from pallas_kernels.triton.attention_bwd import BackwardConfig, attention_backward
 from pallas_kernels.triton.attention_fwd import ForwardConfig, attention_forward
+from tests.forced_configs import force_config_fields
 from tests.jax_releases import skip_unless_triton_lowers_here
 from tests.omni_jax.attention_suite import Case, check_case
 from tests.reference import relative_error
@@ -44,9 +45,7 @@ def interpret(monkeypatch):
 ], ids=lambda x: getattr(x, "name", x))
 @pytest.mark.parametrize("split_dkdv", [False, True], ids=["dkdv", "dk_then_dv"])
 def test_tails_and_head_dims_match_reference(case, dtype, split_dkdv, monkeypatch):
-    default = configs.backward_config
-    monkeypatch.setattr(configs, "backward_config", lambda *args: dataclasses.replace(
-        default(*args), split_dkdv=split_dkdv))
+    force_config_fields(monkeypatch, configs, "backward_config", split_dkdv=split_dkdv)
     check_case("triton", case, dtype, (32, 32))
 
 
@@ -213,9 +212,7 @@ def test_split_dkdv_lowers_to_triton(monkeypatch):
     skip_unless_triton_lowers_here()
     monkeypatch.delenv(runtime.INTERPRET_ENV_VAR)
     monkeypatch.setattr(runtime, "can_run_triton", lambda: True)
-    default = configs.backward_config
-    monkeypatch.setattr(configs, "backward_config", lambda *args: dataclasses.replace(
-        default(*args), split_dkdv=True))
+    force_config_fields(monkeypatch, configs, "backward_config", split_dkdv=True)
     q = jax.ShapeDtypeStruct((1, 128, 4, 256), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 128, 2, 256), jnp.bfloat16)
 

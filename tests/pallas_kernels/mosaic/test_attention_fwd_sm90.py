@@ -16,6 +16,7 @@ from pallas_kernels import compat, runtime
 from pallas_kernels.block_sparse import kernel_mask
 from pallas_kernels.mosaic import attention_fwd_sm90 as fwd
 from pallas_kernels.mosaic import attention_sm90_common as common
+from tests.forced_configs import force_config_fields
 from tests.mosaic_interpret import interpreted_mosaic
 from tests.reference import relative_error
 
@@ -175,9 +176,7 @@ def test_trace_key_covers_the_short_walk_config(monkeypatch):
         head_dim_v=128, dtype=np.dtype(jnp.bfloat16), scale=0.1, softcap=None,
         score_mod=None, has_sinks=False, has_user_mask=False)
     default_key = MosaicBackend().trace_key(problem)
-    default = fwd.forward_config
-    monkeypatch.setattr(fwd, "forward_config", lambda *args: dataclasses.replace(
-        default(*args), q_blocks_per_cta=1))
+    force_config_fields(monkeypatch, fwd, "forward_config", q_blocks_per_cta=1)
     assert MosaicBackend().trace_key(problem) != default_key
 
 
@@ -203,9 +202,7 @@ def test_declines_what_it_cannot_serve():
 def test_kv_leaves_after_full_tiles(pipelined, monkeypatch):
     """Segment ids make the q-block's first kv-blocks FULL and the later ones COMPUTED:
     the later ones must read their own kv leaves, not a stale slot's."""
-    default = fwd.forward_config
-    monkeypatch.setattr(fwd, "forward_config", lambda *args: dataclasses.replace(
-        default(*args), pipelined=pipelined))
+    force_config_fields(monkeypatch, fwd, "forward_config", pipelined=pipelined)
     rng = np.random.default_rng()
     q, k, v = _inputs(rng, "bfloat16", 1, 128, 512, 2, 1, 64)
     kv_ids = np.zeros((1, 512), np.int32)
@@ -225,10 +222,8 @@ def test_several_q_blocks_per_cta(q_blocks_per_cta, pipelined, staggered, head_d
     """CTAs computing q-blocks in turn (one kv ring across them; walks, q leaves and Q
     double-buffered) give what one CTA per q-block gives, under documents (q and kv
     leaves, FULL and COMPUTED tiles) and with a fully masked q-block and head in it."""
-    default = fwd.forward_config
-    monkeypatch.setattr(fwd, "forward_config", lambda *args: dataclasses.replace(
-        default(*args), pipelined=pipelined, staggered=staggered,
-        q_blocks_per_cta=q_blocks_per_cta))
+    force_config_fields(monkeypatch, fwd, "forward_config", pipelined=pipelined,
+                        staggered=staggered, q_blocks_per_cta=q_blocks_per_cta)
     rng = np.random.default_rng()
     seq = 5 * 128 - 24
     q, k, v = _inputs(rng, "bfloat16", 1, seq, seq, 2, 1, head_dim, head_dim_v)

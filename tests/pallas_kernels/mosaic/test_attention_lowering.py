@@ -5,7 +5,6 @@ descriptors, smem budget), which the interpreter skips: what fails here would
 fail on the H100 before the first launch.
 """
 
-import dataclasses
 import re
 
 import jax
@@ -16,6 +15,7 @@ from hypothesis import strategies as st
 
 import omni_jax
 from pallas_kernels import runtime
+from tests.forced_configs import force_config_fields
 
 _MASK_CACHE = {}
 _SLOPES = 2.0 ** -jnp.arange(1, 5, dtype=jnp.float32)
@@ -164,9 +164,7 @@ def test_backward_launches(name, fields, launches, fused, _compiled_mosaic, monk
     kernel."""
     from pallas_kernels.mosaic import attention_bwd_sm90 as bwd
 
-    default = bwd.backward_config
-    monkeypatch.setattr(bwd, "backward_config", lambda *args, **kwargs: dataclasses.replace(
-        default(*args, **kwargs), **fields))
+    force_config_fields(monkeypatch, bwd, "backward_config", **fields)
     chosen = []
     fused_configs = bwd._fused_configs
     monkeypatch.setattr(bwd, "_fused_configs",
