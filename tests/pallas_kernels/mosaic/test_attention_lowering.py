@@ -175,7 +175,6 @@ def test_backward_launches(name, fields, launches, fused, _compiled_mosaic, monk
     assert kernels == ["mosaic_gpu_v2"] * launches, kernels
 
 
-
 @settings(max_examples=6, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(head_dim=st.integers(1, 256), head_dim_v=st.integers(1, 256),
