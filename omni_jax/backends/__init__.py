@@ -4,9 +4,8 @@
 preference, that runs here and serves the call: on Hopper (sm90) "mosaic",
 then "triton", then "xla"; on other sm80+ GPUs "triton", then "xla";
 elsewhere "xla", which serves everything. The backward pass uses the same
-backend when it can, else the next one in that order that can (for example a
-Mosaic forward at head dim 256 with the Triton backward). Naming a backend that
-cannot serve the call raises a ValueError that says why.
+backend when it can, else the next one in that order that can. Naming a
+backend that cannot serve the call raises a ValueError that says why.
 """
 
 from __future__ import annotations

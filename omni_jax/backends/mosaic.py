@@ -171,10 +171,7 @@ class MosaicBackend(AttentionBackend):
         dims = fwd.padded_head_dims(problem.head_dim, problem.head_dim_v)
         config = bwd.backward_config(max(dims), problem.dtype, causal=False)
         if config is None:
-            return (f"head_dim={problem.head_dim}, head_dim_v={problem.head_dim_v} pad to "
-                    f"{max(dims)}: the Mosaic backward keeps 64-row float32 accumulators "
-                    f"(dK and dV, or dQ) with the score tiles in registers, which fit up to "
-                    f"{bwd.MAX_HEAD_DIM} only")
+            return f"head_dim={problem.head_dim}, head_dim_v={problem.head_dim_v}"
         block_kv = (problem.block_size or self.block_size(problem))[1]
         if block_kv not in bwd.SUPPORTED_BLOCK_KV:
             return (f"BlockMask block_kv={block_kv}: the Mosaic backward takes "

@@ -27,9 +27,11 @@ the stored int8 tile (transposed for dK/dV, whose tiles are kv-major).
 cotangent folds into it). Rows that see no key have lse -inf, passed as
 ``lse2 = +inf`` so that their P is exactly 0.
 
-Head dims up to 128 (padded to 64 or 128): at 256 the 64-row float32
-accumulators (dK and dV, or dQ) with the score tiles exceed the registers of
-a warpgroup; `MosaicBackend` then takes the backward from Triton.
+Above head dim 128 (192 and 256, the forward's 64-row kv tiles: one dK/dV
+consumer a CTA) dK and dV, 64 x 256 float32 each, would fill a warpgroup's
+registers with no room for the score tiles: `BackwardConfig.split_dkdv` sums
+them in two launches of the dK/dV kernel, one accumulator each
+(`_Statics.gradients`); the dQ kernel's single accumulator fits as it is.
 
 Fused dQ (`BackwardConfig.fused_dq`): the dQ kernel recomputes S and dP, so a
 tile takes 7 matmuls where FlashAttention-3 takes 5. Fused, each dK/dV consumer
@@ -77,7 +79,6 @@ from pallas_kernels.mosaic.attention_sm90_common import (
 
 Array = Any
 
-MAX_HEAD_DIM = 128
 Q_STEP = 64  # q rows per dK/dV step: a q-block is walked as two halves.
 NUM_DQ_CONSUMERS = BLOCK_Q // ROWS_PER_CONSUMER
 SUPPORTED_BLOCK_KV = (64, 128)  # 64 kv rows per dK/dV consumer warpgroup: 1 or 2 of them.
@@ -108,6 +109,19 @@ class BackwardConfig:
     # kernel: s4096 and s8192 (15.5 and 31.5 FULL q-blocks) 5% and 1% slower, s16384
     # (63.5) 2-4% and s32768 (127.5) 10% faster.
     fused_dq_min_full_walk: float = 48.0
+    # dK and dV summed by dK/dV launches of their own, one float32 accumulator each: above
+    # head dim 128 the two (64 x 256 float32: 128 registers a thread each) exceed a
+    # warpgroup's registers. The dV launch skips dO V^T; both compute S.
+    split_dkdv: bool = False
+    # Registers a thread of each dQ consumer warpgroup takes from the producer, which
+    # keeps the rest (at most 40) of the 3 x 168 a thread the launch allocates: the
+    # warpgroups' increases wait for registers the decreases freed, so the sum must fit.
+    dq_consumer_registers: int = 232
+    # The dQ kernel's producer loads V before K, the order the consumers release them
+    # (V after dP, K after dS K), and its consumers issue dP before S, so that with one
+    # stage dP's product hides K's load. H200, 2026-11-27: d256 fwd+bwd 13% faster;
+    # head dims 64 and 128 (two or three stages) within the noise.
+    dq_v_first: bool = False
 
     def __post_init__(self):
         if self.block_q != BLOCK_Q:
@@ -118,6 +132,12 @@ class BackwardConfig:
         if self.dkv_stages < 1 or self.dq_stages < 1:
             raise ValueError(f"stages must be at least 1, got {self.dkv_stages}, "
                              f"{self.dq_stages}")
+        if self.dq_consumer_registers % 8 or not 64 <= self.dq_consumer_registers <= 240:
+            raise ValueError("dq_consumer_registers must be a multiple of 8 from 64 to 240, "
+                             f"got {self.dq_consumer_registers}")
+        if self.fused_dq and self.split_dkdv:
+            raise ValueError("fused_dq adds dQ from a launch summing both dK and dV; "
+                             "split_dkdv=True sums them apart")
 
     @property
     def dkv_consumers(self) -> int:
@@ -130,14 +150,20 @@ class BackwardConfig:
 _CONFIGS = {
     64: BackwardConfig(block_kv=128, dkv_stages=4, dq_stages=3),
     128: BackwardConfig(block_kv=128, dkv_stages=3, dq_stages=2, fused_dq=True),
+    # Fitted to 2 and 1 stages at 256, 3 and 2 at 192. The dQ kernel's 64 x 256 float32
+    # sum beside the mask code spills at 232 registers: H200, causal d256 fwd+bwd 9%
+    # faster at 240 (benchmarks/RESULTS.md, 2026-11-27).
+    256: BackwardConfig(block_kv=64, dkv_stages=3, dq_stages=2, split_dkdv=True,
+                        dq_consumer_registers=240, dq_v_first=True),
 }
+_CONFIGS[192] = _CONFIGS[256]
 # 96 takes 128's tiles; its fused dQ declines (`fused_dq_splits`): 0.95x cuDNN dense
 # against 1.14x with the dQ kernel.
 _CONFIGS[96] = _CONFIGS[128]
 
 
 def backward_config(head_dim: int, dtype: Any, causal: bool) -> BackwardConfig | None:
-    """The tuned config for a (padded) head dim, or None above `MAX_HEAD_DIM`."""
+    """The tuned config for a (padded) head dim, or None above the kernels' largest."""
     del dtype, causal  # Same tiles for both 16-bit types; the mask walk skips the rest.
     return _CONFIGS.get(padded_head_dim(head_dim))
 
@@ -195,6 +221,8 @@ class _Statics(common.LeafCounts):
     mask_heads: int
     leaf_slots: tuple[tuple[str, int], ...]
     interpret: bool
+    # What a dK/dV launch sums: both, or one of them (`BackwardConfig.split_dkdv`).
+    gradients: tuple[str, ...] = ("dk", "dv")
     fused_dq: bool = False  # dQ from this kernel (`attention_backward` decides)
     # The steps of each walk this launch takes: "all", or with the fused dQ under masked
     # tiles "full" (the first fused launch) and "masked" (the second, which adds theirs).
@@ -228,10 +256,14 @@ def _transposed(ref):
 def _products(tile, *operands):
     """``a @ b`` (float32, ``tile``-shaped) for each ``(a, b)`` of smem operands by wgmma.
 
-    All products are issued before the one wait that reading the results implies.
+    All products are issued before the one wait that reading the results implies. An
+    operand ``(a, b, ready)`` first waits for the barrier ``ready``: the products issued
+    before it run meanwhile.
     """
     def issue(*acc_refs):
-        for acc_ref, (a, b) in zip(acc_refs, operands, strict=True):
+        for acc_ref, (a, b, *ready) in zip(acc_refs, operands, strict=True):
+            for barrier in ready:
+                plgpu.barrier_wait(barrier)
             plgpu.wgmma(acc_ref, a, b)
         return tuple(acc_ref[...] for acc_ref in acc_refs)
 
@@ -254,7 +286,9 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
     # The masked steps' launch adds its sums to the FULL steps' (the fused launch's).
     full_sums = (refs.pop(0), refs.pop(0)) if s.walk_part == "masked" else None
     dq_sum_ref = refs.pop(0) if s.fused_dq else None
-    dk_ref, dv_ref, smem, barriers = refs
+    *grad_refs, smem, barriers = refs
+    grad_refs = dict(zip(s.gradients, grad_refs, strict=True))
+    sums_dk, sums_dv = "dk" in s.gradients, "dv" in s.gradients
     (k_smem, v_smem, walk_smem, q_ring, do_ring, stats_ring, mask_ring, q_leaf_ring,
      kv_leaf_smem, staging, captured_smem, ds_smem, dq_stage) = smem
     (walk_barrier, kv_leaf_barrier, k_barriers, v_barriers, q_ready, do_ready, stats_ready,
@@ -348,7 +382,9 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
         kv_rows = pl.ds(kv_start, rows)
         k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
         plgpu.copy_gmem_to_smem(k_ref.at[batch, kv_rows, kv_head], k_tile, k_barriers.at[wg])
-        plgpu.copy_gmem_to_smem(v_ref.at[batch, kv_rows, kv_head], v_tile, v_barriers.at[wg])
+        if sums_dk:  # dP^T = V dO^T; a dV launch only stages its sum in V's buffer.
+            plgpu.copy_gmem_to_smem(v_ref.at[batch, kv_rows, kv_head], v_tile,
+                                    v_barriers.at[wg])
         row_layout = compat.wgmma_row_layout()
         col_layout = compat.wgmma_col_layout()
         tile = (rows, Q_STEP)  # Transposed scores: kv rows x q columns.
@@ -367,7 +403,8 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                     interpret=s.interpret))
         plgpu.barrier_wait(walk_barrier)
         plgpu.barrier_wait(k_barriers.at[wg])
-        plgpu.barrier_wait(v_barriers.at[wg])
+        if sums_dk:
+            plgpu.barrier_wait(v_barriers.at[wg])
         common.wait_captured(s, captured_barrier)
 
         # Fused dQ. Step t's dS^T tiles (every consumer's) go to ds_smem[t % 2]; one
@@ -437,11 +474,15 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
 
                 plgpu.barrier_wait(q_ready.at[slot])
                 plgpu.barrier_wait(do_ready.at[slot])
-                scores, dprobs = _products(tile, (k_tile, _transposed(q_half)),
-                                           (v_tile, _transposed(do_half)))
-                scores, slope = common.log2_scores(score_spec, scores, batch, head,
-                                                   functools.partial(indices, q_start),
-                                                   slope=True)
+                if sums_dk:
+                    scores, dprobs = _products(tile, (k_tile, _transposed(q_half)),
+                                               (v_tile, _transposed(do_half)))
+                else:
+                    (scores,) = _products(tile, (k_tile, _transposed(q_half)))
+                scores = common.log2_scores(score_spec, scores, batch, head,
+                                            functools.partial(indices, q_start),
+                                            slope=sums_dk)
+                scores, slope = scores if sums_dk else (scores, None)
 
                 def masked(scores):
                     q_leaf_cols = [
@@ -464,19 +505,25 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                 plgpu.barrier_wait(stats_ready.at[slot])
                 lse2 = compat.mosaic_load(stats_ring.at[slot, 0], col_layout,
                                           interpret=s.interpret)
-                delta = compat.mosaic_load(stats_ring.at[slot, 1], col_layout,
-                                           interpret=s.interpret)
                 probs = jnp.exp2(scores - lax.broadcast_in_dim(lse2, tile, [1]))
-
-                dscores = probs * (dprobs - lax.broadcast_in_dim(delta, tile, [1]))
-                if slope is not None:
-                    dscores = dscores * slope
-                dscores = (dscores * s.scores.scale).astype(s.dtype)
-                probs = _staged(p_stage, probs.astype(s.dtype))
+                # (sum, its (a, b) product) of each gradient summed, dV's issued first.
+                products = []
+                if sums_dv:
+                    products.append((dv, (_staged(p_stage, probs.astype(s.dtype)), do_half)))
+                if sums_dk:
+                    delta = compat.mosaic_load(stats_ring.at[slot, 1], col_layout,
+                                               interpret=s.interpret)
+                    dscores = probs * (dprobs - lax.broadcast_in_dim(delta, tile, [1]))
+                    if slope is not None:
+                        dscores = dscores * slope
+                    dscores = (dscores * s.scores.scale).astype(s.dtype)
+                    products.append((dk, (_staged(ds_stage, dscores), q_half)))
                 if not s.fused_dq:
-                    dv, dk = compat.wgmma_accumulate_all(
-                        (dv, dk), ((probs, do_half), (_staged(ds_stage, dscores), q_half)),
-                        interpret=s.interpret)
+                    sums = iter(compat.wgmma_accumulate_all(
+                        tuple(acc for acc, _ in products), tuple(ab for _, ab in products),
+                        interpret=s.interpret))
+                    dv = next(sums) if sums_dv else dv
+                    dk = next(sums) if sums_dk else dk
                     plgpu.barrier_arrive(consumed.at[slot])
                     return dk, dv, step + 1, previous
 
@@ -488,7 +535,7 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
 
                 write_ds(parity, dscores)
                 dv, dk = compat.wgmma_accumulate_all(
-                    (dv, dk), ((probs, do_half), (_staged(ds_stage, dscores), q_half)),
+                    tuple(acc for acc, _ in products), tuple(ab for _, ab in products),
                     interpret=s.interpret)
                 plgpu.barrier_arrive(consumed.at[slot])
                 # After dV and dK: P^T and dS^T are dead, so dQ's accumulator fits.
@@ -506,8 +553,8 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
         dk, dv, num_steps_done, previous = lax.fori_loop(
             0, s.group_size, head_steps,
             # The fused dQ carries the previous step's (head, first q row).
-            (zeros(s.head_dim), zeros(s.head_dim_v), jnp.int32(0),
-             (jnp.int32(0), jnp.int32(0)) if s.fused_dq else ()))
+            (zeros(s.head_dim) if sums_dk else (), zeros(s.head_dim_v) if sums_dv else (),
+             jnp.int32(0), (jnp.int32(0), jnp.int32(0)) if s.fused_dq else ()))
         if s.fused_dq:
             # The last step's product (step -1's when there was none).
             dq = dq_product(lax.rem(num_steps_done + 1, 2))
@@ -532,11 +579,16 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
             dk = dk + load(k_tile).astype(jnp.float32)
             dv = dv + load(v_tile).astype(jnp.float32)
         # K and V are no longer read: their buffers stage dK and dV for the TMA store.
-        k_tile[...] = dk.astype(s.dtype)
-        v_tile[...] = dv.astype(s.dtype)
+        stores = []
+        if sums_dk:
+            k_tile[...] = dk.astype(s.dtype)
+            stores.append((k_tile, grad_refs["dk"]))
+        if sums_dv:
+            v_tile[...] = dv.astype(s.dtype)
+            stores.append((v_tile, grad_refs["dv"]))
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[batch, kv_rows, kv_head])
-        plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[batch, kv_rows, kv_head])
+        for buffer, ref in stores:
+            plgpu.copy_smem_to_gmem(buffer, ref.at[batch, kv_rows, kv_head])
         plgpu.wait_smem_to_gmem(0)
 
 
@@ -558,7 +610,8 @@ def _dq_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *r
 
     @pl.when(wg == NUM_DQ_CONSUMERS)
     def _producer():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(min(40, 504 - 2 * cfg.dq_consumer_registers),
+                                action="decrease")
         common.load_captured(s, captured_ref, captured_smem, captured_barrier)
         count = common.load_q_block_walk(
             s, walk_ref, walk_smem, walk_barrier,
@@ -571,12 +624,13 @@ def _dq_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *r
             interpret=s.interpret,
             kv_leaves=((kv_leaf_ref, kv_leaf_ring, kv_leaf_ready)
                        if s.num_kv_leaves else None),
-            partial=(partial_ref, mask_ring, mask_ready) if s.has_partial else None)
+            partial=(partial_ref, mask_ring, mask_ready) if s.has_partial else None,
+            v_first=cfg.dq_v_first)
         common.drain_ring(count, stages, k_consumed, v_consumed)
 
     @pl.when(wg < NUM_DQ_CONSUMERS)
     def _consumer():
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(cfg.dq_consumer_registers, action="increase")
         q_start = q_block * BLOCK_Q + wg * rows
         q_rows = pl.ds(q_start, rows)
         q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
@@ -615,10 +669,12 @@ def _dq_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *r
             flags = common.walk_entry(walk_smem, flags_offset + step)
             k_block = k_ring.at[slot]
 
-            plgpu.barrier_wait(k_ready.at[slot])
-            plgpu.barrier_wait(v_ready.at[slot])
-            scores, dprobs = _products(tile, (q_tile, _transposed(k_block)),
-                                       (do_tile, _transposed(v_ring.at[slot])))
+            products = {"s": (q_tile, _transposed(k_block), k_ready.at[slot]),
+                        "dp": (do_tile, _transposed(v_ring.at[slot]), v_ready.at[slot])}
+            order = ("dp", "s") if cfg.dq_v_first else ("s", "dp")
+            results = dict(zip(order, _products(tile, *(products[p] for p in order)),
+                               strict=True))
+            scores, dprobs = results["s"], results["dp"]
             scores, slope = common.log2_scores(score_spec, scores, batch, head,
                                                functools.partial(indices, kv_block),
                                                slope=True)
@@ -748,8 +804,9 @@ def _backward(q: Array, k: Array, v: Array, kmask: KernelMask, out: Array, lse: 
         raise ValueError(f"mask tiles {(layout.block_q, layout.block_kv)} differ from the "
                          f"kernels' {(config.block_q, config.block_kv)}")
     dim, dim_v = padded_head_dims(head_dim, head_dim_v)
-    if max(dim, dim_v) > MAX_HEAD_DIM:
-        raise ValueError(f"head dims {head_dim}, {head_dim_v} exceed {MAX_HEAD_DIM}")
+    if dim is None or dim_v is None:
+        raise ValueError(f"head dims {head_dim}, {head_dim_v}: the kernels take at most "
+                         f"{common.SUPPORTED_HEAD_DIMS[-1]}")
 
     delta = softmax_delta(out, dout, dlse)
     q_padded = layout.padded_q_len
@@ -786,9 +843,10 @@ def _backward(q: Array, k: Array, v: Array, kmask: KernelMask, out: Array, lse: 
     params = plgpu.CompilerParams(approx_math=True)
 
     def dkv_kernel(s: _Statics, *extra):
+        shapes = {"dk": jax.ShapeDtypeStruct(k.shape, k.dtype),
+                  "dv": jax.ShapeDtypeStruct(v.shape, v.dtype)}
         return (compat.mosaic_kernel_accumulating if s.fused_dq else compat.mosaic_kernel)(
-            functools.partial(_dkv_kernel, s),
-            (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+            functools.partial(_dkv_kernel, s), tuple(shapes[name] for name in s.gradients),
             scratch_types=_dkv_scratch(s),
             # Blocks of one head side by side (the last axis varies fastest), sharing its
             # Q/dO in L2.
@@ -808,7 +866,11 @@ def _backward(q: Array, k: Array, v: Array, kmask: KernelMask, out: Array, lse: 
 
     unpad = lambda x, length, d: x[:, :length, :, :d]
     if fused_configs is None:
-        dk, dv = dkv_kernel(statics)
+        if config.split_dkdv:
+            (dk,) = dkv_kernel(dataclasses.replace(statics, gradients=("dk",)))
+            (dv,) = dkv_kernel(dataclasses.replace(statics, gradients=("dv",)))
+        else:
+            dk, dv = dkv_kernel(statics)
         dq = dq_kernel(statics)
         return (unpad(dq, q_len, head_dim), unpad(dk, kv_len, head_dim),
                 unpad(dv, kv_len, head_dim_v), delta)

@@ -381,7 +381,7 @@ def wait_released(consumed_barrier, *, interpret: bool) -> None:
 
 def produce_kv_blocks(walk_smem, count, *, stages: int, block_kv: int, batch, kv_head,
                       offsets: tuple[int, int, int], k, v, consumed, interpret: bool,
-                      kv_leaves=None, partial=None, first_step=0) -> None:
+                      kv_leaves=None, partial=None, first_step=0, v_first=False) -> None:
     """The producer loop of one q-block: TMA-loads its active kv-blocks into the ring.
 
     ``k`` and ``v`` are (gmem ref, smem ring, "loaded" barriers); ``consumed``
@@ -391,7 +391,8 @@ def produce_kv_blocks(walk_smem, count, *, stages: int, block_kv: int, batch, kv
     only after its previous K (V) was consumed. The caller drains the ring
     after its last q-block (`drain_ring`). ``kv_leaves`` (stacked kv mask
     leaves) and ``partial`` (stored int8 tiles, loaded for PARTIAL tiles only)
-    are optional (ref, ring, barriers) triples.
+    are optional (ref, ring, barriers) triples. K is loaded before V, or with
+    ``v_first`` after it: the order in which the consumers release them.
     """
     index_offset, flags_offset, partial_offset = offsets
     k_consumed, v_consumed = consumed
@@ -412,10 +413,14 @@ def produce_kv_blocks(walk_smem, count, *, stages: int, block_kv: int, batch, kv
             def _():
                 wait_released(consumed.at[slot], interpret=interpret)
 
-        k_ref, k_smem, k_barriers = k
-        wait_slot(k_consumed)
-        plgpu.copy_gmem_to_smem(k_ref.at[batch, rows_kv, kv_head], k_smem.at[slot],
-                                k_barriers.at[slot])
+        def load_k():
+            k_ref, k_smem, k_barriers = k
+            wait_slot(k_consumed)
+            plgpu.copy_gmem_to_smem(k_ref.at[batch, rows_kv, kv_head], k_smem.at[slot],
+                                    k_barriers.at[slot])
+
+        if not v_first:
+            load_k()
         wait_slot(v_consumed)
         if kv_leaves is not None:
             leaf_ref, leaf_smem, leaf_barriers = kv_leaves
@@ -433,6 +438,8 @@ def produce_kv_blocks(walk_smem, count, *, stages: int, block_kv: int, batch, kv
         v_ref, v_smem, v_barriers = v
         plgpu.copy_gmem_to_smem(v_ref.at[batch, rows_kv, kv_head], v_smem.at[slot],
                                 v_barriers.at[slot])
+        if v_first:
+            load_k()
 
 
 def drain_ring(num_steps, stages: int, *consumed) -> None:

@@ -132,16 +132,8 @@ def test_score_mod_captures_beyond_element_reads_are_declined(captured, score_mo
 _SLOPES = jnp.ones((2,), jnp.float32)
 
 
-@pytest.mark.parametrize("head_dim,block_kv,score_mod,mosaic_backward", [
-    (128, None, None, True),
-    (256, None, None, False),  # 64-row float32 accumulators of 256 columns exceed registers.
-    (64, 64, None, True),
-    (64, None, lambda s, b, h, i, j: s - 0.1 * (i - j), True),
-    (64, None, lambda s, b, h, i, j: s - _SLOPES[h] * (i - j), True),  # captures an array
-])
-def test_backward_falls_back_where_mosaic_has_none(head_dim, block_kv, score_mod,
-                                                   mosaic_backward, monkeypatch):
-    """The fallback is the next backend in the device's order (Triton on GPUs)."""
+def _backward_backends(head_dim, block_kv, score_mod, monkeypatch) -> list[str]:
+    """The backward backends planned for a default-dispatch call on interpreted kernels."""
     monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
     names = record_backward_backends(monkeypatch)
     q = jax.ShapeDtypeStruct((1, 256, 2, head_dim), jnp.bfloat16)
@@ -149,7 +141,27 @@ def test_backward_falls_back_where_mosaic_has_none(head_dim, block_kv, score_mod
         lambda b, h, i, j: i >= j, None, None, 256, 256, (128, block_kv))
     jax.eval_shape(lambda q: omni_jax.attention(q, q, q, mask=mask, score_mod=score_mod,
                                                 implementation="mosaic"), q)
-    assert len(names) == 1 and (names[0] == "mosaic") == mosaic_backward, names
+    return names
+
+
+@pytest.mark.parametrize("head_dim,block_kv,score_mod", [
+    (128, None, None),
+    (256, None, None),
+    (64, 64, None),
+    (64, None, lambda s, b, h, i, j: s - 0.1 * (i - j)),
+    (64, None, lambda s, b, h, i, j: s - _SLOPES[h] * (i - j)),  # captures an array
+])
+def test_backward_is_mosaic_where_the_forward_is(head_dim, block_kv, score_mod, monkeypatch):
+    assert _backward_backends(head_dim, block_kv, score_mod, monkeypatch) == ["mosaic"]
+
+
+def test_backward_falls_back_without_a_config(monkeypatch):
+    """Every head dim the forward takes has a backward config; a problem without one
+    (say, a head dim added to the forward alone) still trains, through the next backend
+    in the device's order (Triton on GPUs)."""
+    monkeypatch.setattr(bwd, "backward_config", lambda *args, **kwargs: None)
+    names = _backward_backends(128, None, None, monkeypatch)
+    assert len(names) == 1 and names[0] != "mosaic", names
 
 
 @pytest.mark.gpu
@@ -164,7 +176,10 @@ def test_backward_falls_back_where_mosaic_has_none(head_dim, block_kv, score_mod
 ], ids=lambda case: case.name)
 def test_wide_head_dims_compiled(case, head_dim, q_blocks_per_cta, monkeypatch):
     """The suite runs compiled at head dim 32; these are the forward's other configs (96
-    on 128's, 192 on 256's tiles) with one and two q-blocks per CTA."""
+    on 128's, 192 on 256's tiles) with one and two q-blocks per CTA, and the backward's
+    (above 128, dK and dV by launches of their own)."""
     force_config_fields(monkeypatch, fwd, "forward_config", q_blocks_per_cta=q_blocks_per_cta)
+    backends = record_backward_backends(monkeypatch)
     check_case("mosaic", dataclasses.replace(case, head_dim=head_dim), "bfloat16", (128, 64),
-               check_gradients=False, block_rows=32)
+               block_rows=32)
+    assert set(backends) == {"mosaic"}, backends

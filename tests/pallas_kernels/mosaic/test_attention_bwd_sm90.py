@@ -70,7 +70,17 @@ CASES = (
     # Dense (FULL tiles only), GQA at head dim 128: the fused dQ splits its columns
     # between the two consumers, and each CTA walks two heads' steps.
     Case("dense_gqa_d128", "bfloat16", 1, 256, 256, 4, 2, 128, 128, 128, True, "dense"),
+    # The wide head dims' tiles (64 kv rows, `split_dkdv` by default): 256, and
+    # DeepSeek's query-key 192 with value 128 under GQA, ragged and causal.
+    Case("causal_d256", "bfloat16", 1, 256, 256, 2, 1, 256, 256, 64, True, "causal"),
+    Case("causal_ragged_gqa_d192_v128", "float16", 1, 150, 200, 4, 2, 192, 128, 64, False,
+         "causal"),
 )
+# How dK, dV and dQ are summed: one dK/dV launch and the dQ kernel, dQ fused into the
+# dK/dV launch, or dK and dV in launches of their own (with the dQ kernel's V-first
+# order, as the wide head dims' config has it).
+VARIANTS = {"dq_kernel": {}, "fused_dq": {"fused_dq": True},
+            "split_dkdv": {"split_dkdv": True, "dq_v_first": True}}
 
 
 def _score_mod(s, b, h, i, j):
@@ -103,11 +113,11 @@ def _mask(case: Case, rng):
 
 
 @pytest.mark.interpreted
-@pytest.mark.parametrize("fused_dq", [False, True], ids=["dq_kernel", "fused_dq"])
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_gradients_match_float64(case: Case, fused_dq: bool, _interpreted):
-    if fused_dq and not bwd.fused_dq_splits(bwd.padded_head_dim(case.head_dim),
-                                            case.block_kv // bwd.ROWS_PER_CONSUMER):
+def test_gradients_match_float64(case: Case, variant: str, _interpreted):
+    if variant == "fused_dq" and not bwd.fused_dq_splits(
+            bwd.padded_head_dim(case.head_dim), case.block_kv // bwd.ROWS_PER_CONSUMER):
         pytest.skip("the fused dQ declines this head dim (the dQ kernel serves it)")
     seed = int(np.random.default_rng().integers(2**31))
     rng = np.random.default_rng(seed)
@@ -141,7 +151,7 @@ def test_gradients_match_float64(case: Case, fused_dq: bool, _interpreted):
         params = dataclasses.replace(params, uninitialized_memory="nan")
     # Few stages, so that the producers wait for consumed slots before refilling them.
     config = bwd.BackwardConfig(block_kv=case.block_kv, dkv_stages=2, dq_stages=1,
-                                fused_dq=fused_dq)
+                                **VARIANTS[variant])
     scale = case.scale if case.scale is not None else 1.0 / np.sqrt(case.head_dim)
     grads = bwd.attention_backward(
         q, k, v, kmask, layout, jnp.asarray(out, case.dtype), jnp.asarray(lse, jnp.float32),
@@ -204,15 +214,28 @@ def test_fused_dq_serves_where_columns_split(head_dim, consumers, splits):
     assert bwd.fused_dq_splits(head_dim, consumers) == splits
 
 
-def test_configs_fit_shared_memory():
-    for head_dim in (64, 96, 128):
-        config = bwd.backward_config(head_dim, jnp.bfloat16, causal=True)
-        for has_partial in (False, True):
-            fitted = bwd.fit_config(config, 219 * 1024, head_dim, head_dim, 2, has_partial)
-            assert fitted is not None and fitted.block_kv == 128
-    assert bwd.backward_config(256, jnp.bfloat16, causal=False) is None
+@pytest.mark.parametrize("head_dim,head_dim_v,block_kv", [
+    (64, 64, 128), (96, 96, 128), (128, 128, 128), (192, 128, 64), (192, 192, 64),
+    (256, 256, 64)])
+def test_configs_fit_shared_memory(head_dim, head_dim_v, block_kv):
+    config = bwd.backward_config(max(head_dim, head_dim_v), jnp.bfloat16, causal=True)
+    assert config.split_dkdv == (head_dim > 128)  # dK and dV apart above 128
+    for has_partial in (False, True):
+        fitted = bwd.fit_config(config, 219 * 1024, head_dim, head_dim_v, 2, has_partial)
+        assert fitted is not None and fitted.block_kv == block_kv
+
+
+def test_configs_reject_bad_fields():
+    assert bwd.backward_config(320, jnp.bfloat16, causal=False) is None
     with pytest.raises(ValueError, match="block_kv"):
         bwd.BackwardConfig(block_kv=192, dkv_stages=2, dq_stages=2)
+    with pytest.raises(ValueError, match="split_dkdv"):
+        bwd.BackwardConfig(block_kv=64, dkv_stages=2, dq_stages=2, fused_dq=True,
+                           split_dkdv=True)
+    for registers in (236, 248):  # not a multiple of 8; more than the producer can give
+        with pytest.raises(ValueError, match="dq_consumer_registers"):
+            bwd.BackwardConfig(block_kv=64, dkv_stages=2, dq_stages=2,
+                               dq_consumer_registers=registers)
 
 
 @pytest.mark.gpu
@@ -222,6 +245,8 @@ def test_configs_fit_shared_memory():
     ("bfloat16", 128, 1000, "causal"),
     ("float16", 64, 2048, "documents"),
     ("bfloat16", 96, 777, "dense"),
+    ("bfloat16", 256, 1000, "causal"),
+    ("float16", 192, 900, "documents"),
 ])
 def test_long_sequences_compiled(dtype, head_dim, seq, mask):
     rng = np.random.default_rng()

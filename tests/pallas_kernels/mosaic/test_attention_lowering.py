@@ -64,7 +64,8 @@ VARIANTS = {
     # beside K, both in K's 64-byte swizzle.
     "partial_tiles_hd80_value_dim_128_block_kv_64": dict(shape=(1, 256, 2, 80), kv_heads=1,
                                                           head_dim_v=128, mask=64),
-    # DeepSeek's head dims (query-key 192, value 128): no padding to 256; Triton's backward.
+    # DeepSeek's head dims (query-key 192, value 128): no padding to 256; dK and dV in
+    # launches of their own.
     "hd192_value_dim_128": dict(shape=(1, 256, 2, 192), kv_heads=1, head_dim_v=128,
                                 is_causal=True),
     # 192 beside 256 pads to 256 (`padded_head_dims`): with a separate O buffer the
@@ -89,9 +90,7 @@ VARIANTS = {
 }
 
 
-# Head dims above 128 have no Mosaic backward (Triton serves them): see
-# test_backward_fallbacks.
-BACKWARD_VARIANTS = sorted(name for name in VARIANTS if not name.startswith(("hd192", "hd256")))
+BACKWARD_VARIANTS = sorted(VARIANTS)
 
 
 def _arguments(name):
@@ -157,6 +156,9 @@ def test_backward_lowers_for_cuda(name, _compiled_mosaic):
     ("dense_hd96", {}, 3, False),
     ("dense_hd80_value_dim_128", {}, 3, False),
     ("partial_tiles_hd80_value_dim_128_block_kv_64", {"fused_dq_min_full_walk": 0.0}, 3, True),
+    # Above head dim 128: the forward, dK, dV and dQ launches (`split_dkdv`).
+    ("hd256_value_dim_64", {}, 4, False),
+    ("hd192_value_dim_128", {}, 4, False),
 ])
 def test_backward_launches(name, fields, launches, fused, _compiled_mosaic, monkeypatch):
     """Which kernels a gradient launches, by its head dim, its mask's walks and the
@@ -182,7 +184,7 @@ def test_backward_launches(name, fields, launches, fused, _compiled_mosaic, monk
 def test_any_head_dims_lower_or_decline(head_dim, head_dim_v, mask, backward,
                                         _compiled_mosaic):
     """Any pair of head dims up to 256, under any mask, either lowers (shared-memory
-    budget included; the backward above 128 lowers Triton's) or is declined at trace time
+    budget included) or is declined at trace time
     for its shared memory: never a kernel that fails to build on the GPU (192 beside 256
     did, 2026-11-27)."""
     kwargs = {"is_causal": True} if mask == "causal" else {}
