@@ -171,7 +171,8 @@ class MosaicBackend(AttentionBackend):
         dims = fwd.padded_head_dims(problem.head_dim, problem.head_dim_v)
         config = bwd.backward_config(max(dims), problem.dtype, causal=False)
         if config is None:
-            return f"head_dim={problem.head_dim}, head_dim_v={problem.head_dim_v}"
+            return (f"head_dim={problem.head_dim}, head_dim_v={problem.head_dim_v} (padded "
+                    f"to {dims}) has no backward config")
         block_kv = (problem.block_size or self.block_size(problem))[1]
         if block_kv not in bwd.SUPPORTED_BLOCK_KV:
             return (f"BlockMask block_kv={block_kv}: the Mosaic backward takes "
