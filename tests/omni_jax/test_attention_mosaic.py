@@ -164,6 +164,25 @@ def test_backward_falls_back_without_a_config(monkeypatch):
     assert len(names) == 1 and names[0] != "mosaic", names
 
 
+@pytest.fixture
+def _interpreted(monkeypatch):
+    yield from interpreted_mosaic(monkeypatch)
+
+
+@pytest.mark.interpreted
+@pytest.mark.parametrize("head_dim,head_dim_v", [(256, None), (192, 128)])
+def test_wide_head_dims_interpreted(head_dim, head_dim_v, monkeypatch, _interpreted):
+    """The public call above head dim 128 with the default configs, fitted to shared
+    memory as on the GPU: dK and dV in launches of their own, the dQ kernel's V-first
+    order; ragged causal under GQA."""
+    backends = record_backward_backends(monkeypatch)
+    case = Case("causal_ragged_gqa", batch=1, q_len=200, kv_len=260, heads=2, kv_heads=1,
+                head_dim=head_dim, head_dim_v=head_dim_v, is_causal=True)
+    check_case("mosaic", case, "bfloat16", (128, 64), block_rows=32)
+    assert set(backends) == {"mosaic"}, backends
+    assert bwd.backward_config(head_dim, jnp.bfloat16, causal=True).dq_v_first
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(runtime.interpret_requested() or runtime.gpu_compute_capability() != (9, 0),
                     reason="needs an sm90 GPU (compiled Mosaic-GPU kernels)")
