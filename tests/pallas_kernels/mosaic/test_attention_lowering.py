@@ -184,9 +184,8 @@ def test_backward_launches(name, fields, launches, fused, _compiled_mosaic, monk
 def test_any_head_dims_lower_or_decline(head_dim, head_dim_v, mask, backward,
                                         _compiled_mosaic):
     """Any pair of head dims up to 256, under any mask, either lowers (shared-memory
-    budget included) or is declined at trace time
-    for its shared memory: never a kernel that fails to build on the GPU (192 beside 256
-    did, 2026-11-27)."""
+    budget included) or is declined at trace time for its shared memory: never a kernel
+    that fails to build on the GPU (192 beside 256 did, 2026-11-27)."""
     kwargs = {"is_causal": True} if mask == "causal" else {}
     if isinstance(mask, int):
         kwargs["mask"] = _generic_mask(256, mask)
