@@ -81,6 +81,9 @@ Array = Any
 
 Q_STEP = 64  # q rows per dK/dV step: a q-block is walked as two halves.
 NUM_DQ_CONSUMERS = BLOCK_Q // ROWS_PER_CONSUMER
+# Registers a thread of each of a dQ CTA's three warpgroups (65536 / 384, a multiple of
+# 8): what `set_max_registers` moves between producer and consumers must sum within it.
+DQ_LAUNCH_REGISTERS = 168 * 3
 SUPPORTED_BLOCK_KV = (64, 128)  # 64 kv rows per dK/dV consumer warpgroup: 1 or 2 of them.
 
 
@@ -114,8 +117,8 @@ class BackwardConfig:
     # warpgroup's registers. The dV launch skips dO V^T; both compute S.
     split_dkdv: bool = False
     # Registers a thread of each dQ consumer warpgroup takes from the producer, which
-    # keeps the rest (at most 40) of the 3 x 168 a thread the launch allocates: the
-    # warpgroups' increases wait for registers the decreases freed, so the sum must fit.
+    # keeps the rest (at most 40) of `DQ_LAUNCH_REGISTERS`: the warpgroups' increases
+    # wait for registers the decreases freed, so the sum must fit (240 leaves it 24).
     dq_consumer_registers: int = 232
     # The dQ kernel's producer loads V before K, the order the consumers release them
     # (V after dP, K after dS K), and its consumers issue dP before S, so that with one
@@ -610,7 +613,7 @@ def _dq_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *r
 
     @pl.when(wg == NUM_DQ_CONSUMERS)
     def _producer():
-        plgpu.set_max_registers(min(40, 504 - 2 * cfg.dq_consumer_registers),
+        plgpu.set_max_registers(min(40, DQ_LAUNCH_REGISTERS - 2 * cfg.dq_consumer_registers),
                                 action="decrease")
         common.load_captured(s, captured_ref, captured_smem, captured_barrier)
         count = common.load_q_block_walk(
@@ -669,12 +672,12 @@ def _dq_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *r
             flags = common.walk_entry(walk_smem, flags_offset + step)
             k_block = k_ring.at[slot]
 
-            products = {"s": (q_tile, _transposed(k_block), k_ready.at[slot]),
-                        "dp": (do_tile, _transposed(v_ring.at[slot]), v_ready.at[slot])}
-            order = ("dp", "s") if cfg.dq_v_first else ("s", "dp")
-            results = dict(zip(order, _products(tile, *(products[p] for p in order)),
-                               strict=True))
-            scores, dprobs = results["s"], results["dp"]
+            s_operands = (q_tile, _transposed(k_block), k_ready.at[slot])
+            dp_operands = (do_tile, _transposed(v_ring.at[slot]), v_ready.at[slot])
+            if cfg.dq_v_first:
+                dprobs, scores = _products(tile, dp_operands, s_operands)
+            else:
+                scores, dprobs = _products(tile, s_operands, dp_operands)
             scores, slope = common.log2_scores(score_spec, scores, batch, head,
                                                functools.partial(indices, kv_block),
                                                slope=True)
