@@ -67,13 +67,21 @@ class Case:
     mask: str
     backward: bool
     dtype: str = "bfloat16"
+    # The value head dim when it differs from the query-key one (DeepSeek's MLA in
+    # training: query-key 192, value 128); named "d192v128".
+    value_head_dim: int | None = None
 
     @property
     def name(self) -> str:
         direction = "fwd+bwd" if self.backward else "fwd"
         dtype = "" if self.dtype == "bfloat16" else f" {self.dtype}"
-        return (f"{self.mask} b{self.batch} s{self.seq} h{self.heads} d{self.head_dim} "
+        value = "" if self.value_head_dim is None else f"v{self.value_head_dim}"
+        return (f"{self.mask} b{self.batch} s{self.seq} h{self.heads} d{self.head_dim}{value} "
                 f"{direction}{dtype}")
+
+    @property
+    def v_head_dim(self) -> int:
+        return self.head_dim if self.value_head_dim is None else self.value_head_dim
 
 
 def default_cases(tiny: bool) -> list[Case]:
@@ -96,6 +104,9 @@ def default_cases(tiny: bool) -> list[Case]:
         for mask in ("dense", "causal"):
             for backward in (False, True):
                 cases.append(Case(4, 4096, 16, head_dim, mask, backward))
+    for mask in ("dense", "causal"):
+        for backward in (False, True):
+            cases.append(Case(4, 4096, 16, 192, mask, backward, value_head_dim=128))
     # Head dim 96 (Phi-3 and others): the Mosaic kernels serve it natively, not padded.
     for mask in ("dense", "causal"):
         for backward in (False, True):
@@ -132,7 +143,8 @@ def visible_pairs(case: Case) -> float:
 
 
 def case_flops(case: Case) -> float:
-    forward = 4.0 * case.batch * case.heads * case.head_dim * visible_pairs(case)
+    head_dims = case.head_dim + case.v_head_dim
+    forward = 2.0 * case.batch * case.heads * head_dims * visible_pairs(case)
     return forward * 3.5 if case.backward else forward
 
 
@@ -394,10 +406,12 @@ def _timed_fn(attention: Callable, backward: bool) -> Callable:
 
 def _inputs(case: Case, copies: int) -> list[tuple]:
     shape = (case.batch, case.seq, case.heads, case.head_dim)
+    value_shape = (*shape[:3], case.v_head_dim)
     sets = []
     for i in range(copies):
         keys = jax.random.split(jax.random.key(i), 4)
-        arrays = [jax.random.normal(key, shape, case.dtype) for key in keys]
+        arrays = [jax.random.normal(key, value_shape if j >= 2 else shape, case.dtype)
+                  for j, key in enumerate(keys)]
         sets.append(tuple(arrays) if case.backward else tuple(arrays[:3]))
     return sets
 

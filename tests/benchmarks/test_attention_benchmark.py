@@ -89,6 +89,20 @@ def test_visible_pairs_count_the_masks_elements(mask):
     assert attention.visible_pairs(case) == int(np.asarray(dense).sum())
 
 
+def test_a_value_head_dim_case_shapes_values_and_counts_both_products():
+    """A "d192v128" case gives values (and the output gradient) their own head dim, and its
+    FLOP count takes each product at its own width."""
+    case = attention.Case(1, 64, 2, 48, "causal", True, "float32", value_head_dim=16)
+    assert "d48v16 fwd+bwd" in case.name
+    q, k, v, dout = attention._inputs(case, 1)[0]
+    assert q.shape == k.shape == (1, 64, 2, 48)
+    assert v.shape == dout.shape == (1, 64, 2, 16)
+    grads = attention._timed_fn(attention.builder("omni_xla")(case), True)(q, k, v, dout)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    same_width = attention.Case(1, 64, 2, 32, "causal", True, "float32")
+    assert attention.case_flops(case) == attention.case_flops(same_width)
+
+
 def test_a_case_is_timed_together_and_failures_are_rows(monkeypatch, timed_together):
     """Failures while traced are rows: `Unsupported` a skip, anything else a failure."""
     groups = timed_together(attention)
