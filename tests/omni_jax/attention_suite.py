@@ -236,11 +236,16 @@ def check_case(implementation: str | None, case: Case, dtype: str,
         # problems as small as 10 x 7 give 8-10% in bfloat16 on every backend, XLA too.
         # Position-dependent score_mods amplify it with the distance (ALiBi over 485
         # queries and 8 keys: 13% from the kernels, 24% from XLA). The bound is then what
-        # the XLA backend's formulation reaches on the same inputs, doubled.
+        # the XLA backend reaches on the same inputs, four times: the kernels round P to
+        # the input dtype before P V (as FlashAttention does), XLA keeps it in float32, and
+        # the cancelling sums amplify that rounding of the output (every backend computes
+        # dcaptured by XLA's backward from its own forward's output). Triton's and Mosaic's
+        # outputs on 13 random ALiBi problems (causal, softcap, 783 x 365, bfloat16) gave
+        # 0.7-2.1x XLA's dcaptured error where that was above 1%, up to 8.7x below it.
         cancelling = bool(block_rows) and name in ("dsinks", "dcaptured")
         limit = 4 * tolerance if cancelling else 2 * tolerance
         if error >= limit and cancelling and implementation != "xla":
-            limit = max(limit, 2 * relative_error(xla_grads()[names.index(name)], ref))
+            limit = max(limit, 4 * relative_error(xla_grads()[names.index(name)], ref))
         assert error < limit, (context, name, error, limit)
         if block_rows and name in ("dq", "dk", "dv"):
             error = worst_block_error(grad, ref, 1, block_rows)
