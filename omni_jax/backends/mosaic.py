@@ -169,7 +169,7 @@ class MosaicBackend(AttentionBackend):
     def _backward_config(self, problem: AttentionProblem) -> bwd.BackwardConfig | str:
         """The backward kernels' config for ``problem``, or why they cannot serve it."""
         dims = fwd.padded_head_dims(problem.head_dim, problem.head_dim_v)
-        config = bwd.backward_config(max(dims), problem.dtype, causal=False)
+        config = bwd.backward_config(*dims, problem.dtype, causal=False)
         if config is None:
             return (f"head_dim={problem.head_dim}, head_dim_v={problem.head_dim_v} (padded "
                     f"to {dims}) has no backward config")

@@ -32,6 +32,8 @@ consumer a CTA) dK and dV, 64 x 256 float32 each, would fill a warpgroup's
 registers with no room for the score tiles: `BackwardConfig.split_dkdv` sums
 them in two launches of the dK/dV kernel, one accumulator each
 (`_Statics.gradients`); the dQ kernel's single accumulator fits as it is.
+Narrower pairs (DeepSeek's query-key 192 and value 128) keep one launch
+(`MAX_UNSPLIT_DKDV_WIDTH`).
 
 Fused dQ (`BackwardConfig.fused_dq`): the dQ kernel recomputes S and dP, so a
 tile takes 7 matmuls where FlashAttention-3 takes 5. Fused, each dK/dV consumer
@@ -112,9 +114,9 @@ class BackwardConfig:
     # kernel: s4096 and s8192 (15.5 and 31.5 FULL q-blocks) 5% and 1% slower, s16384
     # (63.5) 2-4% and s32768 (127.5) 10% faster.
     fused_dq_min_full_walk: float = 48.0
-    # dK and dV summed by dK/dV launches of their own, one float32 accumulator each: above
-    # head dim 128 the two (64 x 256 float32: 128 registers a thread each) exceed a
-    # warpgroup's registers. The dV launch skips dO V^T; both compute S.
+    # dK and dV summed by dK/dV launches of their own, one float32 accumulator each: at
+    # head dims 192 and 256 the two (64 x 256 float32: 128 registers a thread each) exceed
+    # a warpgroup's registers. The dV launch skips dO V^T; both compute S.
     split_dkdv: bool = False
     # Registers a thread of each dQ consumer warpgroup takes from the producer, which
     # keeps the rest (at most 40) of `DQ_LAUNCH_REGISTERS`: the warpgroups' increases
@@ -165,10 +167,22 @@ _CONFIGS[192] = _CONFIGS[256]
 _CONFIGS[96] = _CONFIGS[128]
 
 
-def backward_config(head_dim: int, dtype: Any, causal: bool) -> BackwardConfig | None:
-    """The tuned config for a (padded) head dim, or None above the kernels' largest."""
+# The widest (head_dim + head_dim_v) whose dK and dV one dK/dV launch sums: a 64-row
+# consumer holds (head_dim + head_dim_v) / 2 float32 registers a thread of them. H100,
+# 2026-11-27 (benchmarks/RESULTS.md), fwd+bwd: query-key 192 / value 128 and 256 / 64 in
+# one launch 13-17% faster than split; 192 / 192 24-33% slower, 256 / 256 twice as slow.
+MAX_UNSPLIT_DKDV_WIDTH = 320
+
+
+def backward_config(head_dim: int, head_dim_v: int, dtype: Any,
+                    causal: bool) -> BackwardConfig | None:
+    """The tuned config for (padded) head dims, or None above the kernels' largest."""
     del dtype, causal  # Same tiles for both 16-bit types; the mask walk skips the rest.
-    return _CONFIGS.get(padded_head_dim(head_dim))
+    config = _CONFIGS.get(padded_head_dim(max(head_dim, head_dim_v)))
+    if config is not None and config.split_dkdv and (
+            head_dim + head_dim_v <= MAX_UNSPLIT_DKDV_WIDTH):
+        config = dataclasses.replace(config, split_dkdv=False)
+    return config
 
 
 def smem_bytes(config: BackwardConfig, head_dim: int, head_dim_v: int, itemsize: int,

@@ -173,14 +173,15 @@ def _interpreted(monkeypatch):
 @pytest.mark.parametrize("head_dim,head_dim_v", [(256, None), (192, 128)])
 def test_wide_head_dims_interpreted(head_dim, head_dim_v, monkeypatch, _interpreted):
     """The public call above head dim 128 with the default configs, fitted to shared
-    memory as on the GPU: dK and dV in launches of their own, the dQ kernel's V-first
-    order; ragged causal under GQA."""
+    memory as on the GPU: dK and dV in launches of their own at 256 (one at 192 / 128),
+    the dQ kernel's V-first order; ragged causal under GQA."""
     backends = record_backward_backends(monkeypatch)
     case = Case("causal_ragged_gqa", batch=1, q_len=200, kv_len=260, heads=2, kv_heads=1,
                 head_dim=head_dim, head_dim_v=head_dim_v, is_causal=True)
     check_case("mosaic", case, "bfloat16", (128, 64), block_rows=32)
     assert set(backends) == {"mosaic"}, backends
-    assert bwd.backward_config(head_dim, jnp.bfloat16, causal=True).dq_v_first
+    config = bwd.backward_config(head_dim, head_dim_v or head_dim, jnp.bfloat16, causal=True)
+    assert config.dq_v_first and config.split_dkdv == (head_dim_v is None)
 
 
 @pytest.mark.gpu

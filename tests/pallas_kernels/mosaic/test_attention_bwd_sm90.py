@@ -218,15 +218,16 @@ def test_fused_dq_serves_where_columns_split(head_dim, consumers, splits):
     (64, 64, 128), (96, 96, 128), (128, 128, 128), (192, 128, 64), (192, 192, 64),
     (256, 256, 64)])
 def test_configs_fit_shared_memory(head_dim, head_dim_v, block_kv):
-    config = bwd.backward_config(max(head_dim, head_dim_v), jnp.bfloat16, causal=True)
-    assert config.split_dkdv == (head_dim > 128)  # dK and dV apart above 128
+    config = bwd.backward_config(head_dim, head_dim_v, jnp.bfloat16, causal=True)
+    # dK and dV apart where both exceed a consumer's registers.
+    assert config.split_dkdv == (head_dim + head_dim_v > 320)
     for has_partial in (False, True):
         fitted = bwd.fit_config(config, 219 * 1024, head_dim, head_dim_v, 2, has_partial)
         assert fitted is not None and fitted.block_kv == block_kv
 
 
 def test_configs_reject_bad_fields():
-    assert bwd.backward_config(320, jnp.bfloat16, causal=False) is None
+    assert bwd.backward_config(320, 320, jnp.bfloat16, causal=False) is None
     with pytest.raises(ValueError, match="block_kv"):
         bwd.BackwardConfig(block_kv=192, dkv_stages=2, dq_stages=2)
     with pytest.raises(ValueError, match="split_dkdv"):

@@ -64,8 +64,8 @@ VARIANTS = {
     # beside K, both in K's 64-byte swizzle.
     "partial_tiles_hd80_value_dim_128_block_kv_64": dict(shape=(1, 256, 2, 80), kv_heads=1,
                                                           head_dim_v=128, mask=64),
-    # DeepSeek's head dims (query-key 192, value 128): no padding to 256; dK and dV in
-    # launches of their own.
+    # DeepSeek's head dims (query-key 192, value 128): no padding to 256; dK and dV in one
+    # launch (both fit a consumer's registers).
     "hd192_value_dim_128": dict(shape=(1, 256, 2, 192), kv_heads=1, head_dim_v=128,
                                 is_causal=True),
     # 192 beside 256 pads to 256 (`padded_head_dims`): with a separate O buffer the
@@ -156,9 +156,11 @@ def test_backward_lowers_for_cuda(name, _compiled_mosaic):
     ("dense_hd96", {}, 3, False),
     ("dense_hd80_value_dim_128", {}, 3, False),
     ("partial_tiles_hd80_value_dim_128_block_kv_64", {"fused_dq_min_full_walk": 0.0}, 3, True),
-    # Above head dim 128: the forward, dK, dV and dQ launches (`split_dkdv`).
-    ("hd256_value_dim_64", {}, 4, False),
-    ("hd192_value_dim_128", {}, 4, False),
+    # Above head dim 128: the forward, dK, dV and dQ launches (`split_dkdv`) where dK and
+    # dV together exceed a consumer's registers, else one dK/dV launch.
+    ("hd192_value_dim_256_stored_tiles", {}, 4, False),
+    ("hd256_value_dim_64", {}, 3, False),
+    ("hd192_value_dim_128", {}, 3, False),
 ])
 def test_backward_launches(name, fields, launches, fused, _compiled_mosaic, monkeypatch):
     """Which kernels a gradient launches, by its head dim, its mask's walks and the
