@@ -151,14 +151,17 @@ class BackwardConfig:
 
 # Per padded head dim (bf16 and fp16 alike, causal or not: the walk decides the work).
 # The block_kv matches the forward's (one BlockMask serves both passes); the stage
-# counts are upper bounds that `fit_config` lowers until shared memory fits.
+# counts are upper bounds that `fit_config` lowers until shared memory fits. Two dK/dV
+# stages where three fit: H100, 2026-11-27 (benchmarks/RESULTS.md), fwd+bwd even or
+# faster in every case (causal d128 s4096 6-10%, dense d192 2-9%, query-key 192 / value
+# 128 and 256 / 64 dense 10-13%); at head dim 64 four, three and two ran even.
 _CONFIGS = {
     64: BackwardConfig(block_kv=128, dkv_stages=4, dq_stages=3),
-    128: BackwardConfig(block_kv=128, dkv_stages=3, dq_stages=2, fused_dq=True),
-    # Fitted to 2 and 1 stages at 256, 3 and 2 at 192. The dQ kernel's 64 x 256 float32
-    # sum beside the mask code spills at 232 registers: H200, causal d256 fwd+bwd 9%
-    # faster at 240 (benchmarks/RESULTS.md, 2026-11-27).
-    256: BackwardConfig(block_kv=64, dkv_stages=3, dq_stages=2, split_dkdv=True,
+    128: BackwardConfig(block_kv=128, dkv_stages=2, dq_stages=2, fused_dq=True),
+    # The dQ kernel fitted to 1 stage at 256, 2 at 192. Its 64 x 256 float32 sum beside
+    # the mask code spills at 232 registers: H200, causal d256 fwd+bwd 9% faster at 240
+    # (benchmarks/RESULTS.md, 2026-11-27).
+    256: BackwardConfig(block_kv=64, dkv_stages=2, dq_stages=2, split_dkdv=True,
                         dq_consumer_registers=240, dq_v_first=True),
 }
 _CONFIGS[192] = _CONFIGS[256]
