@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import omni_jax
 from omni_jax.masks import BlockMask
@@ -22,6 +24,7 @@ from omni_jax.masks.construct import structured_tile_flags
 from pallas_kernels import compat, runtime
 from pallas_kernels.block_sparse import kernel_mask
 from pallas_kernels.mosaic import attention_bwd_sm90 as bwd
+from pallas_kernels.mosaic.attention_sm90_common import SMEM_LIMIT, padded_head_dims
 from tests.mosaic_interpret import interpreted_mosaic
 from tests.reference import dense_mask, reference_attention, relative_error
 
@@ -224,6 +227,22 @@ def test_configs_fit_shared_memory(head_dim, head_dim_v, block_kv):
     for has_partial in (False, True):
         fitted = bwd.fit_config(config, 219 * 1024, head_dim, head_dim_v, 2, has_partial)
         assert fitted is not None and fitted.block_kv == block_kv
+
+
+@settings(max_examples=60, deadline=None)
+@given(head_dim=st.integers(1, 256), head_dim_v=st.integers(1, 256), has_partial=st.booleans())
+def test_every_head_dim_pair_has_a_config_that_fits(head_dim, head_dim_v, has_partial):
+    """Any pair of head dims the forward takes gets a backward config that fits shared
+    memory at the forward's kv tiles, split exactly where dK and dV exceed a consumer."""
+    dims = padded_head_dims(head_dim, head_dim_v)
+    config = bwd.backward_config(*dims, jnp.bfloat16, causal=False)
+    assert config is not None
+    assert config.split_dkdv == (sum(dims) > bwd.MAX_UNSPLIT_DKDV_WIDTH)
+    assert not (config.split_dkdv and config.fused_dq)
+    block_kv = 128 if max(dims) <= 128 else 64  # the forward's tiles
+    fitted = bwd.fit_config(dataclasses.replace(config, block_kv=block_kv), SMEM_LIMIT,
+                            *dims, 2, has_partial)
+    assert fitted is not None
 
 
 def test_configs_reject_bad_fields():
