@@ -285,6 +285,8 @@ def _jax_nn(implementation: str) -> Callable[[Case], Callable]:
     def build(case: Case):
         if implementation == "cudnn" and jax.default_backend() != "gpu":
             raise Unsupported("cuDNN needs a GPU")
+        if case.value_head_dim not in (None, case.head_dim):
+            raise Unsupported("jax.nn.dot_product_attention takes no value head dim of its own")
         if case.mask in DOCUMENT_MASKS:
             if implementation != "cudnn":
                 raise Unsupported("jax.nn.dot_product_attention has no segment ids")

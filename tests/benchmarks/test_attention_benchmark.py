@@ -101,6 +101,8 @@ def test_a_value_head_dim_case_shapes_values_and_counts_both_products():
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
     same_width = attention.Case(1, 64, 2, 32, "causal", True, "float32")
     assert attention.case_flops(case) == attention.case_flops(same_width)
+    with pytest.raises(attention.Unsupported, match="value head dim"):
+        attention.builder("jax_xla")(case)
 
 
 def test_a_case_is_timed_together_and_failures_are_rows(monkeypatch, timed_together):
