@@ -188,18 +188,20 @@ def test_wide_head_dims_interpreted(head_dim, head_dim_v, monkeypatch, _interpre
 @pytest.mark.skipif(runtime.interpret_requested() or runtime.gpu_compute_capability() != (9, 0),
                     reason="needs an sm90 GPU (compiled Mosaic-GPU kernels)")
 @pytest.mark.parametrize("q_blocks_per_cta", [1, 2])
-@pytest.mark.parametrize("head_dim", [96, 192, 256])
+@pytest.mark.parametrize("head_dim,head_dim_v",
+                         [(96, None), (192, None), (256, None), (192, 128), (256, 64)])
 @pytest.mark.parametrize("case", [
     Case("causal_ragged", batch=1, q_len=700, kv_len=900, heads=2, kv_heads=1, is_causal=True),
     Case("causal_documents", batch=1, q_len=640, kv_len=640, heads=2, kv_heads=1,
          segments="packed", is_causal=True),
 ], ids=lambda case: case.name)
-def test_wide_head_dims_compiled(case, head_dim, q_blocks_per_cta, monkeypatch):
+def test_wide_head_dims_compiled(case, head_dim, head_dim_v, q_blocks_per_cta, monkeypatch):
     """The suite runs compiled at head dim 32; these are the forward's other configs (96
     on 128's, 192 on 256's tiles) with one and two q-blocks per CTA, and the backward's
-    (above 128, dK and dV by launches of their own)."""
+    (above 128: dK and dV by launches of their own at 192 and 256, by one launch at
+    192 / 128 and 256 / 64)."""
     force_config_fields(monkeypatch, fwd, "forward_config", q_blocks_per_cta=q_blocks_per_cta)
     backends = record_backward_backends(monkeypatch)
-    check_case("mosaic", dataclasses.replace(case, head_dim=head_dim), "bfloat16", (128, 64),
-               block_rows=32)
+    check_case("mosaic", dataclasses.replace(case, head_dim=head_dim, head_dim_v=head_dim_v),
+               "bfloat16", (128, 64), block_rows=32)
     assert set(backends) == {"mosaic"}, backends
