@@ -153,7 +153,7 @@ class BackwardConfig:
 # The block_kv matches the forward's (one BlockMask serves both passes); the stage
 # counts are upper bounds that `fit_config` lowers until shared memory fits. Two dK/dV
 # stages where three fit: H100, 2026-11-27 (benchmarks/RESULTS.md), fwd+bwd even or
-# faster in every case (causal d128 s4096 6-10%, dense d192 2-9%, query-key 192 / value
+# faster in every case (causal d128 s4096 3-10%, dense d192 2-9%, query-key 192 / value
 # 128 and 256 / 64 dense 10-13%); at head dim 64 four, three and two ran even.
 _CONFIGS = {
     64: BackwardConfig(block_kv=128, dkv_stages=4, dq_stages=3),
