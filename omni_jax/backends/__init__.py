@@ -5,7 +5,8 @@ preference, that runs here and serves the call: on Hopper (sm90) "mosaic",
 then "triton", then "xla"; on other sm80+ GPUs "triton", then "xla";
 elsewhere "xla", which serves everything. The backward pass uses the same
 backend when it can, else the next one in that order that can. Naming a
-backend that cannot serve the call raises a ValueError that says why.
+backend that cannot serve the call raises a ValueError that says why. The
+choice is logged to the ``omni_jax`` logger (`plan_attention`).
 """
 
 from __future__ import annotations
@@ -13,10 +14,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import logging
+from collections.abc import Callable, Iterable
 
 from omni_jax.backends.base import AttentionBackend
+from omni_jax.dispatch_log import log_once
 from omni_jax.problem import AttentionProblem
 from pallas_kernels import runtime
+
+logger = logging.getLogger(__name__)
 
 _BACKEND_CLASSES = {
     "xla": "omni_jax.backends.xla:XlaBackend",
@@ -83,13 +89,17 @@ def _why_not(backend: AttentionBackend, problem: AttentionProblem) -> str | None
 
 
 def plan_attention(implementation: str | None, problem: AttentionProblem) -> AttentionPlan:
-    """Chooses the forward and backward backends for ``problem``."""
+    """Chooses the forward and backward backends for ``problem``.
+
+    Logged to the ``omni_jax`` logger (each distinct plan once): at DEBUG every plan
+    with the reasons of the backends passed over, at INFO a backward that is not the
+    forward's backend (a slower one, in the device's order).
+    """
     order = preference_order()
     if implementation is None:
-        forward = next(get_backend(name) for name in order
-                       if _why_not(get_backend(name), problem) is None)
+        forward, declined = _first_serving(order, lambda b: _why_not(b, problem))
     else:
-        forward = get_backend(implementation)
+        forward, declined = get_backend(implementation), {}
         reason = _why_not(forward, problem)
         if reason is not None:
             raise ValueError(f"implementation={implementation!r} cannot serve this call: "
@@ -97,7 +107,36 @@ def plan_attention(implementation: str | None, problem: AttentionProblem) -> Att
     if problem.block_size is None:
         problem = problem.with_block_size(forward.block_size(problem))
     fallbacks = [forward.name, *(name for name in order if name != forward.name), "xla"]
-    backward = next(get_backend(name) for name in fallbacks
-                    if get_backend(name).unavailable_reason() is None
-                    and get_backend(name).backward_unsupported_reason(problem) is None)
+    backward, declined_backward = _first_serving(
+        fallbacks, lambda b: b.unavailable_reason() or b.backward_unsupported_reason(problem))
+    if backward is not forward:
+        log_once(logger, logging.INFO, f"{_describe(problem)}: forward {forward.name!r}, "
+                 f"backward {backward.name!r} ({_reasons(declined_backward)})")
+    elif logger.isEnabledFor(logging.DEBUG):
+        log_once(logger, logging.DEBUG, f"{_describe(problem)}: forward and backward "
+                 f"{forward.name!r}" + (f" ({_reasons(declined)})" if declined else ""))
     return AttentionPlan(problem, forward, backward)
+
+
+def _first_serving(names: Iterable[str], reason_not_to: Callable[[AttentionBackend], str | None],
+                   ) -> tuple[AttentionBackend, dict[str, str]]:
+    """The first backend of ``names`` without a reason not to serve, and the reasons of
+    those before it; "xla" serves every call."""
+    declined = {}
+    for name in names:
+        backend = get_backend(name)
+        reason = reason_not_to(backend)
+        if reason is None:
+            return backend, declined
+        declined[name] = reason
+    raise AssertionError(f"no attention backend serves this call: {declined}")
+
+
+def _reasons(declined: dict[str, str]) -> str:
+    return "; ".join(f"not {name}: {reason}" for name, reason in declined.items())
+
+
+def _describe(problem: AttentionProblem) -> str:
+    return (f"attention [batch {problem.batch}, {problem.q_len} x {problem.kv_len}, heads "
+            f"{problem.num_q_heads}/{problem.num_kv_heads}, head dims {problem.head_dim}/"
+            f"{problem.head_dim_v}, {problem.dtype}]")

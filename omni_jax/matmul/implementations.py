@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 from collections.abc import Hashable
 from types import ModuleType
 
+from omni_jax.dispatch_log import log_once
 from pallas_kernels import runtime
 from pallas_kernels.matmul_common import GemmProblem
+
+logger = logging.getLogger(__name__)
 
 _MODULES = {
     "xla": "omni_jax.matmul.xla",
@@ -66,9 +70,10 @@ def preference_order() -> tuple[str, ...]:
 
 
 def choose(implementation: str | None, problem: GemmProblem) -> str:
-    """The implementation that computes ``problem``."""
+    """The implementation that computes ``problem``; logged at DEBUG to the ``omni_jax``
+    logger (each distinct choice once) with the reasons of those passed over."""
     if implementation is None:
-        return next(name for name in preference_order() if why_not(name, problem) is None)
+        return _first_serving(preference_order(), problem, logging.DEBUG)
     reason = why_not(implementation, problem)
     if reason is not None:
         raise ValueError(
@@ -78,9 +83,29 @@ def choose(implementation: str | None, problem: GemmProblem) -> str:
 
 
 def fallback(preferred: str, problem: GemmProblem) -> str:
-    """``preferred`` if it serves ``problem`` (a backward GEMM), else the next that does."""
-    order = (preferred, *preference_order(), "xla")
-    return next(name for name in order if why_not(name, problem) is None)
+    """``preferred`` if it serves ``problem`` (a backward GEMM), else the next that does
+    (logged at INFO: a slower implementation than the forward's)."""
+    return _first_serving((preferred, *preference_order(), "xla"), problem, logging.INFO)
+
+
+def _first_serving(names: tuple[str, ...], problem: GemmProblem, passed_over_level: int) -> str:
+    """The first of ``names`` that serves ``problem`` ("xla" serves every call); logged
+    at ``passed_over_level`` if it is not the first, else at DEBUG."""
+    declined = {}
+    for name in names:
+        reason = why_not(name, problem)
+        if reason is None:
+            break
+        declined[name] = reason
+    else:
+        raise AssertionError(f"no matmul implementation serves this call: {declined}")
+    level = passed_over_level if declined else logging.DEBUG
+    if logger.isEnabledFor(level):
+        sizes = " x ".join(map(str, (*problem.batch_shape, problem.m, problem.n, problem.k)))
+        passed_over = "".join(f"; not {n}: {r}" for n, r in declined.items())
+        log_once(logger, level, f"matmul [{sizes}, {problem.in_dtype} -> "
+                 f"{problem.out_dtype}]: {name!r}{passed_over}")
+    return name
 
 
 def trace_state() -> Hashable:

@@ -9,14 +9,18 @@ backward through ``jax.custom_vjp``, so the op trains under ``jax.grad`` either 
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 
 import jax
 
 from omni_jax import explicit_sharding, ffi
+from omni_jax.dispatch_log import log_once
 from omni_jax.sparse_mla import kernel, xla
 from omni_jax.sparse_mla.validation import ProblemShape, validate
 from pallas_kernels import compat
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -39,18 +43,26 @@ def kernel_platform_reason() -> str | None:
 
 
 def _use_kernel(implementation: str | None, shape: ProblemShape, dtype) -> bool:
+    """Whether the SM90 kernel serves the call; with ``implementation=None`` the choice is
+    logged at DEBUG to the ``omni_jax`` logger (each distinct one once), with the reason
+    the kernel declined."""
     if implementation == "xla":
         return False
     shape_reason = kernel.unsupported_reason(shape, dtype)
     if shape_reason is not None:
         if implementation == "ffi":
             raise ValueError(f"implementation='ffi' cannot run this problem: {shape_reason}")
+        log_once(logger, logging.DEBUG,
+                 f"sparse_mla_prefill {shape}: the portable path ({shape_reason})")
         return False
     platform_reason = kernel_platform_reason()
     if platform_reason is not None:
         if implementation == "ffi":
             raise RuntimeError(f"implementation='ffi' is unavailable: {platform_reason}")
+        log_once(logger, logging.DEBUG,
+                 f"sparse_mla_prefill {shape}: the portable path ({platform_reason})")
         return False
+    log_once(logger, logging.DEBUG, f"sparse_mla_prefill {shape}: the SM90 kernel")
     return True
 
 

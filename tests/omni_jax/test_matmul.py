@@ -9,12 +9,15 @@ layout, each epilogue, each dtype, vmap batching, gradients. The cases marked
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import omni_jax
+from omni_jax import dispatch_log
 from omni_jax.matmul import implementations
 from pallas_kernels import runtime
 from pallas_kernels.matmul_common import problem_of
@@ -410,6 +413,25 @@ def test_unavailable_kernel_says_why(implementation, message, monkeypatch):
                        match=rf"implementation='{implementation}' cannot serve.*{message}"):
         omni_jax.matmul(jnp.ones((8, 16), BF16), jnp.ones((16, 8), BF16),
                         implementation=implementation)
+
+
+def test_the_choice_is_logged_with_the_reasons(caplog, monkeypatch):
+    """DEBUG: the implementation a call takes; INFO: a backward GEMM that cannot take the
+    forward's implementation, with the reason."""
+    monkeypatch.setattr(dispatch_log, "_logged", set())
+    caplog.set_level(logging.DEBUG, logger="omni_jax")
+    omni_jax.matmul(jnp.ones((8, 16), BF16), jnp.ones((16, 24), BF16))
+    (record,) = [r for r in caplog.records if r.name == implementations.__name__]
+    assert record.levelno == logging.DEBUG
+    assert record.getMessage().startswith("matmul [8 x 24 x 16, bfloat16 -> bfloat16]: ")
+    caplog.clear()
+    monkeypatch.setattr(implementations, "why_not",
+                        lambda name, problem: "declined here" if name == "mosaic" else None)
+    problem = problem_of(jnp.ones((8, 16), BF16), jnp.ones((16, 24), BF16), None, None,
+                         transpose_a=False, transpose_b=False, activation=None, out_dtype=BF16)
+    assert implementations.fallback("mosaic", problem) != "mosaic"
+    (record,) = caplog.records
+    assert record.levelno == logging.INFO and "not mosaic: declined here" in record.getMessage()
 
 
 def test_default_implementation_on_cpu_is_xla():

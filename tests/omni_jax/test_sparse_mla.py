@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from omni_jax import sparse_mla_prefill
+from omni_jax import dispatch_log, sparse_mla_prefill
 from omni_jax.sparse_mla import kernel
 from tests.omni_jax.sparse_mla_reference import dense_loss_fn, reference_forward
 from tests.reference import relative_error
@@ -73,6 +75,18 @@ def test_without_scores_returns_three_outputs_under_jit(seed):
     assert len(outputs) == 3
     ref = reference_forward(q, kv, indices, sm_scale=0.2, d_v=16)
     assert relative_error(outputs[0], ref[0]) < 1e-2
+
+
+def test_the_path_taken_is_logged(seed, caplog, monkeypatch):
+    """DEBUG: the kernel or the portable path, with the reason the kernel declined."""
+    monkeypatch.setattr(dispatch_log, "_logged", set())
+    caplog.set_level(logging.DEBUG, logger="omni_jax")
+    q, kv, indices = make_inputs(seed=seed)
+    sparse_mla_prefill(q, kv, indices, sm_scale=0.2, d_v=16)
+    (record,) = [r for r in caplog.records if r.name == "omni_jax.sparse_mla.api"]
+    message = record.getMessage()
+    assert message.startswith("sparse_mla_prefill ProblemShape(s_q=6, h_q=4, d_qk=24")
+    assert "the portable path (" in message  # the kernel takes d_qk 576 only
 
 
 def test_vmap_over_batch_axis(seed):
