@@ -538,12 +538,14 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                         dscores = dscores * slope
                     dscores = (dscores * s.scores.scale).astype(s.dtype)
                     products.append((dk, (_staged(ds_stage, dscores), q_half)))
-                if not s.fused_dq:
-                    sums = iter(compat.wgmma_accumulate_all(
+                def accumulate():
+                    sums = compat.wgmma_accumulate_all(
                         tuple(acc for acc, _ in products), tuple(ab for _, ab in products),
-                        interpret=s.interpret))
-                    dv = next(sums) if sums_dv else dv
-                    dk = next(sums) if sums_dk else dk
+                        interpret=s.interpret)
+                    return sums[-1] if sums_dk else dk, sums[0] if sums_dv else dv
+
+                if not s.fused_dq:
+                    dk, dv = accumulate()
                     plgpu.barrier_arrive(consumed.at[slot])
                     return dk, dv, step + 1, previous
 
@@ -554,9 +556,7 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                     plgpu.barrier_wait(ds_free.at[parity])
 
                 write_ds(parity, dscores)
-                dv, dk = compat.wgmma_accumulate_all(
-                    tuple(acc for acc, _ in products), tuple(ab for _, ab in products),
-                    interpret=s.interpret)
+                dk, dv = accumulate()
                 plgpu.barrier_arrive(consumed.at[slot])
                 # After dV and dK: P^T and dS^T are dead, so dQ's accumulator fits.
                 dq = dq_product(1 - parity)
