@@ -11,10 +11,13 @@ import logging
 _logged: set[tuple[str, int, str]] = set()
 
 
-def log_once(logger: logging.Logger, level: int, message: str) -> None:
-    """Logs ``message`` at ``level`` unless this logger already logged it there."""
-    key = (logger.name, level, message)
-    if key in _logged or not logger.isEnabledFor(level):
+def log_once(logger: logging.Logger, level: int, message: str, *args: object) -> None:
+    """Logs ``message % args`` at ``level`` unless this logger already logged it there;
+    formats nothing while ``level`` is off (callers sit on every eager call's path)."""
+    if not logger.isEnabledFor(level):
+        return
+    key = (logger.name, level, message % args if args else message)
+    if key in _logged:
         return
     _logged.add(key)
-    logger.log(level, message)
+    logger.log(level, key[2])

@@ -109,12 +109,15 @@ def plan_attention(implementation: str | None, problem: AttentionProblem) -> Att
     fallbacks = [forward.name, *(name for name in order if name != forward.name), "xla"]
     backward, declined_backward = _first_serving(
         fallbacks, lambda b: b.unavailable_reason() or b.backward_unsupported_reason(problem))
-    if backward is not forward:
-        log_once(logger, logging.INFO, f"{_describe(problem)}: forward {forward.name!r}, "
-                 f"backward {backward.name!r} ({_reasons(declined_backward)})")
-    elif logger.isEnabledFor(logging.DEBUG):
-        log_once(logger, logging.DEBUG, f"{_describe(problem)}: forward and backward "
-                 f"{forward.name!r}" + (f" ({_reasons(declined)})" if declined else ""))
+    level = logging.DEBUG if backward is forward else logging.INFO
+    if logger.isEnabledFor(level):  # Every eager call plans: no formatting while off.
+        if backward is forward:
+            choice = f"forward and backward {forward.name!r}" + (
+                f" ({_reasons(declined)})" if declined else "")
+        else:
+            choice = (f"forward {forward.name!r}, backward {backward.name!r} "
+                      f"({_reasons(declined_backward)})")
+        log_once(logger, level, f"{_describe(problem)}: {choice}")
     return AttentionPlan(problem, forward, backward)
 
 

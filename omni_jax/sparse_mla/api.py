@@ -52,17 +52,17 @@ def _use_kernel(implementation: str | None, shape: ProblemShape, dtype) -> bool:
     if shape_reason is not None:
         if implementation == "ffi":
             raise ValueError(f"implementation='ffi' cannot run this problem: {shape_reason}")
-        log_once(logger, logging.DEBUG,
-                 f"sparse_mla_prefill {shape}: the portable path ({shape_reason})")
+        log_once(logger, logging.DEBUG, "sparse_mla_prefill %s: the portable path (%s)",
+                 shape, shape_reason)
         return False
     platform_reason = kernel_platform_reason()
     if platform_reason is not None:
         if implementation == "ffi":
             raise RuntimeError(f"implementation='ffi' is unavailable: {platform_reason}")
-        log_once(logger, logging.DEBUG,
-                 f"sparse_mla_prefill {shape}: the portable path ({platform_reason})")
+        log_once(logger, logging.DEBUG, "sparse_mla_prefill %s: the portable path (%s)",
+                 shape, platform_reason)
         return False
-    log_once(logger, logging.DEBUG, f"sparse_mla_prefill {shape}: the SM90 kernel")
+    log_once(logger, logging.DEBUG, "sparse_mla_prefill %s: the SM90 kernel", shape)
     return True
 
 
