@@ -28,7 +28,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from omni_jax.masks.mask_mods import And, BlockGrid, MaskMod, has_contiguous_full_tiles
+from omni_jax.masks.mask_mods import (
+    And,
+    BlockGrid,
+    MaskMod,
+    RepeatedQueries,
+    has_contiguous_full_tiles,
+)
 from pallas_kernels import compat
 
 Array = Any
@@ -242,6 +248,33 @@ class BlockMask:
             new_flags, new_ids, self.partial_masks, combined, q_len=self.q_len,
             kv_len=self.kv_len, block_size=self.block_size,
             contiguous_full=self.contiguous_full and has_contiguous_full_tiles(mask_mod))
+
+    def repeat_queries(self, group: int) -> BlockMask:
+        """This mask over ``group`` query rows per position (row r is position r // group),
+        on the same tiles: the mask of grouped-query attention with each group's heads
+        packed into rows (`omni_jax.query_groups`). Needs ``group`` to divide block_q, so
+        that every new q-block lies in one q-block of this mask."""
+        bq, bkv = self.block_size
+        if group < 1 or bq % group:
+            raise ValueError(f"repeat_queries: group must divide block_q={bq}, got {group}")
+        q_len = self.q_len * group
+        num_q_blocks = -(-q_len // bq)
+        source = np.arange(num_q_blocks) // group  # the q-block each new one lies in
+        part = np.arange(num_q_blocks) % group  # and which of its group slices
+        flags, ids = self._dense_tiles()
+        flags, ids = flags[:, :, source], ids[:, :, source]
+        # Stored tile p seen from slice g: row r of it is row (g * bq + r) // group of p.
+        rows = (np.arange(group)[:, None] * bq + np.arange(bq)[None, :]) // group
+        partial_masks = self.partial_masks[:, rows].reshape(-1, bq, bkv)
+        ids = jnp.where(ids >= 0, ids * group + part[:, None], -1)
+        if not isinstance(partial_masks, jax.core.Tracer):  # identical slices: one tile
+            partial_masks, first = np.unique(np.asarray(partial_masks), axis=0,
+                                             return_inverse=True)
+            ids = jnp.where(ids >= 0, jnp.asarray(first.ravel(), jnp.int32)[ids], -1)
+        mask_mod = None if self.mask_mod is None else RepeatedQueries.of(self.mask_mod, group)
+        return BlockMask.from_tile_flags(flags, ids, partial_masks, mask_mod, q_len=q_len,
+                                         kv_len=self.kv_len, block_size=self.block_size,
+                                         contiguous_full=self.contiguous_full)
 
     def to_dense(self) -> Array:
         """The element mask ``[Bm, Hm, q_len, kv_len]`` bool (O(q_len * kv_len): debugging)."""

@@ -151,6 +151,8 @@ def includes_causal(mask_mod: MaskMod | None) -> bool:
             return True
         if isinstance(mod, And):
             mods += list(mod.mods)
+        if isinstance(mod, RepeatedQueries):
+            mods.append(mod.inner)
     return False
 
 
@@ -382,6 +384,63 @@ class Or(_Combination):
         kinds = {mod.row_intervals() for mod in self.mods}
         return "prefix" if kinds == {"prefix"} else None
 
+
+
+@dataclasses.dataclass(frozen=True)
+class _QueryRowGrid(BlockGrid):
+    """A `BlockGrid` over ``group`` rows per query position (row r is position
+    r // group) whose q bounds are positions, for classifying the inner mask."""
+
+    group: int = 1
+
+    def q_bounds(self):
+        start, end = super().q_bounds()
+        return start // self.group, end // self.group
+
+
+@jax.tree_util.register_pytree_node_class
+class RepeatedQueries(MaskMod):
+    """``inner`` with ``group`` query rows per position: row r sees what position
+    r // group sees. The layout of grouped-query attention with the heads of a group
+    packed into rows (`omni_jax.query_groups`). Build with `RepeatedQueries.of`."""
+
+    def __init__(self, inner: MaskMod, group: int):
+        self.inner = inner
+        self.group = group
+
+    @classmethod
+    def of(cls, mask_mod: MaskMod, group: int) -> RepeatedQueries:
+        """``mask_mod`` with its query-indexed arrays repeated ``group`` times along q."""
+        leaves, treedef = jax.tree.flatten(mask_mod)
+        leaves = [jnp.repeat(leaf, group, axis=1) if kind == "q" else leaf
+                  for leaf, kind in zip(leaves, mask_mod.leaf_kinds(), strict=True)]
+        return cls(jax.tree.unflatten(treedef, leaves), group)
+
+    def tree_flatten(self):
+        return (self.inner,), self.group
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children, aux)
+
+    def predicate(self, q_idx, kv_idx):
+        return self.inner.predicate(q_idx // self.group, kv_idx)
+
+    def classify(self, grid):
+        # Index-based masks read the grid's q bounds (positions); leaf-based ones the
+        # repeated leaves, which are as long as the grid's rows.
+        return self.inner.classify(_QueryRowGrid(grid.q_len, grid.kv_len, grid.block_q,
+                                                   grid.block_kv, self.group))
+
+    def leaf_kinds(self):
+        return self.inner.leaf_kinds()
+
+    def row_intervals(self):
+        # Rows of one position see its interval; positions stay in order.
+        return self.inner.row_intervals()
+
+    def __repr__(self):
+        return f"RepeatedQueries({self.inner!r}, group={self.group})"
 
 # Ready-made mask_mods. Each is a MaskMod, so create_block_mask classifies it
 # analytically, and it also works as a plain FlexAttention mask_mod.

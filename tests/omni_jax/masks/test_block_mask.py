@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import omni_jax
 from omni_jax.masks import COMPUTED, FULL, MASKED, PARTIAL, BlockMask
-from omni_jax.masks.mask_mods import Causal
+from omni_jax.masks.mask_mods import Causal, RepeatedQueries
 
 SETTINGS = settings(max_examples=15, deadline=None)
 
@@ -362,3 +362,25 @@ def test_document_mask_rejects_mismatched_ids():
     ids = jnp.zeros((2, 32), jnp.int32)
     with pytest.raises(ValueError, match="batch"):
         omni_jax.create_block_mask(omni_jax.document_mask(ids), 3, None, 32, 32, (16, 16))
+
+
+@settings(max_examples=8, deadline=None)
+@given(structured_masks(), block_sizes, st.sampled_from([2, 4, 8]), st.booleans())
+def test_repeated_queries_match_the_mask_row_by_row(spec, block_size, group, generic):
+    """A mask over ``group`` rows per query position (grouped-query heads packed into
+    rows), built from a mask's tiles or classified from its mask_mod, is that mask with
+    every row repeated: stored tiles (``generic``) and structured ones alike."""
+    mod, predicate, batch, q_len, kv_len = spec
+    expected = np.repeat(_expected_dense(predicate, batch, q_len, kv_len), group, axis=2)
+    source = (lambda b, h, q, k: mod(b, h, q, k)) if generic else mod
+    mask = omni_jax.create_block_mask(source, batch, None, q_len, kv_len, block_size)
+    check_block_mask(mask.repeat_queries(group), expected)
+    classified = omni_jax.create_block_mask(RepeatedQueries.of(mod, group), batch, None,
+                                            q_len * group, kv_len, block_size)
+    check_block_mask(classified, expected)
+
+
+def test_repeat_queries_needs_a_group_dividing_the_q_tile():
+    mask = omni_jax.create_block_mask(omni_jax.causal_mask, None, None, 40, 40, (16, 16))
+    with pytest.raises(ValueError, match="group must divide block_q=16, got 3"):
+        mask.repeat_queries(3)
