@@ -24,8 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from omni_jax import explicit_sharding, validation
+from omni_jax import explicit_sharding, query_groups, validation
 from omni_jax.backends import AttentionPlan, get_backend, plan_attention
+from omni_jax.backends.base import fold_sinks
 from omni_jax.masks import BlockGrid, BlockMask
 from omni_jax.masks.block_mask import trace_time_eval
 from omni_jax.masks.construct import structured_tile_flags
@@ -106,7 +107,10 @@ def attention(query: Array, key: Array, value: Array, *, mask: BlockMask | None 
         scale=1.0 / math.sqrt(head_dim) if scale is None else scale, softcap=softcap,
         score_mod=converted, has_sinks=sinks is not None, has_user_mask=mask is not None,
         block_size=None if mask is None else mask.block_size)
-    plan = plan_attention(implementation, problem)
+    group = query_groups.packing_group(problem, mask)
+    plan = plan_attention(implementation, query_groups.packed_problem(problem, group))
+    if plan.problem.block_size[0] % group:  # packed tiles must each lie in one q-block
+        group, plan = 1, plan_attention(implementation, problem)
     trace_keys = (plan.forward.trace_key(plan.problem), plan.backward.trace_key(plan.problem))
     # In a traced call a concrete BlockMask stays concrete inside the jit (a static
     # argument, compared by value), so that the kernels still get its walks as constants.
@@ -115,7 +119,8 @@ def attention(query: Array, key: Array, value: Array, *, mask: BlockMask | None 
     concrete_mask = (_ByValue(mask) if mask is not None and not _is_traced(mask)
                      and _is_traced((query, key, value)) else None)
     call = functools.partial(_masked_attention, plan=plan,
-                             structure=(is_causal, window, concrete_mask), trace_keys=trace_keys)
+                             structure=(is_causal, window, concrete_mask, group),
+                             trace_keys=trace_keys)
     operands = (query, key, value, None if concrete_mask else mask, segments, sinks,
                 tuple(captured))
     out, lse = explicit_sharding.call(call, operands, lambda: _out_specs(query))
@@ -134,17 +139,27 @@ def _masked_attention(query, key, value, mask, segments, sinks, captured, *,
                       plan: AttentionPlan, structure: tuple, trace_keys: tuple):
     """The call's BlockMask, then the custom_vjp, under one jit: an eager call (no jit
     around `attention`) compiles once per plan, mask structure, backend trace keys and
-    shapes, not at every call. ``structure``: (is_causal, window, concrete BlockMask)."""
+    shapes, not at every call. ``structure``: (is_causal, window, concrete BlockMask,
+    query group size packed into rows or 1: `omni_jax.query_groups`)."""
     del trace_keys  # Only a cache key: the backends read the same state while tracing.
-    is_causal, window, concrete_mask = structure
+    is_causal, window, concrete_mask, group = structure
     if concrete_mask is not None:
         mask = explicit_sharding.plain_constants(concrete_mask.value)
-    block_mask = _effective_mask(mask, _argument_mask(is_causal, window, segments), plan.problem)
+    block_mask = _effective_mask(mask, _argument_mask(is_causal, window, segments),
+                                 plan.problem, group)
     static_mask, traced_mask = _split_by_concreteness(block_mask)
+    folded_sinks = None
+    if group > 1:
+        query, folded_sinks, sinks = query_groups.pack_queries(query, group), sinks, None
     # Inside a jax.shard_map every operand varies along the same mesh axes, so that the
     # custom_vjp's cotangents have one type (those of replicated operands get summed).
     operands = compat.vary_alike((query, key, value, traced_mask, sinks, captured))
-    return _attention(plan, static_mask, *operands)
+    out, lse = _attention(plan, static_mask, *operands)
+    if group > 1:
+        out, lse = query_groups.unpack(out, lse, group)
+        if folded_sinks is not None:
+            out, lse = fold_sinks(out, lse, folded_sinks)
+    return out, lse
 
 
 def _is_traced(tree: Any) -> bool:
@@ -194,19 +209,19 @@ def _argument_mask(is_causal: bool, window: tuple[int, int] | None,
 
 
 def _effective_mask(mask: BlockMask | None, structured: MaskMod | None,
-                    problem: AttentionProblem) -> BlockMask:
-    """One BlockMask for the call: the user's mask AND the argument masks."""
-    with trace_time_eval(_grid(problem), mask, structured):
+                    problem: AttentionProblem, group: int) -> BlockMask:
+    """One BlockMask for the call: the user's mask AND the argument masks; for a problem
+    of packed query groups (``group`` > 1), with each query position repeated."""
+    grid = BlockGrid(problem.q_len // group, problem.kv_len, *problem.block_size)
+    with trace_time_eval(grid, mask, structured):
         if mask is not None:
-            return mask if structured is None else mask.restrict(structured)
-        flags = structured_tile_flags(structured, _grid(problem))
-        return BlockMask.from_tile_flags(flags, mask_mod=structured, q_len=problem.q_len,
-                                         kv_len=problem.kv_len, block_size=problem.block_size,
-                                         contiguous_full=has_contiguous_full_tiles(structured))
-
-
-def _grid(problem: AttentionProblem) -> BlockGrid:
-    return BlockGrid(problem.q_len, problem.kv_len, *problem.block_size)
+            block_mask = mask if structured is None else mask.restrict(structured)
+        else:
+            block_mask = BlockMask.from_tile_flags(
+                structured_tile_flags(structured, grid), mask_mod=structured,
+                q_len=grid.q_len, kv_len=grid.kv_len, block_size=problem.block_size,
+                contiguous_full=has_contiguous_full_tiles(structured))
+        return block_mask if group == 1 else block_mask.repeat_queries(group)
 
 
 def _split_by_concreteness(block_mask: BlockMask) -> tuple[BlockMask | None, BlockMask | None]:

@@ -102,3 +102,13 @@ def sinks_cotangent(sinks: Array, lse: Array, delta: Array) -> Array:
     sink_prob = jnp.exp(sinks.astype(jnp.float32)[None, :, None]
                         - jnp.where(lse == -jnp.inf, 0.0, lse))
     return -(sink_prob * delta).sum(axis=(0, 2)).astype(sinks.dtype)
+
+
+def fold_sinks(out: Array, lse: Array, sinks: Array) -> tuple[Array, Array]:
+    """``(out, lse)`` of a sink-free result with the sink logits ``[Hq]`` added to the
+    softmax denominator (a backend whose kernels leave sinks out, packed query groups)."""
+    with_sinks = jnp.logaddexp(lse, sinks.astype(lse.dtype)[None, :, None])
+    # 0 for rows that saw no key (lse = -inf), those whose sink is -inf too included.
+    weight = jnp.exp(lse - jnp.where(with_sinks == -jnp.inf, 0.0, with_sinks))
+    out = (out.astype(lse.dtype) * jnp.swapaxes(weight, 1, 2)[..., None]).astype(out.dtype)
+    return out, with_sinks

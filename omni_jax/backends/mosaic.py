@@ -27,7 +27,7 @@ import numpy as np
 from jax import lax
 
 from omni_jax.backends import xla
-from omni_jax.backends.base import AttentionBackend, sinks_cotangent
+from omni_jax.backends.base import AttentionBackend, fold_sinks, sinks_cotangent
 from omni_jax.masks import BlockMask
 from omni_jax.masks.mask_mods import includes_causal
 from omni_jax.problem import AttentionProblem
@@ -150,7 +150,7 @@ class MosaicBackend(AttentionBackend):
             captured=captured, interpret_params=_interpret_params())
         if sinks is None:
             return out, lse
-        return _fold_sinks(out, lse, sinks)
+        return fold_sinks(out, lse, sinks)
 
     def backward(self, problem, q, k, v, block_mask, sinks, captured, out, lse, dout, dlse):
         config = self._backward_config(problem)
@@ -212,12 +212,3 @@ def _mean_walk(num_blocks) -> float | None:
 def _interpret_params():
     params = runtime.mosaic_interpret_params()
     return None if params is None else compat.tma_faithful_interpret_params(params)
-
-
-def _fold_sinks(out, lse, sinks):
-    """Adds the sink logits to the softmax denominator of a sink-free result."""
-    with_sinks = jnp.logaddexp(lse, sinks.astype(jnp.float32)[None, :, None])
-    # 0 for rows that saw no key (lse = -inf), those whose sink is -inf too included.
-    weight = jnp.exp(lse - jnp.where(with_sinks == -jnp.inf, 0.0, with_sinks))
-    out = (out.astype(jnp.float32) * jnp.swapaxes(weight, 1, 2)[..., None]).astype(out.dtype)
-    return out, with_sinks

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import omni_jax
+from omni_jax.flax.cache import CachedCausal
 from tests.reference import dense_mask, reference_attention, relative_error, worst_block_error
 
 
@@ -36,7 +37,7 @@ class Case:
     is_causal: bool = False
     window: tuple[int, int] | None = None
     segments: str | None = None  # "packed": shared documents; "orphans": some rows see nothing
-    block_mask: str | None = None  # "generic" (stored tiles), "prefix_lm", "chunked"
+    block_mask: str | None = None  # "generic" (stored tiles), "prefix_lm", "chunked", "decode"
     softcap: float | None = None
     sinks: bool = False
     score_mod: str | None = None  # "alibi" (captured float slopes), "relative_table"
@@ -60,6 +61,12 @@ CASES = (
     Case("prefix_lm", q_len=96, kv_len=96, block_mask="prefix_lm"),
     Case("chunked", q_len=96, kv_len=96, block_mask="chunked"),
     Case("mqa_value_dim", heads=4, kv_heads=1, head_dim_v=48),
+    # Decoding steps: few queries over a KV cache, each group's heads packed into rows
+    # (omni_jax.query_groups); a group of 3 divides no tile and stays unpacked.
+    Case("decode_step_gqa_sinks", q_len=1, kv_len=150, heads=8, kv_heads=2,
+         block_mask="decode", sinks=True),
+    Case("decode_chunk_group_of_3", q_len=5, kv_len=150, heads=6, kv_heads=2,
+         block_mask="decode", softcap=5.0),
     Case("softcap_sinks", is_causal=True, softcap=5.0, sinks=True, scale=0.3),
     Case("alibi_score_mod", is_causal=True, score_mod="alibi"),
     Case("relative_table_score_mod", score_mod="relative_table", sinks=True),
@@ -99,6 +106,11 @@ def _block_mask(case: Case, rng, block_size):
         mask = omni_jax.create_block_mask(omni_jax.chunked_mask(24), None, None, case.q_len,
                                           case.kv_len, block_size)
         return mask, lambda b, h, q, k: (k <= q) & (q // 24 == k // 24)
+    if case.block_mask == "decode":  # query t of the step sees cache slots <= offset + t
+        offsets = rng.integers(0, case.kv_len - case.q_len + 1, case.batch).astype(np.int32)
+        mask = omni_jax.create_block_mask(CachedCausal(jnp.asarray(offsets)), case.batch, None,
+                                          case.q_len, case.kv_len, block_size)
+        return mask, lambda b, h, q, k: k <= offsets[b] + q
     return None, None
 
 
