@@ -188,10 +188,17 @@ class MosaicBackend(AttentionBackend):
     @staticmethod
     def _config(problem: AttentionProblem, causal: bool,
                 mean_walk: float | None = None) -> fwd.ForwardConfig:
+        """The forward's config, with the kv splits of ``problem``'s size."""
         config = fwd.forward_config(max(problem.head_dim, problem.head_dim_v), problem.dtype,
                                     causal, mean_walk)
         if problem.block_size is not None and problem.block_size[1] != config.block_kv:
             config = dataclasses.replace(config, block_kv=problem.block_size[1])
+        num_q_blocks = -(-problem.q_len // config.block_q)
+        walk = (-(-problem.kv_len // config.block_kv) if mean_walk is None
+                else mean_walk)  # a traced mask: at most every kv-block
+        splits = fwd.kv_splits(problem.batch * problem.num_q_heads * num_q_blocks, walk)
+        if splits > 1:
+            config = dataclasses.replace(config, kv_splits=splits, q_blocks_per_cta=1)
         return config
 
     @staticmethod

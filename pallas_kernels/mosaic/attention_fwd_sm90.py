@@ -79,7 +79,7 @@ Array = Any
 
 NUM_CONSUMERS = 2
 __all__ = ["BLOCK_Q", "SUPPORTED_HEAD_DIMS", "ForwardConfig", "attention_forward",
-           "forward_config", "padded_head_dim", "padded_head_dims", "smem_bytes"]
+           "forward_config", "kv_splits", "padded_head_dim", "padded_head_dims", "smem_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +110,10 @@ class ForwardConfig:
     # for head_dim / 4 more registers per thread. Compiled only (the interpreter takes
     # wgmma operands from shared memory).
     q_in_registers: bool = False
+    # CTAs per q-block, each walking an even share of its kv-blocks and writing its own
+    # output and lse, which the wrapper combines (split-KV, "flash decoding"): for calls
+    # with fewer q-blocks than SMs and long walks, decoding steps above all.
+    kv_splits: int = 1
     block_q: int = BLOCK_Q
 
     def __post_init__(self):
@@ -121,6 +125,10 @@ class ForwardConfig:
             raise ValueError(f"block_kv must be 64, 128, 192 or 256, got {self.block_kv}")
         if self.num_stages < 2:
             raise ValueError(f"num_stages must be at least 2, got {self.num_stages}")
+        if self.kv_splits < 1 or (self.kv_splits > 1 and self.q_blocks_per_cta != 1):
+            raise ValueError(f"kv_splits must be 1, or above 1 with q_blocks_per_cta=1; got "
+                             f"kv_splits={self.kv_splits}, q_blocks_per_cta="
+                             f"{self.q_blocks_per_cta}")
 
 
 # Per (padded head_dim, dtype, causal). Shared memory per CTA: Q/O 128 x D plus
@@ -185,6 +193,20 @@ def forward_config(head_dim: int, dtype: Any, causal: bool,
     return config
 
 
+# SMs of the sm90 parts we tune for (H100 SXM, H200): fewer CTAs leave SMs idle.
+NUM_SMS = 132
+# The shortest share of a walk worth a split of its own (each split stores an output and
+# an lse that the combine reads back).
+MIN_SPLIT_STEPS = 8
+
+
+def kv_splits(num_ctas: int, mean_walk: float) -> int:
+    """Splits of each q-block's walk (`ForwardConfig.kv_splits`) for a call of
+    ``num_ctas`` q-blocks walking ``mean_walk`` kv-blocks on average: as many as fill
+    the SMs in one wave, each share at least `MIN_SPLIT_STEPS` long."""
+    return max(1, min(NUM_SMS // max(num_ctas, 1), int(mean_walk // MIN_SPLIT_STEPS)))
+
+
 def q_buffers(config: ForwardConfig, head_dim: int, head_dim_v: int, itemsize: int,
               has_partial: bool) -> int:
     """Q buffers per consumer: two (the next q-block's Q loads under the current one)
@@ -241,8 +263,12 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
 
     # This CTA computes the q-blocks at positions first .. first + num_q_blocks - 1 of
     # its head's launch order, in turn. Per q-block i, its walk and q leaves sit in
-    # buffer i % 2, released by both consumers on q_block_done[i % 2] when done.
-    batch, head, kv_head = common.head_program(s)
+    # buffer i % 2, released by both consumers on q_block_done[i % 2] when done. With
+    # kv_splits, consecutive CTAs take the shares of one head's walks.
+    splits = cfg.kv_splits
+    program = lax.axis_index("batch_head")
+    split = lax.rem(program, splits)
+    batch, head, kv_head = common.head_program(s, lax.div(program, splits))
     per_cta = cfg.q_blocks_per_cta
     first = lax.axis_index("q_blocks") * per_cta
     num_q_blocks = jnp.minimum(per_cta, s.layout.num_q_blocks - first)
@@ -253,6 +279,10 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
     wg = lax.axis_index("wg")
     offsets = walk_offsets(s.layout.num_kv_blocks)
     index_offset, flags_offset, _ = offsets
+
+    def split_of(walk_count, walk_num_full):
+        """(first walk position, steps, FULL steps) of this CTA's share of a walk."""
+        return common.split_walk(walk_count, walk_num_full, split, splits)
 
     @pl.when(wg == NUM_CONSUMERS)
     def _producer():
@@ -266,14 +296,16 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
             def _():
                 plgpu.barrier_wait(q_block_done.at[buffer])
 
-            count = common.load_q_block_walk(
+            walk_count = common.load_q_block_walk(
                 s, walk_ref, walk_smem.at[buffer], walk_barriers.at[buffer],
                 ((q_leaf_ref, q_leaf_smem.at[buffer], q_leaf_barriers.at[buffer])
                  if s.num_q_leaves else None),
                 batch=batch, head=head, q_block=q_block_of(i), block_q=cfg.block_q)
+            begin, count, _ = split_of(walk_count, walk_count)
             common.produce_kv_blocks(
                 walk_smem.at[buffer], count, stages=stages, block_kv=block_kv, batch=batch,
-                kv_head=kv_head, offsets=offsets, k=(k_ref, k_smem, k_barriers),
+                kv_head=kv_head, offsets=tuple(offset + begin for offset in offsets),
+                k=(k_ref, k_smem, k_barriers),
                 v=(v_ref, v_smem, v_barriers), consumed=(k_consumed, v_consumed),
                 interpret=s.interpret,
                 kv_leaves=((kv_leaf_ref, kv_leaf_smem, kv_leaf_barriers)
@@ -337,7 +369,7 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
                         q_leaf_smem.at[buffer, leaf, pl.ds(wg * rows, rows)], row_layout,
                         interpret=s.interpret))
             plgpu.barrier_wait(walk_barriers.at[buffer])
-            count = walk[0, 0]
+            begin, count, num_full = split_of(walk[0, 0], walk[0, 1])
             q_tile, q_loaded = q_buffer(i)
             plgpu.barrier_wait(q_loaded)
             q_operand = (compat.mosaic_load(q_tile, plgpu.Layout.WGMMA, interpret=False)
@@ -346,7 +378,7 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
             def softmax(scores, step, row_max, row_sum, full: bool):
                 """(P in float32, alpha, new max, new sum) of the step's raw scores."""
                 slot = lax.rem(first_step + step, stages)
-                kv_block = common.walk_entry(walk, index_offset + step)
+                kv_block = common.walk_entry(walk, index_offset + begin + step)
                 if not fold_scale:
                     scores = common.log2_scores(score_spec, scores, batch, head,
                                                 functools.partial(indices, kv_block))
@@ -355,7 +387,7 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
                 if not full:
                     partial = ((mask_smem.at[slot, pl.ds(wg * rows, rows)],
                                 mask_barriers.at[slot]) if s.has_partial else None)
-                    flags = common.walk_entry(walk, flags_offset + step)
+                    flags = common.walk_entry(walk, flags_offset + begin + step)
                     scores = common.masked_q_major_scores(s, scores, flags,
                                                           functools.partial(indices, kv_block),
                                                           q_leaf_rows, kv_leaf_columns, partial)
@@ -371,7 +403,7 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
                 statics=s, wg=wg, q=q_operand, k_smem=k_smem, v_smem=v_smem,
                 k_barriers=k_barriers, v_barriers=v_barriers, k_consumed=k_consumed,
                 v_consumed=v_consumed, schedule=schedule, p_staging=p_staging,
-                first_step=first_step, count=count, num_full=walk[0, 1], softmax=softmax,
+                first_step=first_step, count=count, num_full=num_full, softmax=softmax,
                 first_q_block=i == 0)
             if cfg.pipelined:
                 acc, row_max, row_sum = _pipelined_steps(consumer)
@@ -388,9 +420,10 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
             o_smem[...] = out.astype(s.dtype)
             lse_smem.at[wg][...] = lse
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, out_ref.at[batch, pl.ds(q_start, rows), head])
+            plgpu.copy_smem_to_gmem(o_smem,
+                                    out_ref.at[split, batch, pl.ds(q_start, rows), head])
             plgpu.copy_smem_to_gmem(lse_smem.at[wg],
-                                    lse_ref.at[batch, head, pl.ds(q_start, rows)])
+                                    lse_ref.at[split, batch, head, pl.ds(q_start, rows)])
             # The stores have read O and lse: their buffers (and this q-block's walk and
             # q leaves) may be refilled.
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -675,21 +708,36 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
     if has_partial:
         operands.append(partial_tiles)
     operands += [x for x in (q_leaves, kv_leaves, packed_captured) if x is not None]
-    q_padded = layout.padded_q_len
-    out_type = (jax.ShapeDtypeStruct((batch, q.shape[1], num_q_heads, dim_v), q.dtype),
-                jax.ShapeDtypeStruct((batch, num_q_heads, q_padded), jnp.float32))
+    q_padded, splits = layout.padded_q_len, config.kv_splits
+    out_type = (jax.ShapeDtypeStruct((splits, batch, q.shape[1], num_q_heads, dim_v), q.dtype),
+                jax.ShapeDtypeStruct((splits, batch, num_q_heads, q_padded), jnp.float32))
     out, lse = compat.mosaic_kernel(
         functools.partial(_kernel, statics), out_type,
         scratch_types=_scratch(statics),
         # The last grid axis varies fastest: the CTAs running at once are q-blocks of one
         # or a few heads, which then share those heads' K/V in L2.
-        grid=(batch * num_q_heads, pl.cdiv(layout.num_q_blocks, config.q_blocks_per_cta)),
+        grid=(batch * num_q_heads * splits,
+              pl.cdiv(layout.num_q_blocks, config.q_blocks_per_cta)),
         grid_names=("batch_head", "q_blocks"),
         num_threads=NUM_CONSUMERS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret_params,
     )(*operands)
-    return out[:, :q_len, :, :head_dim_v], lse[..., :q_len]
+    out, lse = _combine_splits(out[..., :q_len, :, :head_dim_v], lse[..., :q_len])
+    return out, lse
+
+
+def _combine_splits(out: Array, lse: Array) -> tuple[Array, Array]:
+    """The result of the kv splits' results ``out [S, B, Sq, H, Dv]`` (each normalised
+    over its own keys) and ``lse [S, B, H, Sq]``: weights exp(lse_s - lse)."""
+    if out.shape[0] == 1:
+        return out[0], lse[0]
+    peak = lse.max(axis=0)
+    peak = jnp.where(peak == -jnp.inf, 0.0, peak)  # no split saw a key: lse stays -inf
+    total = peak + jnp.log(jnp.exp(lse - peak).sum(axis=0))
+    weights = jnp.exp(lse - jnp.where(total == -jnp.inf, 0.0, total))
+    weights = jnp.swapaxes(weights, 2, 3)[..., None]  # [S, B, Sq, H, 1]
+    return (weights * out.astype(jnp.float32)).sum(axis=0).astype(out.dtype), total
 
 
 def _schedule_barrier(cfg: ForwardConfig) -> Any:

@@ -76,6 +76,18 @@ def has_masked_tiles(layout: MaskLayout, has_partial: bool) -> bool:
     return has_partial or layout.ragged_kv or layout.mask_mod_treedef is not None
 
 
+def split_walk(count, num_full, split, splits: int) -> tuple[Array, Array, Array]:
+    """(first position, count, FULL count) of split ``split`` of ``splits`` even shares
+    of a walk of ``count`` steps whose first ``num_full`` are FULL (a share may be
+    empty)."""
+    if splits == 1:
+        return jnp.int32(0), count, num_full
+    share = lax.div(count + splits - 1, splits)
+    begin = jnp.minimum(split * share, count)
+    local = jnp.minimum(begin + share, count) - begin
+    return begin, local, jnp.clip(num_full - begin, 0, local)
+
+
 def walk_entry(walk_smem, i):
     """Entry ``i`` of the walk row held in smem as ``[R, WALK_LINE]``."""
     return walk_smem[lax.div(i, WALK_LINE), lax.rem(i, WALK_LINE)]
@@ -132,9 +144,11 @@ def captured_scratch(statics) -> tuple[Any, Any]:
     return plgpu.SMEM((layout.rows, layout.cols), jnp.float32), plgpu.Barrier(num_barriers=1)
 
 
-def head_program(statics) -> tuple[Array, Array, Array]:
-    """(batch, query head, kv head) of a CTA of a q-block-major kernel."""
-    batch_head = lax.axis_index("batch_head")
+def head_program(statics, batch_head=None) -> tuple[Array, Array, Array]:
+    """(batch, query head, kv head) of a CTA of a q-block-major kernel (``batch_head``:
+    its index along the batch and heads, by default its "batch_head" grid index)."""
+    if batch_head is None:
+        batch_head = lax.axis_index("batch_head")
     head = lax.rem(batch_head, statics.num_q_heads)
     return (lax.div(batch_head, statics.num_q_heads), head,
             lax.div(head, statics.group_size))

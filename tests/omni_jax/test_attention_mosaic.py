@@ -206,3 +206,35 @@ def test_wide_head_dims_compiled(case, head_dim, head_dim_v, q_blocks_per_cta, m
     check_case("mosaic", dataclasses.replace(case, head_dim=head_dim, head_dim_v=head_dim_v),
                "bfloat16", (128, 64), block_rows=32)
     assert set(backends) == {"mosaic"}, backends
+
+
+_SPLIT_CASES = ("decode_step_gqa_sinks", "causal_ragged", "generic_block_mask_and_causal")
+
+
+@pytest.mark.interpreted
+@pytest.mark.parametrize("case", [c for c in CASES if c.name in _SPLIT_CASES],
+                         ids=lambda case: case.name)
+def test_kv_splits_interpreted(case, monkeypatch, _interpreted):
+    """Every q-block's walk in three shares, one CTA each, combined by the wrapper
+    (`ForwardConfig.kv_splits`): uneven and empty shares, FULL and masked steps split
+    apart, stored tiles; gradients from the combined output and lse."""
+    force_config_fields(monkeypatch, fwd, "forward_config", kv_splits=3, q_blocks_per_cta=1)
+    check_case("mosaic", case, "bfloat16", (128, 64), block_rows=32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(runtime.interpret_requested() or runtime.gpu_compute_capability() != (9, 0),
+                    reason="needs an sm90 GPU (compiled Mosaic-GPU kernels)")
+@pytest.mark.parametrize("kv_splits", [None, 3])
+@pytest.mark.parametrize("case", [
+    *(c for c in GPU_CASES if c.name in _SPLIT_CASES),
+    # The default splits of a decoding step at head dim 128: 4 query heads of each of 2
+    # kv heads packed into 4 rows, a cache of 5000 (40 kv-blocks) in 5 shares.
+    Case("decode_long_cache_head_dim_128", batch=1, q_len=1, kv_len=5000, heads=8,
+         kv_heads=2, head_dim=128, block_mask="decode", sinks=True),
+], ids=lambda case: case.name)
+def test_kv_splits_compiled(case, kv_splits, monkeypatch):
+    if kv_splits is not None:
+        force_config_fields(monkeypatch, fwd, "forward_config", kv_splits=kv_splits,
+                            q_blocks_per_cta=1)
+    check_case("mosaic", case, "bfloat16", (128, 128), block_rows=32)

@@ -78,11 +78,13 @@ def test_score_mod_without_captures():
              score_mod=lambda s, b, h, i, j: s - 0.05 * (h + 1) * jnp.abs(i - j))
 
 
-@pytest.mark.parametrize("pipelined,staggered", [(True, False), (True, True), (False, False)])
-def test_poisoned_outputs_are_all_written(pipelined, staggered):
+@pytest.mark.parametrize("pipelined,staggered,kv_splits", [
+    (True, False, 1), (True, True, 1), (False, False, 1), (True, True, 3)])
+def test_poisoned_outputs_are_all_written(pipelined, staggered, kv_splits):
     """Memory the kernel never writes reads as NaN: every output row must be written,
     the rows of q-blocks with no active kv-block included (zeros, lse -inf), under
-    either consumer schedule."""
+    either consumer schedule, and by every kv split (here each walk has one step: two
+    of three shares are empty)."""
     rng = np.random.default_rng()
     q, k, v = _inputs(rng, "bfloat16", 1, 256, 128, 2, 2, 64)
     block_mask = omni_jax.create_block_mask(lambda b, h, i, j: i < 128, None, None, 256, 128,
@@ -92,7 +94,7 @@ def test_poisoned_outputs_are_all_written(pipelined, staggered):
     out, lse = fwd.attention_forward(
         q, k, v, kmask, layout, scale=0.125, softcap=None, score_mod=None, has_partial=True,
         config=fwd.ForwardConfig(block_kv=128, num_stages=2, pipelined=pipelined,
-                                 staggered=staggered),
+                                 staggered=staggered, kv_splits=kv_splits),
         interpret_params=dataclasses.replace(params, uninitialized_memory="nan"))
     out, lse = np.asarray(out, np.float32), np.asarray(lse)
     assert not np.isnan(out).any() and not np.isnan(lse).any()
@@ -104,7 +106,8 @@ def test_poisoned_outputs_are_all_written(pipelined, staggered):
 
 @pytest.mark.parametrize("fields,message", [
     (dict(block_kv=96), "block_kv"), (dict(num_stages=1), "num_stages"),
-    (dict(q_blocks_per_cta=0), "q_blocks_per_cta")])
+    (dict(q_blocks_per_cta=0), "q_blocks_per_cta"), (dict(kv_splits=0), "kv_splits"),
+    (dict(kv_splits=2, q_blocks_per_cta=2), "kv_splits")])
 def test_config_rejects_what_the_kernel_cannot_run(fields, message):
     with pytest.raises(ValueError, match=message):
         fwd.ForwardConfig(**{"block_kv": 128, "num_stages": 2, **fields})
@@ -130,6 +133,36 @@ def test_short_walks_take_two_q_blocks_per_cta(head_dim, mean_walk, expected):
     assert config.q_blocks_per_cta == expected
     base = fwd.forward_config(head_dim, jnp.bfloat16, False)
     assert dataclasses.replace(config, q_blocks_per_cta=base.q_blocks_per_cta) == base
+
+
+@pytest.mark.parametrize("num_ctas,mean_walk,splits", [
+    (8, 1024, 16),  # a decoding step of one sequence, 8 kv heads, a cache of 128k
+    (64, 64, 2),  # 8 sequences, 8k
+    (64, 15, 1),  # shares shorter than MIN_SPLIT_STEPS
+    (1, 40, 5),
+    (2048, 32, 1),  # prefill: the SMs are full
+])
+def test_kv_splits_fill_the_sms_in_one_wave(num_ctas, mean_walk, splits):
+    assert fwd.kv_splits(num_ctas, mean_walk) == splits
+    assert splits == 1 or num_ctas * splits <= fwd.NUM_SMS
+
+
+@pytest.mark.parametrize("q_len,kv_len,kv_splits", [(4, 16384, 16), (4, 1024, 1), (2048, 2048, 2)])
+def test_forward_splits_walks_of_calls_with_few_q_blocks(q_len, kv_len, kv_splits, monkeypatch):
+    """A decoding step (packed: 4 query heads of a kv head, 4 rows) over a long cache
+    walks its kv-blocks in splits; a short cache does not; nor does a prefill with enough
+    q-blocks... unless it has too few to fill the SMs."""
+    import jax
+
+    configs = []
+    real = fwd.attention_forward
+    monkeypatch.setattr(fwd, "attention_forward", lambda *args, config, **kw: configs.append(
+        config) or real(*args, config=config, **kw))
+    q = jax.ShapeDtypeStruct((1, q_len, 4, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, kv_len, 1, 128), jnp.bfloat16)
+    jax.eval_shape(lambda q, k, v: omni_jax.attention(q, k, v, implementation="mosaic"),
+                   q, kv, kv)
+    assert [c.kv_splits for c in configs] == [kv_splits]
 
 
 @pytest.mark.parametrize("kwargs,traced_mask,expected", [

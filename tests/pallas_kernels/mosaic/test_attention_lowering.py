@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import omni_jax
+from omni_jax.flax.cache import decode_mask
 from pallas_kernels import runtime
 from tests.forced_configs import force_config_fields
 
@@ -87,6 +88,12 @@ VARIANTS = {
     "captured_arrays_hd64": dict(
         shape=(2, 200, 4, 64), kv_heads=2, is_causal=True,
         score_mod=lambda s, b, h, i, j: (s - _SLOPES[h] * (i - j) + _TABLE[b, h]) * _TEMPERATURE),
+    # A decoding step of 3 queries per sequence over a cache of 4096 (`q_len`), GQA:
+    # packed, 4 heads of a group per query (`omni_jax.query_groups`), the cache mask
+    # computed in the kernels from query rows divided by the group; 4 CTAs walk 24.5
+    # kv-blocks on average, in 3 splits (`ForwardConfig.kv_splits`).
+    "decode_step_gqa_hd128": dict(shape=(2, 4096, 8, 128), kv_heads=2, q_len=3,
+                                  decode_offsets=(2000, 4090)),
 }
 
 
@@ -99,9 +106,13 @@ def _arguments(name):
     kv_heads = kwargs.pop("kv_heads")
     dtype = kwargs.pop("dtype", jnp.bfloat16)
     head_dim_v = kwargs.pop("head_dim_v", head_dim)
+    q_len = kwargs.pop("q_len", length)
     if "mask" in kwargs:
         kwargs["mask"] = _generic_mask(length, kwargs.pop("mask"), kwargs.pop("mask_heads", None))
-    q = jax.ShapeDtypeStruct((batch, length, heads, head_dim), dtype)
+    if "decode_offsets" in kwargs:
+        offsets = jnp.asarray(kwargs.pop("decode_offsets"), jnp.int32)
+        kwargs["mask"] = decode_mask(offsets, q_len, length)
+    q = jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), dtype)
     k = jax.ShapeDtypeStruct((batch, length, kv_heads, head_dim), dtype)
     v = jax.ShapeDtypeStruct((batch, length, kv_heads, head_dim_v), dtype)
     return (q, k, v), kwargs
