@@ -3,6 +3,7 @@
     python -m benchmarks attention [args]    # one benchmark; --help lists its args
     python -m benchmarks matmul [args]
     python -m benchmarks mla [args]
+    python -m benchmarks decode [args]
     python -m benchmarks all [--attention-args "..."]   # every available benchmark
     python -m benchmarks gpu-suite [out_dir]   # GPU tests + all benchmarks (scripts/gpu_suite.sh)
 
@@ -28,7 +29,7 @@ from types import ModuleType
 
 from benchmarks import report
 
-BENCHMARKS = ("attention", "matmul", "mla")
+BENCHMARKS = ("attention", "matmul", "mla", "decode")
 SUITE_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_suite.sh"
 
 
