@@ -385,7 +385,6 @@ class Or(_Combination):
         return "prefix" if kinds == {"prefix"} else None
 
 
-
 @dataclasses.dataclass(frozen=True)
 class _QueryRowGrid(BlockGrid):
     """A `BlockGrid` over ``group`` rows per query position (row r is position
@@ -441,6 +440,7 @@ class RepeatedQueries(MaskMod):
 
     def __repr__(self):
         return f"RepeatedQueries({self.inner!r}, group={self.group})"
+
 
 # Ready-made mask_mods. Each is a MaskMod, so create_block_mask classifies it
 # analytically, and it also works as a plain FlexAttention mask_mod.
