@@ -24,7 +24,12 @@ attention_module = importlib.import_module("omni_jax.attention")
 
 
 def _compiles(jitted, call, times: int = 3) -> int:
-    """New entries in ``jitted``'s cache over ``times`` calls of ``call``."""
+    """New entries in ``jitted``'s cache over ``times`` calls of ``call``.
+
+    JAX's caches are emptied first: its jit cache holds at most 8192 entries of all
+    functions, and once a long test session has filled it, new entries evict old ones
+    and the count stays put (every count here read 0 in a CI run of 1300 tests)."""
+    jax.clear_caches()
     before = jitted._cache_size()
     for _ in range(times):
         jax.block_until_ready(call())
@@ -113,6 +118,7 @@ def test_create_block_mask_compiles_once_per_mask_structure(seed):
     """New closures over new arrays, one structure: one compile, and each mask its own."""
     rng = np.random.default_rng(seed)
     construct = importlib.import_module("omni_jax.masks.construct")
+    jax.clear_caches()  # see `_compiles`
     before = construct._tile_flags._cache_size(), construct._tiles._cache_size()
     for _ in range(3):
         ids = jnp.asarray(np.sort(rng.integers(0, 4, (1, 90))), jnp.int32)
