@@ -25,6 +25,9 @@ consumers finish the current one; each consumer loads its next Q into a second
 buffer as it starts a q-block (when shared memory has room, else after its
 output store). Within a head the q-blocks go heaviest first (one per CTA) or
 heaviest and lightest alternating (several per CTA: even pairs under causal).
+With ``ForwardConfig.kv_splits`` > 1 (calls with fewer q-blocks than SMs, decoding
+steps above all), that many CTAs share each q-block, each walking an even share of
+its kv-blocks and writing its own output and lse, which the wrapper combines.
 
 Two consumer schedules (`ForwardConfig.pipelined`):
 
