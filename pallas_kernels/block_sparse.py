@@ -33,6 +33,7 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from omni_jax.masks import COMPUTED, FULL, PARTIAL, BlockMask
 from omni_jax.masks.block_mask import trace_time_eval
@@ -148,6 +149,14 @@ def _full_tiles_first(count: Array, indices: Array, flags: Array, partial_ids: A
     reorder = lambda x: jnp.take_along_axis(x, order, axis=-1)
     return (full.sum(axis=-1, dtype=jnp.int32), reorder(indices), reorder(flags),
             reorder(partial_ids))
+
+
+def mean_walk(num_blocks: Array) -> float | None:
+    """Mean walk length of a mask built at trace time (``kv_num_blocks``: active
+    kv-blocks per q-block; ``q_num_full``: FULL q-blocks per kv-block), else None."""
+    if isinstance(num_blocks, jax.core.Tracer):
+        return None
+    return float(np.mean(np.asarray(num_blocks)))
 
 
 def walk_offsets(num_blocks: int) -> tuple[int, int, int]:

@@ -91,6 +91,22 @@ def gpu_compute_capability() -> tuple[int, int] | None:
     return int(major), int(minor)
 
 
+# SMs of an H100 SXM or H200: what the split choices assume where no GPU says otherwise
+# (interpret mode).
+DEFAULT_NUM_SMS = 132
+
+
+@functools.cache
+def num_sms() -> int:
+    """Streaming multiprocessors of the first CUDA device (`DEFAULT_NUM_SMS` without one)."""
+    try:
+        devices = jax.devices("gpu")
+    except RuntimeError:
+        return DEFAULT_NUM_SMS
+    count = getattr(devices[0], "core_count", None) if devices else None
+    return int(count) if count else DEFAULT_NUM_SMS
+
+
 def can_run_triton() -> bool:
     """Triton-lowered Pallas kernels run here (compiled on sm80+, or interpreted)."""
     if interpret_requested():

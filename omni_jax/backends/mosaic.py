@@ -32,8 +32,8 @@ from omni_jax.masks import BlockMask
 from omni_jax.masks.mask_mods import includes_causal
 from omni_jax.problem import AttentionProblem
 from omni_jax.scores import primitive_names
-from pallas_kernels import compat, runtime
-from pallas_kernels.block_sparse import kernel_mask
+from pallas_kernels import compat, kv_splits, runtime
+from pallas_kernels.block_sparse import kernel_mask, mean_walk
 from pallas_kernels.captured import PackedCaptured, scalar_reads_reason, score_mod_on_packed
 from pallas_kernels.mosaic import attention_bwd_sm90 as bwd
 from pallas_kernels.mosaic import attention_fwd_sm90 as fwd
@@ -146,7 +146,7 @@ class MosaicBackend(AttentionBackend):
         out, lse = fwd.attention_forward(
             q, k, v, kmask, layout, scale=problem.scale, softcap=problem.softcap,
             score_mod=problem.score_mod, has_partial=problem.has_user_mask,
-            config=self._config(problem, causal, _mean_walk(kmask.kv_num_blocks)),
+            config=self._config(problem, causal, mean_walk(kmask.kv_num_blocks)),
             captured=captured, interpret_params=_interpret_params())
         if sinks is None:
             return out, lse
@@ -161,7 +161,7 @@ class MosaicBackend(AttentionBackend):
             q, k, v, kmask, layout, out, lse, dout, dlse, scale=problem.scale,
             softcap=problem.softcap, score_mod=problem.score_mod,
             has_partial=problem.has_user_mask, config=config, captured=captured,
-            mean_full_walk=_mean_walk(kmask.q_num_full), interpret_params=_interpret_params())
+            mean_full_walk=mean_walk(kmask.q_num_full), interpret_params=_interpret_params())
         dsinks = None if sinks is None else sinks_cotangent(sinks, lse, delta)
         return dq, dk, dv, dsinks, xla.captured_cotangents(
             problem, q, k, v, block_mask, sinks, captured, out, lse, dout, dlse)
@@ -196,7 +196,8 @@ class MosaicBackend(AttentionBackend):
         num_q_blocks = -(-problem.q_len // config.block_q)
         walk = (-(-problem.kv_len // config.block_kv) if mean_walk is None
                 else mean_walk)  # a traced mask: at most every kv-block
-        splits = fwd.kv_splits(problem.batch * problem.num_q_heads * num_q_blocks, walk)
+        splits = kv_splits.num_splits(problem.batch * problem.num_q_heads * num_q_blocks, walk,
+                                      runtime.num_sms())
         if splits > 1:
             config = dataclasses.replace(config, kv_splits=splits, q_blocks_per_cta=1)
         return config
@@ -206,14 +207,6 @@ class MosaicBackend(AttentionBackend):
         return fwd.smem_bytes(config, *fwd.padded_head_dims(problem.head_dim,
                                                             problem.head_dim_v),
                               np.dtype(problem.dtype).itemsize, problem.has_user_mask)
-
-
-def _mean_walk(num_blocks) -> float | None:
-    """Mean walk length (``kv_num_blocks``: active kv-blocks per q-block; ``q_num_full``:
-    FULL q-blocks per kv-block) of a mask built at trace time, else None."""
-    if isinstance(num_blocks, jax.core.Tracer):
-        return None
-    return float(np.mean(np.asarray(num_blocks)))
 
 
 def _interpret_params():

@@ -65,7 +65,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from omni_jax.masks.block_mask import trace_time_eval
 from omni_jax.scores import ConvertedScoreMod
-from pallas_kernels import compat
+from pallas_kernels import compat, kv_splits
 from pallas_kernels.block_sparse import KernelMask, MaskLayout, walk_offsets
 from pallas_kernels.mosaic import attention_sm90_common as common
 from pallas_kernels.mosaic.attention_sm90_common import (
@@ -82,7 +82,7 @@ Array = Any
 
 NUM_CONSUMERS = 2
 __all__ = ["BLOCK_Q", "SUPPORTED_HEAD_DIMS", "ForwardConfig", "attention_forward",
-           "forward_config", "kv_splits", "padded_head_dim", "padded_head_dims", "smem_bytes"]
+           "forward_config", "padded_head_dim", "padded_head_dims", "smem_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,20 +196,6 @@ def forward_config(head_dim: int, dtype: Any, causal: bool,
     return config
 
 
-# SMs of the sm90 parts we tune for (H100 SXM, H200): fewer CTAs leave SMs idle.
-NUM_SMS = 132
-# The shortest share of a walk worth a split of its own (each split stores an output and
-# an lse that the combine reads back).
-MIN_SPLIT_STEPS = 8
-
-
-def kv_splits(num_ctas: int, mean_walk: float) -> int:
-    """Splits of each q-block's walk (`ForwardConfig.kv_splits`) for a call of
-    ``num_ctas`` q-blocks walking ``mean_walk`` kv-blocks on average: as many as fill
-    the SMs in one wave, each share at least `MIN_SPLIT_STEPS` long."""
-    return max(1, min(NUM_SMS // max(num_ctas, 1), int(mean_walk // MIN_SPLIT_STEPS)))
-
-
 def q_buffers(config: ForwardConfig, head_dim: int, head_dim_v: int, itemsize: int,
               has_partial: bool) -> int:
     """Q buffers per consumer: two (the next q-block's Q loads under the current one)
@@ -285,7 +271,7 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
 
     def split_of(walk_count, walk_num_full):
         """(first walk position, steps, FULL steps) of this CTA's share of a walk."""
-        return common.split_walk(walk_count, walk_num_full, split, splits)
+        return kv_splits.share(walk_count, walk_num_full, split, splits)
 
     @pl.when(wg == NUM_CONSUMERS)
     def _producer():
@@ -726,21 +712,8 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret_params,
     )(*operands)
-    out, lse = _combine_splits(out[..., :q_len, :, :head_dim_v], lse[..., :q_len])
+    out, lse = kv_splits.combine(out[..., :q_len, :, :head_dim_v], lse[..., :q_len], q.dtype)
     return out, lse
-
-
-def _combine_splits(out: Array, lse: Array) -> tuple[Array, Array]:
-    """The result of the kv splits' results ``out [S, B, Sq, H, Dv]`` (each normalised
-    over its own keys) and ``lse [S, B, H, Sq]``: weights exp(lse_s - lse)."""
-    if out.shape[0] == 1:
-        return out[0], lse[0]
-    peak = lse.max(axis=0)
-    peak = jnp.where(peak == -jnp.inf, 0.0, peak)  # no split saw a key: lse stays -inf
-    total = peak + jnp.log(jnp.exp(lse - peak).sum(axis=0))
-    weights = jnp.exp(lse - jnp.where(total == -jnp.inf, 0.0, total))
-    weights = jnp.swapaxes(weights, 2, 3)[..., None]  # [S, B, Sq, H, 1]
-    return (weights * out.astype(jnp.float32)).sum(axis=0).astype(out.dtype), total
 
 
 def _schedule_barrier(cfg: ForwardConfig) -> Any:

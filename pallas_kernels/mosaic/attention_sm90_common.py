@@ -76,18 +76,6 @@ def has_masked_tiles(layout: MaskLayout, has_partial: bool) -> bool:
     return has_partial or layout.ragged_kv or layout.mask_mod_treedef is not None
 
 
-def split_walk(count, num_full, split, splits: int) -> tuple[Array, Array, Array]:
-    """(first position, count, FULL count) of split ``split`` of ``splits`` even shares
-    of a walk of ``count`` steps whose first ``num_full`` are FULL (a share may be
-    empty)."""
-    if splits == 1:
-        return jnp.int32(0), count, num_full
-    share = lax.div(count + splits - 1, splits)
-    begin = jnp.minimum(split * share, count)
-    local = jnp.minimum(begin + share, count) - begin
-    return begin, local, jnp.clip(num_full - begin, 0, local)
-
-
 def walk_entry(walk_smem, i):
     """Entry ``i`` of the walk row held in smem as ``[R, WALK_LINE]``."""
     return walk_smem[lax.div(i, WALK_LINE), lax.rem(i, WALK_LINE)]

@@ -1,4 +1,5 @@
-"""Interpret mode's CPU threads: the Mosaic-GPU interpreter deadlocks without enough."""
+"""Where kernels run: interpret mode's CPU threads (the Mosaic-GPU interpreter deadlocks
+without enough), the GPU's SMs."""
 
 import os
 import subprocess
@@ -42,3 +43,10 @@ def test_a_backend_started_too_early_gets_a_warning():
         print(len(caught), "NPROC" in str(caught[0].message))
     """)
     assert printed == "1 True"
+
+
+def test_num_sms_is_the_gpus_or_the_default_without_one():
+    if runtime.gpu_compute_capability() is None:
+        assert runtime.num_sms() == runtime.DEFAULT_NUM_SMS
+    else:
+        assert runtime.num_sms() >= 1

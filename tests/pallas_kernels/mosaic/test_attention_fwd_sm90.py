@@ -135,18 +135,6 @@ def test_short_walks_take_two_q_blocks_per_cta(head_dim, mean_walk, expected):
     assert dataclasses.replace(config, q_blocks_per_cta=base.q_blocks_per_cta) == base
 
 
-@pytest.mark.parametrize("num_ctas,mean_walk,splits", [
-    (8, 1024, 16),  # a decoding step of one sequence, 8 kv heads, a cache of 128k
-    (64, 64, 2),  # 8 sequences, 8k
-    (64, 15, 1),  # shares shorter than MIN_SPLIT_STEPS
-    (1, 40, 5),
-    (2048, 32, 1),  # prefill: the SMs are full
-])
-def test_kv_splits_fill_the_sms_in_one_wave(num_ctas, mean_walk, splits):
-    assert fwd.kv_splits(num_ctas, mean_walk) == splits
-    assert splits == 1 or num_ctas * splits <= fwd.NUM_SMS
-
-
 @pytest.mark.parametrize("q_len,kv_len,kv_splits", [(4, 16384, 16), (4, 1024, 1), (2048, 2048, 2)])
 def test_forward_splits_walks_of_calls_with_few_q_blocks(q_len, kv_len, kv_splits, monkeypatch):
     """A decoding step (packed: 4 query heads of a kv head, 4 rows) over a long cache

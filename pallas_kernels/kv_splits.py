@@ -1,0 +1,58 @@
+"""Split-KV: several programs share one q-block's kv walk, their results combined by lse.
+
+A call with fewer q-blocks than the GPU has SMs (a decoding step, a short prompt over
+a long cache) leaves most SMs idle while each program walks the whole cache. With
+``splits`` shares, program ``split`` walks an even share of its q-block's walk and
+writes an output normalised over its own keys and their lse; `combine` weighs the
+shares by exp(lse_share - lse_total). Both attention forwards (Triton and Mosaic)
+use these helpers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+from jax import lax
+
+Array = Any
+
+# A share shorter than this many kv-blocks costs more in its combine and its own
+# prologue (Q load, first TMA round trip) than it saves.
+MIN_SPLIT_STEPS = 8
+
+
+def num_splits(num_programs: int, mean_walk: float, num_sms: int) -> int:
+    """Shares of each q-block's walk for a call of ``num_programs`` q-block programs
+    walking ``mean_walk`` kv-blocks on average: as many as fill ``num_sms`` SMs in
+    one wave, each share at least `MIN_SPLIT_STEPS` long."""
+    return max(1, min(num_sms // max(num_programs, 1), int(mean_walk // MIN_SPLIT_STEPS)))
+
+
+def share(count: Array, num_full: Array, split: Array,
+          splits: int) -> tuple[Array, Array, Array]:
+    """(first position, length, FULL steps in it) of share ``split`` of ``splits`` even
+    shares of a walk of ``count`` steps whose first ``num_full`` are FULL. Late shares
+    of a short walk are empty."""
+    if splits == 1:
+        return jnp.int32(0), count, num_full
+    size = lax.div(count + splits - 1, splits)
+    begin = jnp.minimum(split * size, count)
+    length = jnp.minimum(begin + size, count) - begin
+    return begin, length, jnp.clip(num_full - begin, 0, length)
+
+
+def combine(out: Array, lse: Array, dtype: Any, sinks: Array | None = None) -> tuple[Array, Array]:
+    """The result of the shares' ``out [S, B, Sq, H, Dv]`` (each normalised over its own
+    keys) and ``lse [S, B, H, Sq]``, as ``dtype``; ``sinks`` (logits ``[H]``) join the
+    denominator. A row no share saw keeps lse -inf (or its sink) and output 0."""
+    if out.shape[0] == 1 and sinks is None:
+        return out[0].astype(dtype), lse[0]
+    terms = lse if sinks is None else jnp.concatenate(
+        [lse, jnp.broadcast_to(sinks.astype(lse.dtype)[None, None, :, None], lse[:1].shape)])
+    peak = terms.max(axis=0)
+    peak = jnp.where(peak == -jnp.inf, 0.0, peak)
+    total = peak + jnp.log(jnp.exp(terms - peak).sum(axis=0))
+    weights = jnp.exp(lse - jnp.where(total == -jnp.inf, 0.0, total))
+    weights = jnp.swapaxes(weights, 2, 3)[..., None]  # [S, B, Sq, H, 1]
+    return (weights * out.astype(jnp.float32)).sum(axis=0).astype(dtype), total
