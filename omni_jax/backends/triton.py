@@ -8,6 +8,7 @@ device, CPU included), which is how CI tests them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Hashable, Sequence
 
@@ -19,8 +20,8 @@ from omni_jax.backends import xla
 from omni_jax.backends.base import AttentionBackend, sinks_cotangent
 from omni_jax.problem import AttentionProblem
 from omni_jax.scores import primitive_names, transform_scores
-from pallas_kernels import compat, runtime
-from pallas_kernels.block_sparse import kernel_mask
+from pallas_kernels import compat, kv_splits, runtime
+from pallas_kernels.block_sparse import MaskLayout, kernel_mask, mean_walk
 from pallas_kernels.captured import score_mod_on_refs
 from pallas_kernels.triton import configs, tiles
 from pallas_kernels.triton.attention_bwd import BackwardConfig, attention_backward
@@ -125,6 +126,26 @@ def autotune(query, key, value, *, forward_candidates: Sequence[ForwardConfig] =
     return winners[0], winners[1]
 
 
+def _table_forward_config(problem: AttentionProblem) -> ForwardConfig:
+    return configs.forward_config(max(problem.head_dim, problem.head_dim_v), problem.dtype,
+                                  _tune_key(problem), problem.q_len)
+
+
+def _forward_config(problem: AttentionProblem, layout: MaskLayout,
+                    walk: float | None) -> ForwardConfig:
+    """The forward's config; unless it fixes ``kv_splits``, as many splits as fill the
+    SMs with the q tiles of ``problem`` walking ``walk`` kv-blocks on average (every
+    kv-block when None: a traced mask)."""
+    config = _table_forward_config(problem)
+    if config.kv_splits is not None:
+        return config
+    tile_q = tiles.tile_size(config.block_q, layout.block_q)
+    programs = problem.batch * problem.num_q_heads * pl.cdiv(problem.q_len, tile_q)
+    splits = kv_splits.num_splits(programs, layout.num_kv_blocks if walk is None else walk,
+                                  runtime.num_sms())
+    return dataclasses.replace(config, kv_splits=splits)
+
+
 class TritonBackend(AttentionBackend):
     """Pallas kernels with Triton lowering: forward, dK/dV and dQ, all block-sparse."""
 
@@ -156,14 +177,13 @@ class TritonBackend(AttentionBackend):
 
     def trace_key(self, problem: AttentionProblem) -> Hashable:
         head_dim = max(problem.head_dim, problem.head_dim_v)
-        return (configs.forward_config(head_dim, problem.dtype, _tune_key(problem)),
+        return (_table_forward_config(problem),
                 configs.backward_config(head_dim, problem.dtype, _tune_key(problem)),
                 runtime.interpret_requested())
 
     def forward(self, problem, q, k, v, block_mask, sinks, captured):
         mask, layout = kernel_mask(block_mask)
-        config = configs.forward_config(max(problem.head_dim, problem.head_dim_v),
-                                        problem.dtype, _tune_key(problem))
+        config = _forward_config(problem, layout, mean_walk(mask.kv_num_blocks))
         return attention_forward(q, k, v, mask, layout, sinks, captured, scale=problem.scale,
                                  softcap=problem.softcap, score_mod=problem.score_mod,
                                  config=config, interpret=runtime.interpret_requested(),

@@ -12,6 +12,11 @@ head dims below a power of two are masked in the loads and stores, not padded.
 
 Outputs: ``out`` and ``lse`` (natural log, float32, sinks included; -inf for
 a query that sees no key and has no sink).
+
+With ``ForwardConfig.kv_splits`` > 1 (calls with fewer q tiles than SMs, decoding
+steps) each q tile's walk is cut into that many even shares, one program each
+(`pallas_kernels.kv_splits`); each writes a float32 output normalised over its own
+keys and their lse, and the wrapper combines them (sinks join there).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from omni_jax.scores import ConvertedScoreMod
-from pallas_kernels import compat
+from pallas_kernels import compat, kv_splits
 from pallas_kernels.block_sparse import KernelMask, MaskLayout
 from pallas_kernels.triton import tiles
 
@@ -45,16 +50,24 @@ class ForwardConfig:
     block_kv: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    # Programs per q tile, each walking an even share of its kv tiles; None: the
+    # backend picks enough to fill the GPU's SMs (`pallas_kernels.kv_splits`).
+    kv_splits: int | None = None
+
+    def __post_init__(self):
+        if self.kv_splits is not None and self.kv_splits < 1:
+            raise ValueError(f"kv_splits must be None or >= 1; got {self.kv_splits}")
 
 
 def _forward_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, num_q_tiles: int,
-                    group: int, has_sinks: bool) -> None:
+                    group: int, splits: int, has_sinks: bool) -> None:
     inputs, (out_ref, lse_ref) = tiles.unpack_refs(refs, treedef)
     layout = spec.layout
     tq, tkv = spec.tile_q, spec.tile_kv
     # Heaviest q tiles (last rows of causal masks) first: shorter tail.
     q_tile = num_q_tiles - 1 - pl.program_id(0)
-    h, b = pl.program_id(1), pl.program_id(2)
+    h = pl.program_id(1)
+    b, split = lax.div(pl.program_id(2), splits), lax.rem(pl.program_id(2), splits)
     kv_head = lax.div(h, group)
     q_start = q_tile * tq
     q = tiles.load_operand(inputs, layout, "q", b, q_start, tq, h)
@@ -86,7 +99,7 @@ def _forward_kernel(*refs: Any, treedef: Any, spec: tiles.ScoreSpec, num_q_tiles
 
     init = (jnp.zeros((tq, tiles.padded_head_dim(inputs["v"].shape[3])), jnp.float32),
             jnp.full((tq,), -jnp.inf, jnp.float32), jnp.zeros((tq,), jnp.float32))
-    acc, row_max, row_sum = walk.fold(body, init, spec.masked_tiles)
+    acc, row_max, row_sum = walk.fold(body, init, spec.masked_tiles, split, splits)
 
     if has_sinks:
         # The sink joins the denominator: renormalise to max(row_max, sink) first. A -inf
@@ -126,13 +139,15 @@ def attention_forward(q: Array, k: Array, v: Array, mask: KernelMask, layout: Ma
                            score_mod, tuple(jnp.shape(c) for c in captured), partial_tiles,
                            ptx=tiles.inline_ptx(interpret))
     dim_v = tiles.padded_head_dim(head_dim_v)
+    splits = config.kv_splits or 1
     operands = {
         "q": q,
         "k": k,
         "v": v,
         "mask": tiles.mask_operands(mask, layout, q_walk=False, kv_walk=True,
                                     partial_tiles=partial_tiles),
-        "sinks": None if sinks is None else sinks.astype(jnp.float32),
+        # Split walks leave the sinks to the combine.
+        "sinks": None if sinks is None or splits > 1 else sinks.astype(jnp.float32),
         "captured": [jnp.atleast_1d(c) for c in captured],
     }
     flat, treedef = tiles.pack_operands(operands)
@@ -142,21 +157,28 @@ def attention_forward(q: Array, k: Array, v: Array, mask: KernelMask, layout: Ma
     last = num_q_tiles - 1
     kernel = functools.partial(_forward_kernel, treedef=treedef, spec=spec,
                                num_q_tiles=num_q_tiles, group=num_heads // num_kv_heads,
-                               has_sinks=sinks is not None)
+                               splits=splits, has_sinks=operands["sinks"] is not None)
     axes = compat.varying_axes(flat)  # Inside a jax.shard_map.
+    # Outputs carry a leading axis of splits; the shares of one q tile are neighbours
+    # on the last grid axis.
     out, lse = pl.pallas_call(
         kernel,
-        grid=(num_q_tiles, num_heads, batch),
+        grid=(num_q_tiles, num_heads, batch * splits),
         in_specs=tiles.whole_array_specs(flat),
         out_specs=[
-            pl.BlockSpec((None, spec.tile_q, None, dim_v), lambda i, h, b: (b, last - i, h, 0)),
-            pl.BlockSpec((None, None, spec.tile_q), lambda i, h, b: (b, h, last - i)),
+            pl.BlockSpec((None, None, spec.tile_q, None, dim_v),
+                         lambda i, h, bs: (lax.rem(bs, splits), lax.div(bs, splits), last - i,
+                                           h, 0)),
+            pl.BlockSpec((None, None, None, spec.tile_q),
+                         lambda i, h, bs: (lax.rem(bs, splits), lax.div(bs, splits), h,
+                                           last - i)),
         ],
-        out_shape=[compat.result_type((batch, q_len, num_heads, head_dim_v), q.dtype, axes),
-                   compat.result_type((batch, num_heads, q_len), jnp.float32, axes)],
+        out_shape=[compat.result_type((splits, batch, q_len, num_heads, head_dim_v),
+                                      q.dtype if splits == 1 else jnp.float32, axes),
+                   compat.result_type((splits, batch, num_heads, q_len), jnp.float32, axes)],
         compiler_params=compat.triton_compiler_params(num_warps=config.num_warps,
                                                       num_stages=config.num_stages),
         interpret=interpret,
         name="omni_attention_fwd",
     )(*flat)
-    return out, lse
+    return kv_splits.combine(out, lse, q.dtype, None if operands["sinks"] is not None else sinks)

@@ -8,6 +8,7 @@ look-ups with that key return it.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -16,6 +17,7 @@ from typing import Any, TypeVar
 import jax
 
 from pallas_kernels import runtime
+from pallas_kernels.triton import tiles
 from pallas_kernels.triton.attention_bwd import BackwardConfig
 from pallas_kernels.triton.attention_fwd import ForwardConfig
 
@@ -64,6 +66,16 @@ _BACKWARD = {
     (256, "fp32", "sm80"): BackwardConfig(16, 32, 32, 16, num_warps=4, num_stages=1),
 }
 
+# Calls with fewer query rows than this (decoding steps; GQA packs each group's query heads
+# into rows) take tiles of `tiles.MIN_TILE` rows: a 128-row tile would compute rows of
+# padding only. The measured row (H100, bf16, d128, 2026-11-27 sweep of block_q 16/128,
+# block_kv 64/128, 2-4 stages over four decoding shapes): 16 x 128 tiles, 2 stages, 0.98-1.32x
+# cuDNN, where the 128 x 64 row gave 0.62-0.85x. Other rows keep their block_kv.
+SHORT_Q_LEN = 128
+_SHORT_Q_FORWARD = {
+    (128, "16bit", "sm90"): ForwardConfig(block_q=16, block_kv=128, num_warps=4, num_stages=2),
+}
+
 _TUNED: dict[Hashable, Any] = {}
 
 
@@ -79,10 +91,18 @@ def problem_key(shapes: Sequence[tuple[int, ...]], dtype: Any, block_size: Any) 
     return tuple(map(tuple, shapes)), str(jax.numpy.dtype(dtype)), block_size
 
 
-def forward_config(head_dim: int, dtype: Any, tune_key: Hashable = None) -> ForwardConfig:
-    """The autotuned config for ``tune_key`` if any, else the table default."""
+def forward_config(head_dim: int, dtype: Any, tune_key: Hashable = None,
+                   q_len: int | None = None) -> ForwardConfig:
+    """The autotuned config for ``tune_key`` if any, else the table default (for calls
+    of fewer than `SHORT_Q_LEN` query rows, the short-query one)."""
     tuned = _TUNED.get(("forward", tune_key))
-    return tuned if tuned is not None else _FORWARD[_table_key(head_dim, dtype)]
+    if tuned is not None:
+        return tuned
+    key = _table_key(head_dim, dtype)
+    if q_len is not None and q_len < SHORT_Q_LEN:
+        return _SHORT_Q_FORWARD.get(key, dataclasses.replace(_FORWARD[key],
+                                                             block_q=tiles.MIN_TILE))
+    return _FORWARD[key]
 
 
 def backward_config(head_dim: int, dtype: Any, tune_key: Hashable = None) -> BackwardConfig:

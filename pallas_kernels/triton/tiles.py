@@ -32,7 +32,7 @@ from jax.experimental.pallas import triton as pl_triton
 from omni_jax.masks import FULL, PARTIAL
 from omni_jax.masks.block_mask import trace_time_eval
 from omni_jax.scores import ConvertedScoreMod, transform_scores
-from pallas_kernels import compat, runtime
+from pallas_kernels import compat, kv_splits, runtime
 from pallas_kernels.block_sparse import (
     KernelMask,
     MaskLayout,
@@ -263,15 +263,18 @@ class Walk:
     def _entry(self, i: Any) -> Array:
         return self._ref[(*self._lead, i)]
 
-    def fold(self, body: Any, carry: Any, masked_tiles: bool) -> Any:
-        """``body(step, carry) -> carry`` over every step; ``masked_tiles`` False promises
-        that every tile is FULL (the mask has no COMPUTED or PARTIAL tile)."""
-        num_full = self._entry(1) * self.subs
+    def fold(self, body: Any, carry: Any, masked_tiles: bool, split: Array = 0,
+             splits: int = 1) -> Any:
+        """``body(step, carry) -> carry`` over every step, or over share ``split`` of
+        ``splits`` even shares of them (`kv_splits.share`); ``masked_tiles`` False
+        promises that every tile is FULL (the mask has no COMPUTED or PARTIAL tile)."""
+        begin, length, num_full = kv_splits.share(self._entry(0) * self.subs,
+                                                  self._entry(1) * self.subs, split, splits)
         first = self._entry(self._offsets[0]) if self._contiguous_full else None
-        carry = lax.fori_loop(0, num_full, lambda it, c: body(self._step(it, True, first), c),
-                              carry)
+        carry = lax.fori_loop(begin, begin + num_full,
+                              lambda it, c: body(self._step(it, True, first), c), carry)
         if masked_tiles:
-            carry = lax.fori_loop(num_full, self._entry(0) * self.subs,
+            carry = lax.fori_loop(begin + num_full, begin + length,
                                   lambda it, c: body(self._step(it, False), c), carry)
         return carry
 

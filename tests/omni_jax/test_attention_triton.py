@@ -16,6 +16,8 @@ import pytest
 
 import omni_jax
 from pallas_kernels import runtime
+from pallas_kernels.triton import configs
+from tests.forced_configs import force_config_fields
 from tests.omni_jax.attention_suite import CASES, AttentionSuite, Case, check_case
 
 _GATHERING_SCORE_MODS = ("relative_table",)  # captured arrays indexed per score
@@ -84,3 +86,23 @@ def test_wide_head_dims_compiled(case, head_dim, dtype):
     (dK and dV in launches of their own) on many tiles with ragged tails."""
     check_case("triton", dataclasses.replace(case, head_dim=head_dim), dtype, (64, 64),
                block_rows=32)
+
+
+_SPLIT_CASES = ("decode_step_gqa_sinks", "causal_ragged", "generic_block_mask_and_causal")
+
+
+@pytest.mark.parametrize("compiled", [
+    pytest.param(False, marks=pytest.mark.interpreted),
+    pytest.param(True, marks=[pytest.mark.gpu,
+                              pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA GPU")]),
+], ids=["interpreted", "compiled"])
+@pytest.mark.parametrize("case", [c for c in CASES if c.name in _SPLIT_CASES],
+                         ids=lambda case: case.name)
+def test_kv_splits(case, compiled, monkeypatch):
+    """Every q tile's walk in three shares, one program each, combined by lse
+    (`ForwardConfig.kv_splits`): uneven and empty shares, FULL and masked steps split
+    apart, stored tiles, sinks; gradients from the combined output and lse."""
+    if not compiled:
+        monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
+    force_config_fields(monkeypatch, configs, "forward_config", kv_splits=3)
+    check_case("triton", case, "bfloat16" if compiled else "float32", (32, 32))

@@ -23,7 +23,7 @@ from omni_jax.problem import AttentionProblem
 from omni_jax.scores import convert_score_mod
 from pallas_kernels import compat, runtime
 from pallas_kernels.block_sparse import kernel_mask
-from pallas_kernels.triton import configs
+from pallas_kernels.triton import configs, tiles
 from pallas_kernels.triton.attention_bwd import BackwardConfig, attention_backward
 from pallas_kernels.triton.attention_fwd import ForwardConfig, attention_forward
 from tests.forced_configs import force_config_fields
@@ -111,6 +111,59 @@ def test_forward_counts_through_contiguous_full_blocks(block_kv):
         assert relative_error(lse, ref_lse) < 1e-5, contiguous
 
 
+@pytest.mark.parametrize("splits", [2, 5, 30])
+def test_split_walks_combine_to_the_reference(splits):
+    """Each q tile's walk in shares (`ForwardConfig.kv_splits`), FULL and masked steps
+    split apart, late shares of short walks empty, stored tiles, sinks added once in the
+    combine: the result and lse of the unsplit kernel."""
+    rng = np.random.default_rng()
+    problem, q, k, v, block_mask = _generic_problem(70, 300, (32, 32), rng)
+    problem = dataclasses.replace(problem, has_sinks=True)
+    sinks = jnp.asarray(rng.standard_normal(problem.num_q_heads), jnp.float32)
+    mask, layout = kernel_mask(block_mask)
+    out, lse = attention_forward(q, k, v, mask, layout, sinks, (), scale=problem.scale,
+                                 softcap=None, score_mod=None, interpret=True,
+                                 config=ForwardConfig(block_q=32, block_kv=16, kv_splits=splits))
+    ref_out, ref_lse = xla_forward(problem, q, k, v, block_mask, sinks, ())
+    assert out.dtype == q.dtype and out.shape == ref_out.shape and lse.shape == ref_lse.shape
+    assert not np.isnan(np.asarray(out)).any() and not np.isnan(np.asarray(lse)).any()
+    assert relative_error(out, ref_out) < 1e-5
+    assert relative_error(lse, ref_lse) < 1e-5
+
+
+@pytest.mark.parametrize("q_len,kv_len,splits", [(1, 16384, 16), (1, 1024, 1), (512, 4096, 4)])
+def test_calls_with_few_q_tiles_split_their_walks(q_len, kv_len, splits, monkeypatch):
+    """A decoding step (4 query heads of one kv head packed into 4 rows) over a long
+    cache walks in splits, one over a short cache does not, a short prompt with too few q
+    tiles to fill the SMs does; a config that fixes ``kv_splits`` keeps it."""
+    from omni_jax.backends import triton as backend
+
+    recorded = []
+    real = backend.attention_forward
+    monkeypatch.setattr(backend, "attention_forward", lambda *args, config, **kw: recorded.append(
+        config) or real(*args, config=config, **kw))
+    q = jax.ShapeDtypeStruct((1, q_len, 4, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, kv_len, 1, 128), jnp.bfloat16)
+    for fixed in (None, 1):
+        if fixed is not None:
+            force_config_fields(monkeypatch, configs, "forward_config", kv_splits=fixed)
+        # A function of its own each time: eval_shape would reuse the first trace.
+        jax.eval_shape(lambda q, k, v: omni_jax.attention(q, k, v, implementation="triton"),
+                       q, kv, kv)
+    assert [c.kv_splits for c in recorded] == [splits, 1]
+    assert {c.block_q for c in recorded} == {tiles.MIN_TILE if q_len < 128 else 128}
+
+
+@pytest.mark.parametrize("head_dim,dtype", [(128, jnp.bfloat16), (64, jnp.float32),
+                                            (256, jnp.float16)])
+def test_short_query_calls_take_sixteen_row_tiles(head_dim, dtype):
+    short = configs.forward_config(head_dim, dtype, q_len=configs.SHORT_Q_LEN - 1)
+    assert short.block_q == tiles.MIN_TILE
+    long = configs.forward_config(head_dim, dtype, q_len=configs.SHORT_Q_LEN)
+    assert long == configs.forward_config(head_dim, dtype)
+    assert long.block_q > tiles.MIN_TILE
+
+
 def test_rows_that_see_nothing_get_zeros_and_minus_inf_lse():
     rng = np.random.default_rng()
     q, k, v = (jnp.asarray(rng.standard_normal((1, 48, 2, 32)), jnp.float32) for _ in range(3))
@@ -172,6 +225,9 @@ _LOWERING_FEATURES = {
                                 score_mod=lambda s, b, h, i, j: s - 0.1 * jnp.abs(i - j)),
     "alibi_captured_slopes": dict(dtype=jnp.bfloat16, is_causal=True,
                                   score_mod=lambda s, b, h, i, j: s - _SLOPES[h] * (i - j)),
+    # One query of each of 2 sequences x 2 kv heads (packed 2 rows each) over 4096 slots:
+    # 4 q tiles walking 32 kv-blocks, in shares (`ForwardConfig.kv_splits`).
+    "decode_step_split_walks": dict(dtype=jnp.bfloat16, q_len=1, kv_len=4096),
     "generic_block_mask": dict(dtype=jnp.bfloat16, mask=omni_jax.create_block_mask(
         lambda b, h, i, j: (i + j) % 3 != 0, None, None, 128, 128, 64)),
     "generic_block_mask_and_causal": dict(dtype=jnp.bfloat16, is_causal=True,
@@ -228,7 +284,7 @@ def test_split_dkdv_lowers_to_triton(monkeypatch):
 def test_autotune_caches_the_fastest_config_that_runs():
     import time
 
-    from pallas_kernels.triton import configs
+    from pallas_kernels.triton import configs, tiles
 
     candidates = [ForwardConfig(block_q=16), ForwardConfig(block_q=32), ForwardConfig(block_q=64)]
 
@@ -245,7 +301,7 @@ def test_autotune_caches_the_fastest_config_that_runs():
 
 def test_autotuned_configs_serve_later_calls(monkeypatch):
     from omni_jax.backends import triton as triton_backend
-    from pallas_kernels.triton import configs
+    from pallas_kernels.triton import configs, tiles
 
     rng = np.random.default_rng()
     q, k, v = (jnp.asarray(rng.standard_normal((1, 64, 2, 32)), jnp.float32) for _ in range(3))
