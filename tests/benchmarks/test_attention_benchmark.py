@@ -11,6 +11,7 @@ from benchmarks import attention
 from pallas_kernels import runtime
 from pallas_kernels.mosaic import attention_bwd_sm90 as bwd
 from pallas_kernels.mosaic import attention_fwd_sm90 as fwd
+from tests.forced_configs import record_configs
 
 
 def test_tiny_run_produces_rows_for_every_impl(monkeypatch, capsys):
@@ -149,14 +150,7 @@ def test_a_case_is_timed_together_and_failures_are_rows(monkeypatch, timed_toget
 def test_forced_mosaic_impls_force_the_config(impl, backward, fields, monkeypatch):
     monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
     module, kernel = (bwd, "attention_backward") if backward else (fwd, "attention_forward")
-    configs = []
-    traced = getattr(module, kernel)
-
-    def spy(*args, config, **kwargs):
-        configs.append(config)
-        return traced(*args, config=config, **kwargs)
-
-    monkeypatch.setattr(module, kernel, spy)
+    configs = record_configs(monkeypatch, module, kernel)
     case = attention.Case(1, 256, 2, 128, "causal", backward=backward)
     q = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
     timed = attention._timed_fn(attention.builder(impl)(case), backward)

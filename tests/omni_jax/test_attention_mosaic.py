@@ -8,7 +8,6 @@ the Triton fallback).
 """
 
 import dataclasses
-import importlib
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +17,7 @@ import omni_jax
 from pallas_kernels import compat, runtime
 from pallas_kernels.mosaic import attention_bwd_sm90 as bwd
 from pallas_kernels.mosaic import attention_fwd_sm90 as fwd
-from tests.forced_configs import force_config_fields
+from tests.forced_configs import force_config_fields, record_plans
 from tests.mosaic_interpret import interpreted_mosaic
 from tests.omni_jax.attention_suite import CASES, AttentionSuite, Case, check_case
 
@@ -31,21 +30,6 @@ _INTERPRETED = ("alibi_score_mod", "causal_ragged", "decode_step_gqa_sinks",
                 "generic_block_mask", "mqa_value_dim", "per_head_mask_without_gqa",
                 "softcap_sinks")
 INTERPRETED_CASES = tuple(case for case in CASES if case.name in _INTERPRETED)
-
-
-def record_backward_backends(monkeypatch) -> list[str]:
-    """Names of the backward backends `omni_jax.attention` plans from now on."""
-    names = []
-    module = importlib.import_module("omni_jax.attention")  # The package exports the function.
-    plan_attention = module.plan_attention
-
-    def recording(implementation, problem):
-        plan = plan_attention(implementation, problem)
-        names.append(plan.backward.name)
-        return plan
-
-    monkeypatch.setattr(module, "plan_attention", recording)
-    return names
 
 
 class _MosaicSuite(AttentionSuite):
@@ -64,9 +48,10 @@ class _MosaicSuite(AttentionSuite):
 
     @pytest.fixture(autouse=True)
     def _mosaic_backward(self, monkeypatch):
-        names = record_backward_backends(monkeypatch)
+        plans = record_plans(monkeypatch)
         yield
-        assert names and set(names) == {"mosaic"}, names
+        names = {plan.backward.name for plan in plans}
+        assert names == {"mosaic"}, names
 
 
 @pytest.mark.interpreted
@@ -106,13 +91,14 @@ def test_fused_dq_backward_through_the_public_call(case, dtype, monkeypatch):
     """Head dim 128: the dK/dV kernel also sums dQ (into a ref), a path the suite's
     smaller head dims never take."""
     force_config_fields(monkeypatch, bwd, "backward_config", fused_dq_min_full_walk=0.0)
-    backends = record_backward_backends(monkeypatch)
+    plans = record_plans(monkeypatch)
     accumulating = []
     kernel = compat.mosaic_kernel_accumulating
     monkeypatch.setattr(compat, "mosaic_kernel_accumulating",
                         lambda *args, **kwargs: accumulating.append(1) or kernel(*args, **kwargs))
     check_case("mosaic", case, dtype, (128, 128), block_rows=32)
-    assert set(backends) == {"mosaic"} and accumulating, (backends, accumulating)
+    backends = {plan.backward.name for plan in plans}
+    assert backends == {"mosaic"} and accumulating, (backends, accumulating)
 
 
 @pytest.mark.parametrize("captured,score_mod,match", [
@@ -136,13 +122,13 @@ _SLOPES = jnp.ones((2,), jnp.float32)
 def _backward_backends(head_dim, block_kv, score_mod, monkeypatch) -> list[str]:
     """The backward backends planned for a default-dispatch call on interpreted kernels."""
     monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
-    names = record_backward_backends(monkeypatch)
+    plans = record_plans(monkeypatch)
     q = jax.ShapeDtypeStruct((1, 256, 2, head_dim), jnp.bfloat16)
     mask = None if block_kv is None else omni_jax.create_block_mask(
         lambda b, h, i, j: i >= j, None, None, 256, 256, (128, block_kv))
     jax.eval_shape(lambda q: omni_jax.attention(q, q, q, mask=mask, score_mod=score_mod,
                                                 implementation="mosaic"), q)
-    return names
+    return [plan.backward.name for plan in plans]
 
 
 @pytest.mark.parametrize("head_dim,block_kv,score_mod", [
@@ -176,11 +162,12 @@ def test_wide_head_dims_interpreted(head_dim, head_dim_v, monkeypatch, _interpre
     """The public call above head dim 128 with the default configs, fitted to shared
     memory as on the GPU: dK and dV in launches of their own at 256 (one at 192 / 128),
     the dQ kernel's V-first order; ragged causal under GQA."""
-    backends = record_backward_backends(monkeypatch)
+    plans = record_plans(monkeypatch)
     case = Case("causal_ragged_gqa", batch=1, q_len=200, kv_len=260, heads=2, kv_heads=1,
                 head_dim=head_dim, head_dim_v=head_dim_v, is_causal=True)
     check_case("mosaic", case, "bfloat16", (128, 64), block_rows=32)
-    assert set(backends) == {"mosaic"}, backends
+    backends = {plan.backward.name for plan in plans}
+    assert backends == {"mosaic"}, backends
     config = bwd.backward_config(head_dim, head_dim_v or head_dim, jnp.bfloat16, causal=True)
     assert config.dq_v_first and config.split_dkdv == (head_dim_v is None)
 
@@ -202,10 +189,11 @@ def test_wide_head_dims_compiled(case, head_dim, head_dim_v, q_blocks_per_cta, m
     (above 128: dK and dV by launches of their own at 192 and 256, by one launch at
     192 / 128 and 256 / 64)."""
     force_config_fields(monkeypatch, fwd, "forward_config", q_blocks_per_cta=q_blocks_per_cta)
-    backends = record_backward_backends(monkeypatch)
+    plans = record_plans(monkeypatch)
     check_case("mosaic", dataclasses.replace(case, head_dim=head_dim, head_dim_v=head_dim_v),
                "bfloat16", (128, 64), block_rows=32)
-    assert set(backends) == {"mosaic"}, backends
+    backends = {plan.backward.name for plan in plans}
+    assert backends == {"mosaic"}, backends
 
 
 _SPLIT_CASES = ("decode_step_gqa_sinks", "causal_ragged", "generic_block_mask_and_causal")

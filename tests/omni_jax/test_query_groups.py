@@ -4,8 +4,6 @@ does, gradients, sinks, lse and traced masks included."""
 
 from __future__ import annotations
 
-import importlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +13,7 @@ import omni_jax
 from omni_jax import query_groups
 from omni_jax.flax.cache import decode_mask
 from omni_jax.problem import AttentionProblem
+from tests.forced_configs import record_plans
 
 
 def _problem(q_len=1, heads=8, kv_heads=2, score_mod=None) -> AttentionProblem:
@@ -69,19 +68,6 @@ def _masks(q_len: int, kv_len: int, offsets: np.ndarray):
     }
 
 
-def _packed_heads(monkeypatch) -> list[int]:
-    """Query heads of every problem `omni_jax.attention` plans from now on."""
-    module = importlib.import_module("omni_jax.attention")
-    plan_attention, heads = module.plan_attention, []
-
-    def recording(implementation, problem):
-        heads.append(problem.num_q_heads)
-        return plan_attention(implementation, problem)
-
-    monkeypatch.setattr(module, "plan_attention", recording)
-    return heads
-
-
 @pytest.mark.parametrize("q_len", [1, 5])
 @pytest.mark.parametrize("masks", ["none", "decode", "decode_window", "causal_window",
                                    "documents", "stored_tiles"])
@@ -102,13 +88,12 @@ def test_packed_call_matches_unpacked(monkeypatch, q_len, masks):
                 *a[:3], sinks=a[3], return_lse=True, implementation="xla", **kwargs),
                 q, k, v, sinks)
 
-        planned = _packed_heads(monkeypatch)
+        plans = record_plans(monkeypatch)
         (out, lse), vjp = run(q, k, v, sinks)
         grads = vjp(cotangents)
-        assert planned == [kv_heads]
         monkeypatch.setattr(query_groups, "PACK_BELOW_Q_LEN", 0)
         (ref_out, ref_lse), ref_vjp = run(q, k, v, sinks)
-        assert planned[-1] == heads
+        assert [plan.problem.num_q_heads for plan in plans] == [kv_heads, heads]
         for got, want in zip((out, lse, *grads), (ref_out, ref_lse, *ref_vjp(cotangents)),
                              strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)

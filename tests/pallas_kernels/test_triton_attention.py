@@ -26,7 +26,7 @@ from pallas_kernels.block_sparse import kernel_mask
 from pallas_kernels.triton import configs, tiles
 from pallas_kernels.triton.attention_bwd import BackwardConfig, attention_backward
 from pallas_kernels.triton.attention_fwd import ForwardConfig, attention_forward
-from tests.forced_configs import force_config_fields
+from tests.forced_configs import force_config_fields, record_configs
 from tests.jax_releases import skip_unless_triton_lowers_here
 from tests.omni_jax.attention_suite import Case, check_case
 from tests.reference import relative_error
@@ -138,10 +138,7 @@ def test_calls_with_few_q_tiles_split_their_walks(q_len, kv_len, splits, monkeyp
     tiles to fill the SMs does; a config that fixes ``kv_splits`` keeps it."""
     from omni_jax.backends import triton as backend
 
-    recorded = []
-    real = backend.attention_forward
-    monkeypatch.setattr(backend, "attention_forward", lambda *args, config, **kw: recorded.append(
-        config) or real(*args, config=config, **kw))
+    recorded = record_configs(monkeypatch, backend, "attention_forward")
     q = jax.ShapeDtypeStruct((1, q_len, 4, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, kv_len, 1, 128), jnp.bfloat16)
     for fixed in (None, 1):
@@ -284,7 +281,7 @@ def test_split_dkdv_lowers_to_triton(monkeypatch):
 def test_autotune_caches_the_fastest_config_that_runs():
     import time
 
-    from pallas_kernels.triton import configs, tiles
+    from pallas_kernels.triton import configs
 
     candidates = [ForwardConfig(block_q=16), ForwardConfig(block_q=32), ForwardConfig(block_q=64)]
 
@@ -301,7 +298,7 @@ def test_autotune_caches_the_fastest_config_that_runs():
 
 def test_autotuned_configs_serve_later_calls(monkeypatch):
     from omni_jax.backends import triton as triton_backend
-    from pallas_kernels.triton import configs, tiles
+    from pallas_kernels.triton import configs
 
     rng = np.random.default_rng()
     q, k, v = (jnp.asarray(rng.standard_normal((1, 64, 2, 32)), jnp.float32) for _ in range(3))

@@ -16,7 +16,7 @@ from pallas_kernels import compat, runtime
 from pallas_kernels.block_sparse import kernel_mask
 from pallas_kernels.mosaic import attention_fwd_sm90 as fwd
 from pallas_kernels.mosaic import attention_sm90_common as common
-from tests.forced_configs import force_config_fields
+from tests.forced_configs import force_config_fields, record_configs
 from tests.mosaic_interpret import interpreted_mosaic
 from tests.reference import relative_error
 
@@ -142,10 +142,7 @@ def test_forward_splits_walks_of_calls_with_few_q_blocks(q_len, kv_len, kv_split
     q-blocks... unless it has too few to fill the SMs."""
     import jax
 
-    configs = []
-    real = fwd.attention_forward
-    monkeypatch.setattr(fwd, "attention_forward", lambda *args, config, **kw: configs.append(
-        config) or real(*args, config=config, **kw))
+    configs = record_configs(monkeypatch, fwd, "attention_forward")
     q = jax.ShapeDtypeStruct((1, q_len, 4, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, kv_len, 1, 128), jnp.bfloat16)
     jax.eval_shape(lambda q, k, v: omni_jax.attention(q, k, v, implementation="mosaic"),
@@ -164,14 +161,7 @@ def test_forward_picks_q_blocks_per_cta_by_walk_length(kwargs, traced_mask, expe
     """The backend passes a concrete mask's mean walk to `forward_config`; traced only."""
     import jax
 
-    configs = []
-    real = fwd.attention_forward
-
-    def recording(*args, config, **kw):
-        configs.append(config)
-        return real(*args, config=config, **kw)
-
-    monkeypatch.setattr(fwd, "attention_forward", recording)
+    configs = record_configs(monkeypatch, fwd, "attention_forward")
     q = jax.ShapeDtypeStruct((1, 2048, 2, 128), jnp.bfloat16)
     if traced_mask:
         def attend(q, k, v, q_ids):
