@@ -18,7 +18,7 @@ from jax import lax
 Array = Any
 
 # A share shorter than this many kv-blocks costs more in its combine and its own
-# prologue (Q load, first TMA round trip) than it saves.
+# prologue (the Q load, the first K/V load's latency) than it saves.
 MIN_SPLIT_STEPS = 8
 
 
