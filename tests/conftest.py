@@ -31,6 +31,18 @@ def pytest_generate_tests(metafunc):
             metafunc.parametrize(name, values, ids=case_id)
 
 
+@pytest.fixture(autouse=True)
+def _interpreted_on_the_cpu(request):
+    """Tests marked ``interpreted`` compute on the CPU on a GPU machine too: the
+    interpreter compiles and runs each simulated thread's body per grid point, which
+    costs seconds per kernel on the CPU and minutes as GPU executables."""
+    if request.node.get_closest_marker("interpreted") is None or jax.default_backend() == "cpu":
+        yield
+        return
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
 @pytest.fixture
 def seed() -> int:
     """A fresh random seed for each test, printed so that a failure's report names it."""
