@@ -42,17 +42,15 @@ def share(count: Array, num_full: Array, split: Array,
     return begin, length, jnp.clip(num_full - begin, 0, length)
 
 
-def combine(out: Array, lse: Array, dtype: Any, sinks: Array | None = None) -> tuple[Array, Array]:
+def combine(out: Array, lse: Array, dtype: Any) -> tuple[Array, Array]:
     """The result of the shares' ``out [S, B, Sq, H, Dv]`` (each normalised over its own
-    keys) and ``lse [S, B, H, Sq]``, as ``dtype``; ``sinks`` (logits ``[H]``) join the
-    denominator. A row no share saw keeps lse -inf (or its sink) and output 0."""
-    if out.shape[0] == 1 and sinks is None:
+    keys) and ``lse [S, B, H, Sq]``, as ``dtype``. A row no share saw keeps lse -inf and
+    output 0. Sinks join afterwards (`omni_jax.backends.base.fold_sinks`)."""
+    if out.shape[0] == 1:
         return out[0].astype(dtype), lse[0]
-    terms = lse if sinks is None else jnp.concatenate(
-        [lse, jnp.broadcast_to(sinks.astype(lse.dtype)[None, None, :, None], lse[:1].shape)])
-    peak = terms.max(axis=0)
+    peak = lse.max(axis=0)
     peak = jnp.where(peak == -jnp.inf, 0.0, peak)
-    total = peak + jnp.log(jnp.exp(terms - peak).sum(axis=0))
+    total = peak + jnp.log(jnp.exp(lse - peak).sum(axis=0))
     weights = jnp.exp(lse - jnp.where(total == -jnp.inf, 0.0, total))
     weights = jnp.swapaxes(weights, 2, 3)[..., None]  # [S, B, Sq, H, 1]
     return (weights * out.astype(jnp.float32)).sum(axis=0).astype(dtype), total

@@ -16,7 +16,7 @@ a query that sees no key and has no sink).
 With ``ForwardConfig.kv_splits`` > 1 (calls with fewer q tiles than SMs, decoding
 steps) each q tile's walk is cut into that many even shares, one program each
 (`pallas_kernels.kv_splits`); each writes a float32 output normalised over its own
-keys and their lse, and the wrapper combines them (sinks join there).
+keys and their lse, and the wrapper combines them, then adds the sinks.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from omni_jax.backends.base import fold_sinks
 from omni_jax.scores import ConvertedScoreMod
 from pallas_kernels import compat, kv_splits
 from pallas_kernels.block_sparse import KernelMask, MaskLayout
@@ -146,7 +147,7 @@ def attention_forward(q: Array, k: Array, v: Array, mask: KernelMask, layout: Ma
         "v": v,
         "mask": tiles.mask_operands(mask, layout, q_walk=False, kv_walk=True,
                                     partial_tiles=partial_tiles),
-        # Split walks leave the sinks to the combine.
+        # Split walks add the sinks after their combine.
         "sinks": None if sinks is None or splits > 1 else sinks.astype(jnp.float32),
         "captured": [jnp.atleast_1d(c) for c in captured],
     }
@@ -181,4 +182,7 @@ def attention_forward(q: Array, k: Array, v: Array, mask: KernelMask, layout: Ma
         interpret=interpret,
         name="omni_attention_fwd",
     )(*flat)
-    return kv_splits.combine(out, lse, q.dtype, None if operands["sinks"] is not None else sinks)
+    out, lse = kv_splits.combine(out, lse, q.dtype)
+    if sinks is None or operands["sinks"] is not None:
+        return out, lse
+    return fold_sinks(out, lse, sinks)

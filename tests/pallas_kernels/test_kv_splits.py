@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from omni_jax.backends.base import fold_sinks
 from pallas_kernels import kv_splits
 from tests.reference import relative_error
 
@@ -55,7 +56,7 @@ def _softmax_result(scores, values):
 
 @pytest.mark.parametrize("splits", [1, 2, 5])
 @pytest.mark.parametrize("with_sinks", [False, True])
-def test_combine_equals_the_softmax_over_every_key(splits, with_sinks):
+def test_combine_then_sinks_equal_the_softmax_over_every_key(splits, with_sinks):
     rng = np.random.default_rng()
     batch, heads, q_len, keys, dim = 2, 3, 4, 10 * splits, 8
     scores = rng.standard_normal((batch, heads, q_len, keys)) * 3
@@ -67,7 +68,9 @@ def test_combine_equals_the_softmax_over_every_key(splits, with_sinks):
              for s in range(splits)]
     out, lse = kv_splits.combine(jnp.asarray(np.stack([p[0] for p in parts]), jnp.float32),
                                  jnp.asarray(np.stack([p[1] for p in parts]), jnp.float32),
-                                 jnp.bfloat16, None if sinks is None else jnp.asarray(sinks))
+                                 jnp.bfloat16)
+    if sinks is not None:
+        out, lse = fold_sinks(out, lse, jnp.asarray(sinks))
     if sinks is not None:  # a key of score `sink` and value 0
         scores = np.concatenate(
             [scores, np.broadcast_to(sinks[None, :, None, None], (batch, heads, q_len, 1))], -1)
