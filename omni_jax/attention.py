@@ -82,7 +82,8 @@ def attention(query: Array, key: Array, value: Array, *, mask: BlockMask | None 
     Returns:
       ``out [batch, q_len, num_q_heads, head_dim_v]`` in query's dtype, or
       ``(out, lse)``. A query that sees no key gets zeros and lse = -inf (its
-      sink logit when sinks are given) and zero gradients.
+      sink logit when sinks are given) and zero gradients; so does every query
+      when kv_len is 0 (batch and q_len may be 0 too: empty results).
     """
     validation.check_qkv(query, key, value)
     batch, q_len, num_q_heads, head_dim = query.shape
@@ -99,6 +100,9 @@ def attention(query: Array, key: Array, value: Array, *, mask: BlockMask | None 
     sinks = validation.check_sinks(sinks, num_q_heads)
     validation.check_implementation(implementation)
     converted, captured = (None, []) if score_mod is None else convert_score_mod(score_mod)
+    if not (batch and q_len and kv_len):
+        out, lse = _nothing_to_attend(query, value, sinks)
+        return (out, lse) if return_lse else out
 
     problem = AttentionProblem(
         batch=batch, q_len=q_len, kv_len=kv_len, num_q_heads=num_q_heads,
@@ -125,6 +129,18 @@ def attention(query: Array, key: Array, value: Array, *, mask: BlockMask | None 
                 tuple(captured))
     out, lse = explicit_sharding.call(call, operands, lambda: _out_specs(query))
     return (out, lse) if return_lse else out
+
+
+def _nothing_to_attend(query: Array, value: Array, sinks: Array | None) -> tuple[Array, Array]:
+    """The result of a call with no query or no key (batch, q_len or kv_len 0, as
+    `jax.nn.dot_product_attention` takes them): what a query that sees no key gets."""
+    batch, q_len, num_q_heads, _ = query.shape
+    out = jnp.zeros((batch, q_len, num_q_heads, value.shape[-1]), query.dtype)
+    lse_dtype = jnp.promote_types(query.dtype, jnp.float32)
+    if sinks is None:
+        return out, jnp.full((batch, num_q_heads, q_len), -jnp.inf, lse_dtype)
+    lse = jnp.broadcast_to(sinks.astype(lse_dtype)[None, :, None], (batch, num_q_heads, q_len))
+    return out, lse
 
 
 def _out_specs(query: Array) -> tuple:

@@ -39,8 +39,9 @@ def check_qkv(query: Array, key: Array, value: Array) -> None:
         shape = _shape_of(name, x)
         if len(shape) != 4:
             raise ValueError(f"{name} must have rank 4 {layout}, got shape {shape}")
-        if any(d == 0 for d in shape):
-            raise ValueError(f"{name} must not have empty dimensions, got shape {shape}")
+        if not shape[2] or not shape[3]:  # batch and sequence lengths may be 0
+            raise ValueError(f"{name} needs at least one head and a head_dim of at least 1, "
+                             f"got shape {shape}")
         if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in _FLOAT_DTYPES]:
             raise TypeError(f"{name} must be bfloat16, float16, float32 or float64, "
                             f"got {x.dtype}")

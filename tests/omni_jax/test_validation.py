@@ -22,6 +22,11 @@ def _mask(q_len, kv_len, batch=None):
 
 CASES = {
     "query rank": (dict(arrays=dict(q_shape=(32, 4, 16))), ValueError, r"query must have rank 4"),
+    "no heads": (dict(arrays=dict(q_shape=(2, 32, 0, 16), kv_shape=(2, 48, 0, 16))), ValueError,
+                 r"query needs at least one head and a head_dim of at least 1, got shape "
+                 r"\(2, 32, 0, 16\)"),
+    "empty head_dim": (dict(arrays=dict(kv_shape=(2, 48, 2, 0))), ValueError,
+                       r"key needs at least one head and a head_dim of at least 1"),
     "dtype mismatch": (dict(dtypes=(jnp.float32, jnp.bfloat16, jnp.bfloat16)), TypeError,
                        r"one dtype, got float32, bfloat16"),
     "integer inputs": (dict(dtypes=(jnp.int32,) * 3), TypeError, r"bfloat16, float16, float32"),
