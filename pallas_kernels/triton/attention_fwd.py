@@ -141,14 +141,14 @@ def attention_forward(q: Array, k: Array, v: Array, mask: KernelMask, layout: Ma
                            ptx=tiles.inline_ptx(interpret))
     dim_v = tiles.padded_head_dim(head_dim_v)
     splits = config.kv_splits or 1
+    sinks_in_kernel = sinks is not None and splits == 1  # split walks add them after the combine
     operands = {
         "q": q,
         "k": k,
         "v": v,
         "mask": tiles.mask_operands(mask, layout, q_walk=False, kv_walk=True,
                                     partial_tiles=partial_tiles),
-        # Split walks add the sinks after their combine.
-        "sinks": None if sinks is None or splits > 1 else sinks.astype(jnp.float32),
+        "sinks": sinks.astype(jnp.float32) if sinks_in_kernel else None,
         "captured": [jnp.atleast_1d(c) for c in captured],
     }
     flat, treedef = tiles.pack_operands(operands)
@@ -158,7 +158,7 @@ def attention_forward(q: Array, k: Array, v: Array, mask: KernelMask, layout: Ma
     last = num_q_tiles - 1
     kernel = functools.partial(_forward_kernel, treedef=treedef, spec=spec,
                                num_q_tiles=num_q_tiles, group=num_heads // num_kv_heads,
-                               splits=splits, has_sinks=operands["sinks"] is not None)
+                               splits=splits, has_sinks=sinks_in_kernel)
     axes = compat.varying_axes(flat)  # Inside a jax.shard_map.
     # Outputs carry a leading axis of splits; the shares of one q tile are neighbours
     # on the last grid axis.
@@ -183,6 +183,6 @@ def attention_forward(q: Array, k: Array, v: Array, mask: KernelMask, layout: Ma
         name="omni_attention_fwd",
     )(*flat)
     out, lse = kv_splits.combine(out, lse, q.dtype)
-    if sinks is None or operands["sinks"] is not None:
+    if sinks is None or sinks_in_kernel:
         return out, lse
     return fold_sinks(out, lse, sinks)
