@@ -258,10 +258,10 @@ def _forced(impl: str, suite: str, args_set: tuple) -> tuple[Callable, str]:
 
 def _autotune(suite: str, args_set: tuple) -> str:
     """Tunes the Mosaic kernel on these inputs; returns the winner for the row's note."""
-    from pallas_kernels.mosaic import matmul_sm90
+    from benchmarks.matmul_autotune import autotune
 
     a, b, scale, bias, kwargs = _mosaic_kwargs(suite, args_set)
-    best, _ = matmul_sm90.autotune(a, b, scale, bias, **kwargs)
+    best, _ = autotune(a, b, scale, bias, **kwargs)
     return f"tuned {best}"
 
 

@@ -26,9 +26,7 @@ import numpy as np
 
 from omni_jax import explicit_sharding, query_groups, validation
 from omni_jax.backends import AttentionPlan, get_backend, plan_attention
-from omni_jax.backends.base import fold_sinks
 from omni_jax.masks import BlockGrid, BlockMask
-from omni_jax.masks.block_mask import trace_time_eval
 from omni_jax.masks.construct import structured_tile_flags
 from omni_jax.masks.mask_mods import (
     And,
@@ -41,6 +39,8 @@ from omni_jax.masks.mask_mods import (
 from omni_jax.problem import AttentionProblem
 from omni_jax.scores import convert_score_mod, zero_cotangent
 from pallas_kernels import compat
+from pallas_kernels.softmax import fold_sinks
+from pallas_kernels.tile_classes import trace_time_eval
 
 Array = Any
 

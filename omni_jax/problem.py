@@ -11,7 +11,7 @@ import dataclasses
 
 import numpy as np
 
-from omni_jax.scores import ConvertedScoreMod
+from pallas_kernels.score_pipeline import ConvertedScoreMod
 
 
 @dataclasses.dataclass(frozen=True)

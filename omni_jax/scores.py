@@ -1,9 +1,6 @@
-"""The score pipeline every backend applies to a tile of ``q @ k^T``.
+"""A user's score_mod made kernel-ready, and helpers of the score pipeline's users.
 
-``s = scale * q.k``; then ``softcap * tanh(s / softcap)`` (if softcap); then
-``score_mod(s, b, h, q_idx, kv_idx)`` (if given); then masked keys get -inf.
-`transform_scores` is plain jnp, usable in the XLA backend and inside kernels.
-
+The pipeline itself (scale, softcap, score_mod, mask) is `pallas_kernels.score_pipeline`.
 A user's score_mod may close over arrays (ALiBi slopes, bias tables). Kernels
 cannot capture arrays and custom_vjp must see every differentiable input, so
 `convert_score_mod` hoists every captured array into an explicit argument.
@@ -11,8 +8,7 @@ cannot capture arrays and custom_vjp must see every differentiable input, so
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -21,27 +17,10 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from omni_jax import explicit_sharding
-from omni_jax.traced_functions import ComparedByJaxpr, evaluate
+from pallas_kernels.score_pipeline import ConvertedScoreMod
+from pallas_kernels.traced_functions import evaluate
 
 Array = Any
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class ConvertedScoreMod(ComparedByJaxpr):
-    """A score_mod as ``fn(score, b, h, q_idx, kv_idx, *captured)`` on scalars.
-
-    ``jaxpr`` is its trace on scalars: ``constvars`` are the captured arrays (in the
-    order of ``captured``), ``invars`` the five scalars. Kernels that pass captured
-    arrays as refs evaluate it themselves (`pallas_kernels.captured`). Conversions
-    with the same jaxpr are equal (`ComparedByJaxpr`).
-    """
-
-    fn: Callable[..., Array]
-    num_captured: int
-    jaxpr: Any = None
-
-    def __call__(self, score, b, h, q_idx, kv_idx, captured: Sequence[Array]):
-        return self.fn(score, b, h, q_idx, kv_idx, *captured)
 
 
 def convert_score_mod(score_mod: Callable) -> tuple[ConvertedScoreMod, list[Array]]:
@@ -72,34 +51,6 @@ def convert_score_mod(score_mod: Callable) -> tuple[ConvertedScoreMod, list[Arra
         return evaluate(jaxpr, captured, score, b, h, q_idx, kv_idx)
 
     return ConvertedScoreMod(fn, len(closed.consts), jaxpr), list(closed.consts)
-
-
-def apply_score_mod(score_mod: ConvertedScoreMod, captured: Sequence[Array], scores: Array,
-                    b: Array, h: Array, q_idx: Array, kv_idx: Array) -> Array:
-    """``score_mod`` elementwise over ``scores``; indices broadcast against it.
-
-    Scalar indices (a kernel tile's batch and head) stay unbatched, so that a captured
-    array indexed by them is read as one dynamic slice rather than gathered per score.
-    """
-    shape = scores.shape
-    indices = [jnp.asarray(x, jnp.int32) for x in (b, h, q_idx, kv_idx)]
-    in_axes = (0, *(None if x.ndim == 0 else 0 for x in indices))
-    args = [x if x.ndim == 0 else jnp.broadcast_to(x, shape) for x in indices]
-    fn = lambda s, bi, hi, qi, ki: score_mod(s, bi, hi, qi, ki, captured).astype(scores.dtype)
-    for _ in shape:
-        fn = jax.vmap(fn, in_axes=in_axes)
-    return fn(scores, *args)
-
-
-def transform_scores(scores: Array, *, softcap: float | None,
-                     score_mod: ConvertedScoreMod | None, captured: Sequence[Array],
-                     b: Array, h: Array, q_idx: Array, kv_idx: Array) -> Array:
-    """Softcap then score_mod on already-scaled scores (masking is the caller's)."""
-    if softcap is not None:
-        scores = softcap * jnp.tanh(scores / softcap)
-    if score_mod is not None:
-        scores = apply_score_mod(score_mod, captured, scores, b, h, q_idx, kv_idx)
-    return scores
 
 
 def primitive_names(jaxpr: Any) -> set[str]:

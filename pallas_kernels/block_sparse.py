@@ -1,9 +1,9 @@
 """The block-sparse mask as Pallas attention kernels consume it (Triton and Mosaic alike).
 
-`kernel_mask` turns a `BlockMask` into flat kernel inputs; `tile_visibility`
-evaluates, inside a kernel, which elements of one (q-block, kv-block) tile are
-visible. Both kernel families walk the mask through these two functions, so
-the walk and the tile semantics exist once:
+`kernel_mask` turns a block-sparse mask (an `omni_jax.BlockMask`) into flat kernel
+inputs; `tile_visibility` evaluates, inside a kernel, which elements of one
+(q-block, kv-block) tile are visible. Both kernel families walk the mask
+through these two functions, so the walk and the tile semantics exist once:
 
 * walk the ``count`` active kv-blocks of a q-block (forward, dQ) from
   ``kv_num_blocks``/``kv_indices``, or the active q-blocks of a kv-block
@@ -29,17 +29,38 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from omni_jax.masks import COMPUTED, FULL, PARTIAL, BlockMask
-from omni_jax.masks.block_mask import trace_time_eval
-from omni_jax.masks.mask_mods import LeafKind
+from pallas_kernels.tile_classes import COMPUTED, FULL, PARTIAL, LeafKind, trace_time_eval
 
 Array = Any
+
+
+class BlockSparseMask(Protocol):
+    """What the kernels read of a block-sparse mask (`omni_jax.BlockMask` is one).
+
+    ``grid`` has the lengths, block sizes and block counts; ``mask_mod`` is None or a
+    pytree whose ``leaf_kinds()`` name its leaves' kinds and whose
+    ``predicate(q_idx, kv_idx)`` evaluates it at global positions. The walks' arrays
+    are those `KernelMask` documents, in ascending block order.
+    """
+
+    grid: Any
+    mask_mod: Any
+    contiguous_full: bool
+    kv_num_blocks: Array
+    kv_indices: Array
+    kv_tile_flags: Array
+    kv_partial_ids: Array
+    q_num_blocks: Array
+    q_indices: Array
+    q_tile_flags: Array
+    q_partial_ids: Array
+    partial_masks: Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,14 +117,14 @@ class KernelMask:
     leaves: tuple[Array, ...]  # mask_mod leaves, padded (module docstring)
 
 
-def kernel_mask(mask: BlockMask) -> tuple[KernelMask, MaskLayout]:
+def kernel_mask(mask: BlockSparseMask) -> tuple[KernelMask, MaskLayout]:
     """Kernel inputs and static layout of ``mask``; computed while tracing when ``mask`` is
     concrete (`trace_time_eval`), so that a static mask costs no XLA ops per call."""
     with trace_time_eval(mask.grid, mask):
         return _kernel_mask(mask)
 
 
-def _kernel_mask(mask: BlockMask) -> tuple[KernelMask, MaskLayout]:
+def _kernel_mask(mask: BlockSparseMask) -> tuple[KernelMask, MaskLayout]:
     grid = mask.grid
     if mask.mask_mod is None:
         leaves, treedef, kinds = [], None, ()

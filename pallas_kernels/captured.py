@@ -27,8 +27,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.extend import core as jex_core
 
-from omni_jax.scores import ConvertedScoreMod
 from pallas_kernels import compat
+from pallas_kernels.score_pipeline import ConvertedScoreMod
 
 
 class _CapturedRef:

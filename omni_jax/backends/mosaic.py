@@ -27,7 +27,7 @@ import numpy as np
 from jax import lax
 
 from omni_jax.backends import xla
-from omni_jax.backends.base import AttentionBackend, fold_sinks, sinks_cotangent
+from omni_jax.backends.base import AttentionBackend
 from omni_jax.masks import BlockMask
 from omni_jax.masks.mask_mods import includes_causal
 from omni_jax.problem import AttentionProblem
@@ -38,6 +38,7 @@ from pallas_kernels.captured import PackedCaptured, scalar_reads_reason, score_m
 from pallas_kernels.mosaic import attention_bwd_sm90 as bwd
 from pallas_kernels.mosaic import attention_fwd_sm90 as fwd
 from pallas_kernels.mosaic.attention_sm90_common import SMEM_LIMIT
+from pallas_kernels.softmax import fold_sinks, sinks_cotangent
 
 _DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 # Primitives a score_mod may use: elementwise math the Mosaic-GPU lowering

@@ -17,12 +17,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from omni_jax.backends import xla
-from omni_jax.backends.base import AttentionBackend, sinks_cotangent
+from omni_jax.backends.base import AttentionBackend
 from omni_jax.problem import AttentionProblem
-from omni_jax.scores import primitive_names, transform_scores
+from omni_jax.scores import primitive_names
 from pallas_kernels import compat, kv_splits, runtime
 from pallas_kernels.block_sparse import MaskLayout, kernel_mask, mean_walk
 from pallas_kernels.captured import score_mod_on_refs
+from pallas_kernels.score_pipeline import transform_scores
+from pallas_kernels.softmax import sinks_cotangent
 from pallas_kernels.triton import configs, tiles
 from pallas_kernels.triton.attention_bwd import BackwardConfig, attention_backward
 from pallas_kernels.triton.attention_fwd import ForwardConfig, attention_forward

@@ -24,8 +24,9 @@ import numpy as np
 from omni_jax.backends.base import AttentionBackend
 from omni_jax.masks import COMPUTED, PARTIAL, BlockMask
 from omni_jax.problem import AttentionProblem
-from omni_jax.scores import transform_scores, zero_cotangent
+from omni_jax.scores import zero_cotangent
 from pallas_kernels import compat
+from pallas_kernels.score_pipeline import transform_scores
 
 Array = Any
 _HIGHEST = jax.lax.Precision.HIGHEST

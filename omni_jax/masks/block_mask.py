@@ -21,7 +21,6 @@ the dK/dV backward walks it. Batch and head dimensions may be 1 (broadcast).
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import jax
@@ -35,14 +34,9 @@ from omni_jax.masks.mask_mods import (
     RepeatedQueries,
     has_contiguous_full_tiles,
 )
-from pallas_kernels import compat
+from pallas_kernels.tile_classes import COMPUTED, FULL, MASKED, PARTIAL
 
 Array = Any
-
-FULL = 0
-COMPUTED = 1
-PARTIAL = 2
-MASKED = -1  # Only in the dense tile-flag view; masked tiles are absent from the lists.
 
 
 def _compact(dense_flags: Array, dense_partial_ids: Array):
@@ -65,25 +59,6 @@ def _compact(dense_flags: Array, dense_partial_ids: Array):
     flags = jnp.where(valid, jnp.take_along_axis(dense_flags, order, axis=-1), FULL)
     partial_ids = jnp.where(valid, jnp.take_along_axis(dense_partial_ids, order, axis=-1), -1)
     return count, indices, flags.astype(jnp.int32), partial_ids.astype(jnp.int32)
-
-
-# Grids of at most this many tiles build their walks at trace time where nothing they
-# depend on is traced: a jitted call then carries them as constants (a few hundred KiB
-# at most) instead of re-sorting them on the device at every call.
-_TRACE_TIME_TILES = 1 << 16
-
-
-def trace_time_eval(grid: Any, *inputs: Any) -> contextlib.AbstractContextManager:
-    """Evaluates mask construction for ``grid`` (a `BlockGrid`, or anything else with
-    ``num_q_blocks`` and ``num_kv_blocks``) eagerly where its inputs are not traced.
-
-    ``inputs`` (pytrees) are the arrays it reads: where one varies along a `jax.shard_map`
-    axis nothing is eager, as JAX cannot mix eager constants with such arrays. Only for
-    array code on masks: kernel bodies traced inside it would be evaluated eagerly too."""
-    if (grid.num_q_blocks * grid.num_kv_blocks <= _TRACE_TIME_TILES
-            and not compat.varying_axes(inputs)):
-        return jax.ensure_compile_time_eval()
-    return contextlib.nullcontext()
 
 
 def mark_kv_tail(tile_flags: Array, grid: BlockGrid) -> Array:

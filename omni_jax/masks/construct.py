@@ -31,7 +31,7 @@ import numpy as np
 from omni_jax import explicit_sharding
 from omni_jax.masks.block_mask import COMPUTED, FULL, MASKED, PARTIAL, BlockMask
 from omni_jax.masks.mask_mods import BlockGrid, MaskMod, has_contiguous_full_tiles, is_int
-from omni_jax.traced_functions import ComparedByJaxpr, evaluate
+from pallas_kernels.traced_functions import ComparedByJaxpr, evaluate
 
 Array = Any
 MaskFn = Callable[[Array, Array, Array, Array], Array]

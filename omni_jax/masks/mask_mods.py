@@ -35,7 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-LeafKind = Literal["q", "kv", "batch"]
+from pallas_kernels.tile_classes import LeafKind
+
 Array = Any
 # A mask whose query rows each see one interval of keys [start(q), end(q)], both ends
 # nondecreasing in q, promises "interval" ("prefix" when every start is key 0). Its FULL

@@ -64,10 +64,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from omni_jax.backends.base import softmax_delta
-from omni_jax.masks import PARTIAL
-from omni_jax.masks.block_mask import trace_time_eval
-from omni_jax.scores import ConvertedScoreMod
 from pallas_kernels import compat
 from pallas_kernels.block_sparse import KernelMask, MaskLayout, batch_head_index, walk_offsets
 from pallas_kernels.mosaic import attention_sm90_common as common
@@ -78,6 +74,9 @@ from pallas_kernels.mosaic.attention_sm90_common import (
     padded_head_dim,
     padded_head_dims,
 )
+from pallas_kernels.score_pipeline import ConvertedScoreMod
+from pallas_kernels.softmax import softmax_delta
+from pallas_kernels.tile_classes import PARTIAL, trace_time_eval
 
 Array = Any
 

@@ -63,8 +63,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from omni_jax.masks.block_mask import trace_time_eval
-from omni_jax.scores import ConvertedScoreMod
 from pallas_kernels import compat, kv_splits
 from pallas_kernels.block_sparse import KernelMask, MaskLayout, walk_offsets
 from pallas_kernels.mosaic import attention_sm90_common as common
@@ -77,6 +75,8 @@ from pallas_kernels.mosaic.attention_sm90_common import (
     padded_head_dim,
     padded_head_dims,
 )
+from pallas_kernels.score_pipeline import ConvertedScoreMod
+from pallas_kernels.tile_classes import trace_time_eval
 
 Array = Any
 

@@ -21,8 +21,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from omni_jax.masks import PARTIAL
-from omni_jax.scores import ConvertedScoreMod, apply_score_mod
 from pallas_kernels import block_sparse, compat
 from pallas_kernels.block_sparse import (
     KernelMask,
@@ -32,6 +30,8 @@ from pallas_kernels.block_sparse import (
     tile_visibility,
 )
 from pallas_kernels.captured import PackedCaptured, score_mod_on_packed
+from pallas_kernels.score_pipeline import ConvertedScoreMod, apply_score_mod
+from pallas_kernels.tile_classes import PARTIAL
 
 Array = Any
 

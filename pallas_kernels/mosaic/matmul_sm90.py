@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -616,7 +615,7 @@ def matmul(
     return out.reshape(*p.batch_shape, p.m, p.n)
 
 
-# Winners of `autotune`, by `tuning_key`; `matmul` prefers them to the defaults.
+# Autotuned winners (`set_tuned`), by `tuning_key`; `matmul` prefers them to the defaults.
 _TUNED: dict[tuple, MatmulConfig] = {}
 
 
@@ -631,57 +630,10 @@ def tuning_key(p: GemmProblem) -> tuple:
     return (p.m, p.n, p.k, p.transpose_a, p.transpose_b, str(p.in_dtype), str(p.out_dtype))
 
 
-def autotune(
-    a: jax.Array,
-    b: jax.Array,
-    scale: jax.Array | None = None,
-    bias: jax.Array | None = None,
-    *,
-    candidates: list[MatmulConfig] | None = None,
-    samples: int = 10,
-    **kwargs,
-) -> tuple[MatmulConfig, dict[MatmulConfig, float]]:
-    """Times ``candidates`` (default: `config_candidates`) on the device; caches the winner.
-
-    ``kwargs`` are `matmul`'s keywords. Each candidate's result is first checked
-    against XLA's; candidates that fail to build (for example out of shared
-    memory on this device) or compute something else are skipped. The others
-    take their timing samples in turn, so clock drift favours none of them.
-    Returns the fastest config and the median milliseconds of every candidate
-    kept. Later `matmul` calls with the same sizes, layouts and dtypes use the
-    winner.
-    """
-    from benchmarks.timing import bench_interleaved
-    from omni_jax.matmul import xla
-
-    out_dtype = jnp.dtype(kwargs.get("out_dtype") or a.dtype)
-    if candidates is None:
-        vectors = int(scale is not None) + int(bias is not None)
-        candidates = config_candidates(a.dtype, out_dtype, vectors)
-    expected = xla.matmul(a, b, scale, bias, **{**kwargs, "out_dtype": jnp.float32})
-    tolerance = 4 * max(float(jnp.finfo(out_dtype).eps), 1e-3) * float(jnp.linalg.norm(expected))
-    correct: dict[MatmulConfig, Callable] = {}
-    for config in candidates:
-        fn = jax.jit(functools.partial(matmul, config=config, **kwargs))
-        try:
-            out = fn(a, b, scale, bias).astype(jnp.float32)
-        except Exception:  # noqa: BLE001 - a config that does not build is no candidate
-            continue
-        if float(jnp.linalg.norm(out - expected)) <= tolerance:  # wrong or NaN: never a winner
-            correct[config] = fn
-    timed = bench_interleaved(correct, [(a, b, scale, bias)], samples=samples)
-    timings = {config: ms for config, ms in timed.items() if not isinstance(ms, Exception)}
-    if not timings:
-        raise ValueError("autotune: no candidate config built and matched XLA for this problem")
-    best = min(timings, key=timings.get)
-    p = problem_of(
-        a, b, scale, bias,
-        transpose_a=kwargs.get("transpose_a", False),
-        transpose_b=kwargs.get("transpose_b", False),
-        activation=kwargs.get("activation"), out_dtype=out_dtype,
-    )
-    _TUNED[tuning_key(p)] = best
-    return best, timings
+def set_tuned(p: GemmProblem, config: MatmulConfig) -> None:
+    """Makes ``config`` the one `matmul` uses for problems with ``p``'s `tuning_key`
+    (an autotuner's winner: `benchmarks.matmul_autotune`)."""
+    _TUNED[tuning_key(p)] = config
 
 
 def config_candidates(in_dtype, out_dtype, vectors: int = 0) -> list[MatmulConfig]:
@@ -729,6 +681,6 @@ def config_candidates(in_dtype, out_dtype, vectors: int = 0) -> list[MatmulConfi
 
 
 __all__ = [
-    "MatmulConfig", "autotune", "config_candidates", "default_config", "matmul",
+    "MatmulConfig", "config_candidates", "default_config", "matmul", "set_tuned",
     "tuning_key", "unsupported_reason",
 ]

@@ -25,10 +25,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from omni_jax.backends.base import softmax_delta
-from omni_jax.scores import ConvertedScoreMod
 from pallas_kernels import compat
 from pallas_kernels.block_sparse import KernelMask, MaskLayout
+from pallas_kernels.score_pipeline import ConvertedScoreMod
+from pallas_kernels.softmax import softmax_delta
 from pallas_kernels.triton import tiles
 
 Array = Any

@@ -30,10 +30,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from omni_jax.backends.base import fold_sinks
-from omni_jax.scores import ConvertedScoreMod
 from pallas_kernels import compat, kv_splits
 from pallas_kernels.block_sparse import KernelMask, MaskLayout
+from pallas_kernels.score_pipeline import ConvertedScoreMod
+from pallas_kernels.softmax import fold_sinks
 from pallas_kernels.triton import tiles
 
 Array = Any

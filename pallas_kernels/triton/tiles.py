@@ -29,9 +29,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from omni_jax.masks import FULL, PARTIAL
-from omni_jax.masks.block_mask import trace_time_eval
-from omni_jax.scores import ConvertedScoreMod, transform_scores
 from pallas_kernels import compat, kv_splits, runtime
 from pallas_kernels.block_sparse import (
     KernelMask,
@@ -42,6 +39,8 @@ from pallas_kernels.block_sparse import (
     walk_offsets,
 )
 from pallas_kernels.captured import score_mod_on_refs
+from pallas_kernels.score_pipeline import ConvertedScoreMod, transform_scores
+from pallas_kernels.tile_classes import FULL, PARTIAL, trace_time_eval
 
 Array = Any
 LOG2E = math.log2(math.e)

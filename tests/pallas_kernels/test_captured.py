@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.experimental import pallas as pl
 
-from omni_jax.scores import apply_score_mod, convert_score_mod, primitive_names
+from omni_jax.scores import convert_score_mod, primitive_names
 from pallas_kernels.captured import (
     MAX_PACKED_ELEMENTS,
     PackedCaptured,
@@ -22,6 +22,7 @@ from pallas_kernels.captured import (
     score_mod_on_packed,
     score_mod_on_refs,
 )
+from pallas_kernels.score_pipeline import apply_score_mod
 
 _RNG = np.random.default_rng()  # fresh values every run
 _SLOPES = jnp.asarray(_RNG.standard_normal(4), jnp.float32)
