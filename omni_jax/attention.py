@@ -36,6 +36,7 @@ from omni_jax.masks.mask_mods import (
     document_mask,
     has_contiguous_full_tiles,
 )
+from omni_jax.masks.regroup import regroup, regroupable
 from omni_jax.problem import AttentionProblem
 from omni_jax.scores import convert_score_mod, zero_cotangent
 from pallas_kernels import compat
@@ -112,9 +113,14 @@ def attention(query: Array, key: Array, value: Array, *, mask: BlockMask | None 
         score_mod=converted, has_sinks=sinks is not None, has_user_mask=mask is not None,
         block_size=None if mask is None else mask.block_size)
     group = query_groups.packing_group(problem, mask)
-    plan = plan_attention(implementation, query_groups.packed_problem(problem, group))
+    # A concrete BlockMask of a block size the backend declines is re-tiled to its own.
+    retile = None if mask is None else (lambda size: regroupable(mask, size) is None)
+    plan = plan_attention(implementation, query_groups.packed_problem(problem, group),
+                          retile=retile)
     if plan.problem.block_size[0] % group:  # packed tiles must each lie in one q-block
-        group, plan = 1, plan_attention(implementation, problem)
+        group, plan = 1, plan_attention(implementation, problem, retile=retile)
+    if mask is not None and tuple(mask.block_size) != plan.problem.block_size:
+        mask = regroup(mask, plan.problem.block_size)
     trace_keys = (plan.forward.trace_key(plan.problem), plan.backward.trace_key(plan.problem))
     # In a traced call a concrete BlockMask stays concrete inside the jit (a static
     # argument, compared by value), so that the kernels still get its walks as constants.

@@ -31,8 +31,8 @@ def record_plans(monkeypatch) -> list:
     module = importlib.import_module("omni_jax.attention")  # The package exports the function.
     plans, plan_attention = [], module.plan_attention
 
-    def recording(implementation, problem):
-        plans.append(plan_attention(implementation, problem))
+    def recording(implementation, problem, **kwargs):
+        plans.append(plan_attention(implementation, problem, **kwargs))
         return plans[-1]
 
     monkeypatch.setattr(module, "plan_attention", recording)

@@ -88,19 +88,33 @@ def _why_not(backend: AttentionBackend, problem: AttentionProblem) -> str | None
     return backend.unavailable_reason() or backend.unsupported_reason(problem)
 
 
-def plan_attention(implementation: str | None, problem: AttentionProblem) -> AttentionPlan:
+def plan_attention(implementation: str | None, problem: AttentionProblem, *,
+                   retile: Callable[[tuple[int, int]], bool] | None = None) -> AttentionPlan:
     """Chooses the forward and backward backends for ``problem``.
+
+    ``retile(block_size)``: whether the user's BlockMask can be re-tiled to that size
+    (`omni_jax.masks.regroup`), so that a backend that declines its block size serves the
+    call at its own block size; the plan's problem then names that size. A backend whose
+    forward and backward both serve the mask's own block size keeps it (no re-tiling).
 
     Logged to the ``omni_jax`` logger (each distinct plan once): at DEBUG every plan
     with the reasons of the backends passed over, at INFO a backward that is not the
     forward's backend (a slower one, in the device's order).
     """
     order = preference_order()
+    declined: dict[str, str] = {}
     if implementation is None:
-        forward, declined = _first_serving(order, lambda b: _why_not(b, problem))
+        for name in order:
+            served, reason = _served_problem(get_backend(name), problem, retile)
+            if reason is None:
+                forward, problem = get_backend(name), served
+                break
+            declined[name] = reason
+        else:
+            raise AssertionError(f"no attention backend serves this call: {declined}")
     else:
-        forward, declined = get_backend(implementation), {}
-        reason = _why_not(forward, problem)
+        forward = get_backend(implementation)
+        problem, reason = _served_problem(forward, problem, retile)
         if reason is not None:
             raise ValueError(f"implementation={implementation!r} cannot serve this call: "
                              f"{reason}")
@@ -119,6 +133,25 @@ def plan_attention(implementation: str | None, problem: AttentionProblem) -> Att
                       f"({_reasons(declined_backward)})")
         log_once(logger, level, f"{_describe(problem)}: {choice}")
     return AttentionPlan(problem, forward, backward)
+
+
+def _served_problem(backend: AttentionBackend, problem: AttentionProblem,
+                    retile: Callable[[tuple[int, int]], bool] | None,
+                    ) -> tuple[AttentionProblem, str | None]:
+    """``problem`` as ``backend`` serves it (re-tiled to its block size where the mask's
+    own declines it, forward or backward, and ``retile`` allows), or why it cannot."""
+    reason = _why_not(backend, problem)
+    if retile is None or problem.block_size is None or (
+            reason is None and backend.backward_unsupported_reason(problem) is None):
+        return problem, reason
+    own = problem.with_block_size(backend.block_size(
+        dataclasses.replace(problem, block_size=None)))
+    if (own.block_size == problem.block_size or not retile(own.block_size)
+            or _why_not(backend, own) is not None):
+        return problem, reason
+    if reason is None and backend.backward_unsupported_reason(own) is not None:
+        return problem, None  # Re-tiling would not keep the backward here either.
+    return own, None
 
 
 def _first_serving(names: Iterable[str], reason_not_to: Callable[[AttentionBackend], str | None],

@@ -83,6 +83,9 @@ class BlockMask:
     * ``partial_masks [P, block_q, block_kv]`` bool: deduplicated stored tiles
       (at least one, all False, when no tile is PARTIAL);
     * ``mask_mod``: the structured predicate of COMPUTED tiles, or None;
+    * ``mask_mod`` holds on every element the tiles admit (FULL and stored tiles too), as
+      in every mask the constructors build: re-tiling (`omni_jax.masks.regroup`) relies
+      on it;
     * ``contiguous_full`` (static): every walk's FULL tiles are consecutive blocks, so a
       kernel can step through them without reading their indices. Set for dense masks
       and those built from a mask_mod with `MaskMod.row_intervals`; False otherwise.
