@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable, Iterable
 
 from omni_jax.backends.base import AttentionBackend
-from omni_jax.dispatch_log import log_once
+from omni_jax.dispatch_log import log_once, warn_slow_fallback
 from omni_jax.problem import AttentionProblem
 from pallas_kernels import runtime
 
@@ -123,6 +123,8 @@ def plan_attention(implementation: str | None, problem: AttentionProblem, *,
     fallbacks = [forward.name, *(name for name in order if name != forward.name), "xla"]
     backward, declined_backward = _first_serving(
         fallbacks, lambda b: b.unavailable_reason() or b.backward_unsupported_reason(problem))
+    if implementation != "xla":
+        _warn_if_xla_on_a_gpu(problem, forward, backward, declined, declined_backward)
     level = logging.DEBUG if backward is forward else logging.INFO
     if logger.isEnabledFor(level):  # Every eager call plans: no formatting while off.
         if backward is forward:
@@ -152,6 +154,26 @@ def _served_problem(backend: AttentionBackend, problem: AttentionProblem,
     if reason is None and backend.backward_unsupported_reason(own) is not None:
         return problem, None  # Re-tiling would not keep the backward here either.
     return own, None
+
+
+def _warn_if_xla_on_a_gpu(problem: AttentionProblem, forward: AttentionBackend,
+                          backward: AttentionBackend, declined: dict[str, str],
+                          declined_backward: dict[str, str]) -> None:
+    """The XLA backend on a GPU whose kernels declined the call is many times slower
+    (it materialises every score tile in memory): a `UserWarning` says so, once."""
+    if runtime.gpu_compute_capability() is None or runtime.interpret_requested():
+        return
+    if forward.name == "xla":
+        what, reasons = "forward and backward", declined
+    elif backward.name == "xla":
+        what, reasons = "backward (gradients)", declined_backward
+    else:
+        return
+    warn_slow_fallback(
+        f"omni_jax.attention runs its {what} on the XLA backend on this GPU, many times "
+        f"slower than the kernels, for {_describe(problem)}: {_reasons(reasons)}. Change what "
+        f"those reasons name to reach a kernel, or pass implementation='xla' to choose XLA "
+        f"without this warning.")
 
 
 def _first_serving(names: Iterable[str], reason_not_to: Callable[[AttentionBackend], str | None],

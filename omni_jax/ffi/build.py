@@ -233,12 +233,32 @@ def build_library(
     source_dir: Path = SOURCE_DIR,
     jobs: int | None = None,
 ) -> Path:
-    """Compiles every .cu in parallel and links them into ``output`` (written atomically)."""
+    """Compiles every .cu in parallel and links them into ``output`` (written atomically).
+
+    When nvcc fails, its whole output goes to `build_log_path` and the BuildError names
+    that file with the first lines.
+    """
     nvcc, _ = find_toolchain()
     sources = [source for source in source_files(source_dir) if source_archs(source, archs)]
     if not sources:
         raise BuildError(f"no .cu sources for {', '.join(archs)} in {source_dir}")
     output.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        return _compile_and_link(output, sources, archs, nvcc, jobs)
+    except BuildError as error:
+        log = build_log_path(output)
+        log.write_text(str(error))
+        head = "\n".join(str(error).splitlines()[:3])
+        raise BuildError(f"{head}\n... (the whole build log: {log})") from error
+
+
+def build_log_path(output: Path) -> Path:
+    """Where a failed build of ``output`` leaves nvcc's output."""
+    return output.with_name(output.stem + ".build.log")
+
+
+def _compile_and_link(output: Path, sources: list[Path], archs: tuple[str, ...], nvcc: str,
+                      jobs: int | None) -> Path:
     with tempfile.TemporaryDirectory(dir=output.parent) as scratch:
         objects = [Path(scratch) / (source.stem + ".o") for source in sources]
         with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:

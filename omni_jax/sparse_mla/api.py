@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import jax
 
 from omni_jax import explicit_sharding, ffi
-from omni_jax.dispatch_log import log_once
+from omni_jax.dispatch_log import log_once, warn_slow_fallback
 from omni_jax.sparse_mla import kernel, xla
 from omni_jax.sparse_mla.validation import ProblemShape, validate
 from pallas_kernels import compat
@@ -61,6 +61,13 @@ def _use_kernel(implementation: str | None, shape: ProblemShape, dtype) -> bool:
             raise RuntimeError(f"implementation='ffi' is unavailable: {platform_reason}")
         log_once(logger, logging.DEBUG, "sparse_mla_prefill %s: the portable path (%s)",
                  shape, platform_reason)
+        if ffi.device_reason() is None:  # An sm90 GPU without the library: 25x slower.
+            warn_slow_fallback(
+                f"sparse_mla_prefill runs its portable path on this sm90 GPU, about 25x "
+                f"slower than the kernel: {platform_reason}. Install the build inputs with "
+                f"pip install \"omni-jax[ffi]\" (nvcc must be on PATH), then "
+                f"`python -m omni_jax.ffi build`; `python -m omni_jax info` shows the state. "
+                f"implementation='xla' asks for the portable path without this warning.")
         return False
     log_once(logger, logging.DEBUG, "sparse_mla_prefill %s: the SM90 kernel", shape)
     return True

@@ -185,3 +185,16 @@ def test_info_reports_without_building(
     assert expected in out
     assert "kernels usable:   no" in out
     assert not fake_toolchain.exists()
+
+
+def test_a_failed_compile_leaves_its_whole_log_and_names_it(fake_toolchain, tmp_path, capsys):
+    """nvcc's output can run to thousands of lines: the error keeps the first, the rest
+    is in a log beside the library, whose path the error (and the fallback warning) name."""
+    failing = "#!/bin/sh\nfor i in $(seq 50); do echo \"error line $i\" >&2; done\nexit 1\n"
+    _executable(tmp_path / "nvcc", failing)
+    output = tmp_path / "out" / build.LIBRARY_NAME
+    assert main(["build", "--out", str(output)]) == 2
+    err = capsys.readouterr().err
+    log = build.build_log_path(output)
+    assert f"the whole build log: {log}" in err and "error line 50" not in err
+    assert "error line 50" in log.read_text()
