@@ -62,26 +62,35 @@ def _library_origin(path: Path) -> str:
     return "prebuilt" if path == library.PREBUILT_PATH else "build cache"
 
 
-def _info(_: argparse.Namespace) -> int:
-    print(f"sources:          {build.SOURCE_DIR} ({len(build.source_files())} .cu)")
+def status() -> tuple[list[str], bool]:
+    """The toolchain, the library this process would load and whether it loads, and
+    whether this device can run it, as report lines (building nothing); and whether the
+    kernels can run here now."""
+    lines = [f"sources:          {build.SOURCE_DIR} ({len(build.source_files())} .cu)"]
     nvcc, why = _attempt(build.find_nvcc)
-    print(f"nvcc:             {nvcc if why is None else 'not found: ' + why}")
+    lines.append(f"nvcc:             {nvcc if why is None else 'not found: ' + why}")
     cutlass, why = _attempt(build.find_cutlass_include)
-    print(f"CUTLASS include:  {cutlass if why is None else 'not found: ' + why}")
+    lines.append(f"CUTLASS include:  {cutlass if why is None else 'not found: ' + why}")
     path, why = _attempt(library.find_library)
     if why is None and path is None:
         why = (f"not built yet: run `python -m omni_jax.ffi build` (first use compiles it "
                f"unless {library.AUTOBUILD_ENV_VAR}=0)")
     if why is None:
-        print(f"library:          {path} ({_library_origin(path)})")
+        lines.append(f"library:          {path} ({_library_origin(path)})")
         _, why = _attempt(lambda: library.open_library(path))
-        print(f"loads:            {'yes' if why is None else 'no: ' + why}")
+        lines.append(f"loads:            {'yes' if why is None else 'no: ' + why}")
     else:
-        print(f"library:          none: {why}")
+        lines.append(f"library:          none: {why}")
     device_why = library.device_reason()
-    print(f"device:           {'sm90 GPU' if device_why is None else device_why}")
+    lines.append(f"device:           {'sm90 GPU' if device_why is None else device_why}")
     usable = why is None and device_why is None
-    print(f"kernels usable:   {'yes' if usable else 'no'}")
+    lines.append(f"kernels usable:   {'yes' if usable else 'no'}")
+    return lines, usable
+
+
+def _info(_: argparse.Namespace) -> int:
+    lines, usable = status()
+    print("\n".join(lines))
     return 0 if usable else 1
 
 
