@@ -5,14 +5,21 @@
 #
 #   scripts/gpu_suite.sh [OUT_DIR] [STAGE...]
 #
-# OUT_DIR defaults to $OUT when set, else ./gpu-results. STAGEs (default: all, in order):
+# OUT_DIR defaults to $OUT when set, else ./gpu-results. STAGEs (default: env gpu-tests
+# tests bench, in order):
 #   env        jax/jaxlib versions, devices, nvidia-smi              -> env.txt
+#   smoke      pytest -m "gpu and smoke": a few compiled tests of every kernel, for each
+#              kernel edit (about a minute)                          -> smoke.log/.xml
 #   gpu-tests  pytest -m gpu                                          -> gpu-tests.log/.xml
 #              (verbose: a run cut short by a time limit still names each result so far)
 #   tests      pytest -m "not gpu and not interpreted", Pallas kernels compiled for real
 #              (tests that force the interpreter run at CPU speed; CI covers them) -> tests.log/.xml
 #   bench      python -m benchmarks all                               -> benchmarks/, bench.log
-# Run stages separately when one command may only take a few minutes.
+# The test stages run in GPU_TEST_WORKERS pytest-xdist processes sharing the GPU (default 8:
+# compiling kernels is what takes the time, on the CPU), with JAX's persistent compilation
+# cache in JAX_COMPILATION_CACHE_DIR (default ./.jax-cache, git-ignored, so it stays on a warm
+# device machine between calls; carry it to a fresh one). env, gpu-tests and tests fit one
+# 10-minute call on an H100 machine; bench takes its own.
 # Environment: PYTHON (default python), PYTEST_ARGS (extra pytest arguments, shell-quoted: "-k 'not random'"), BENCH_ARGS
 # (extra arguments of `python -m benchmarks all`, e.g. --attention-args "...").
 # Never installs from the internet; at most `pip install -e . --no-deps --no-build-isolation`.
@@ -36,7 +43,10 @@ if ! "$PY" -c "import omni_jax" >/dev/null 2>&1; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 unset OMNI_JAX_PALLAS_INTERPRET  # kernels must lower and run for real here
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
+export XLA_PYTHON_CLIENT_PREALLOCATE=false  # several test processes share the GPU
+export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$PWD/.jax-cache}"
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0}"
+WORKERS="${GPU_TEST_WORKERS:-8}"
 
 stage() {  # stage NAME COMMAND...: runs, logs, records the exit status
   local name="$1"; shift
@@ -63,12 +73,15 @@ for s in $STAGES; do
       "$PY" -c 'import jax, sys; sys.exit(jax.default_backend() != "gpu")' \
         || note "WARNING: JAX sees no GPU; GPU tests will skip and timings are not GPU timings"
       ;;
+    smoke)
+      eval "set -- ${PYTEST_ARGS:-}"
+      stage smoke "$PY" -m pytest -m "gpu and smoke" -n "$WORKERS" -v -rfEs --junitxml="$OUT_DIR/smoke.xml" "$@" ;;
     gpu-tests)
       eval "set -- ${PYTEST_ARGS:-}"
-      stage gpu-tests "$PY" -m pytest -m gpu -v -rfEs --junitxml="$OUT_DIR/gpu-tests.xml" "$@" ;;
+      stage gpu-tests "$PY" -m pytest -m gpu -n "$WORKERS" -v -rfEs --durations=15 --junitxml="$OUT_DIR/gpu-tests.xml" "$@" ;;
     tests)
       eval "set -- ${PYTEST_ARGS:-}"
-      stage tests "$PY" -m pytest -m "not gpu and not interpreted" -v -rfEs --junitxml="$OUT_DIR/tests.xml" "$@" ;;
+      stage tests "$PY" -m pytest -m "not gpu and not interpreted" -n "$WORKERS" -v -rfEs --durations=15 --junitxml="$OUT_DIR/tests.xml" "$@" ;;
     bench)
       eval "set -- ${BENCH_ARGS:-}"
       stage bench "$PY" -m benchmarks all --out-dir "$OUT_DIR/benchmarks" "$@"
@@ -78,7 +91,7 @@ for s in $STAGES; do
         cat "$OUT_DIR/RESULTS-block.md"
       fi
       ;;
-    *) note "unknown stage '$s' (expected env, gpu-tests, tests, bench)"; STATUS=2 ;;
+    *) note "unknown stage '$s' (expected env, smoke, gpu-tests, tests, bench)"; STATUS=2 ;;
   esac
 done
 echo "== summary ($SUMMARY)"; cat "$SUMMARY" 2>/dev/null

@@ -21,14 +21,14 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 def pytest_generate_tests(metafunc):
     """Parametrizes `AttentionSuite` subclasses from their class attributes."""
-    from tests.omni_jax.attention_suite import AttentionSuite, case_id, suite_parameters
+    from tests.omni_jax.attention_suite import AttentionSuite, suite_parameters
 
     cls = metafunc.cls
     if cls is None or not issubclass(cls, AttentionSuite):
         return
-    for name, values in suite_parameters(cls).items():
-        if name in metafunc.fixturenames:
-            metafunc.parametrize(name, values, ids=case_id)
+    names, combos = suite_parameters(cls, metafunc.fixturenames)
+    if names:
+        metafunc.parametrize(names, combos)
 
 
 @pytest.fixture(autouse=True)

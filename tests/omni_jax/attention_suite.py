@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from typing import Any, ClassVar
 
 import jax
@@ -272,6 +273,15 @@ class AttentionSuite:
     cases: ClassVar[tuple[Case, ...]] = CASES
     mask_block_size: ClassVar[tuple[int, int]] = (32, 32)
     check_gradients: ClassVar[bool] = True
+    # Cases of the `smoke` subset (``-m "gpu and smoke"``, for every kernel edit), in the
+    # first dtype and the default variant.
+    smoke_cases: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def wanted(cls, **params: Any) -> bool:
+        """Whether a combination of the suite's parameters runs (default: all of them)."""
+        del params
+        return True
 
     def test_case(self, case: Case, dtype: str) -> None:
         check_case(self.implementation, case, dtype, self.mask_block_size,
@@ -413,9 +423,24 @@ class AttentionSuite:
         assert (np.asarray(grads[0], np.float32)[:, 32:] == 0).all()
 
 
-def suite_parameters(cls: Any) -> dict[str, list]:
-    """The parametrization `tests/conftest.py` applies to a suite subclass."""
-    return {"case": list(cls.cases), "dtype": list(cls.dtypes)}
+def suite_parameters(cls: Any, names: list[str]) -> tuple[list[str], list]:
+    """The parametrization `tests/conftest.py` applies to a suite test that takes some of
+    ``names``: the names it takes and their wanted combinations (``cls.wanted``), the
+    first dtype of each of ``cls.smoke_cases`` marked `smoke`."""
+    values = {"case": list(cls.cases), "dtype": list(cls.dtypes),
+              "variant": list(getattr(cls, "variants", ()))}
+    taken = [name for name in values if name in names]
+    combos = []
+    for combo in itertools.product(*(values[name] for name in taken)):
+        params = dict(zip(taken, combo, strict=True))
+        if not cls.wanted(**params):
+            continue
+        smoke = (params.get("case") is not None and params["case"].name in cls.smoke_cases
+                 and params.get("dtype", cls.dtypes[0]) == cls.dtypes[0]
+                 and params.get("variant") in (None, *values["variant"][:1]))
+        combos.append(pytest.param(*combo, marks=[pytest.mark.smoke] if smoke else [],
+                                   id="-".join(case_id(v) for v in combo)))
+    return taken, combos
 
 
 def case_id(value: Any) -> str:

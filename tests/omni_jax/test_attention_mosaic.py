@@ -32,19 +32,33 @@ _INTERPRETED = ("alibi_score_mod", "causal_ragged", "decode_step_gqa_sinks",
 INTERPRETED_CASES = tuple(case for case in CASES if case.name in _INTERPRETED)
 
 
+@dataclasses.dataclass(frozen=True)
+class ForwardVariant:
+    """A consumer schedule of the forward kernel and its q-blocks per CTA."""
+
+    pipelined: bool
+    q_blocks_per_cta: int
+
+    def __str__(self) -> str:
+        return f"{'pipelined' if self.pipelined else 'serial'}-{self.q_blocks_per_cta}qblocks"
+
+
+# The default first: the other tests of the suite run under it alone.
+FORWARD_VARIANTS = tuple(ForwardVariant(pipelined, per_cta)
+                         for pipelined in (True, False) for per_cta in (1, 2))
+
+
 class _MosaicSuite(AttentionSuite):
     implementation = "mosaic"
     mask_block_size = (128, 64)
+    variants = FORWARD_VARIANTS
 
-    @pytest.fixture(autouse=True, params=[(schedule, per_cta) for schedule in
-                                          ("pipelined", "serial") for per_cta in (1, 2)],
-                    ids=lambda param: f"{param[0]}-{param[1]}qblocks")
-    def _forward_config(self, request, monkeypatch):
+    def test_case(self, case, dtype, variant, monkeypatch):
         """Every case under both consumer schedules of the forward kernel, with one and
         with two q-blocks per CTA."""
-        schedule, per_cta = request.param
-        force_config_fields(monkeypatch, fwd, "forward_config",
-                            pipelined=schedule == "pipelined", q_blocks_per_cta=per_cta)
+        force_config_fields(monkeypatch, fwd, "forward_config", pipelined=variant.pipelined,
+                            q_blocks_per_cta=variant.q_blocks_per_cta)
+        super().test_case(case, dtype)
 
     @pytest.fixture(autouse=True)
     def _mosaic_backward(self, monkeypatch):
@@ -70,6 +84,14 @@ class TestMosaicAttentionInterpreted(_MosaicSuite):
 class TestMosaicAttentionGpu(_MosaicSuite):
     dtypes = ("bfloat16", "float16")
     cases = GPU_CASES
+    smoke_cases = ("causal_ragged", "documents_causal_window", "softcap_sinks")
+
+    @classmethod
+    def wanted(cls, **params):
+        """The schedules are dtype-independent (the interpreted suite runs them too):
+        float16 under the default one."""
+        return params.get("dtype") != "float16" or params.get("variant") in (
+            None, FORWARD_VARIANTS[0])
 
 
 @pytest.mark.gpu

@@ -60,6 +60,7 @@ class TestTritonAttentionGpu(AttentionSuite):
     implementation = "triton"
     dtypes = ("float32", "bfloat16", "float16")
     cases = tuple(c for c in CASES if c.score_mod not in _GATHERING_SCORE_MODS)
+    smoke_cases = ("causal_ragged", "generic_block_mask")
 
 
 @pytest.mark.gpu

@@ -548,6 +548,7 @@ def test_gpu_fp8(implementation, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.smoke
 @pytest.mark.parametrize("implementation", KERNELS)
 def test_gpu_vmap_and_grad(implementation):
     _skip_if_missing(implementation)

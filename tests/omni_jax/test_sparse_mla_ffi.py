@@ -88,6 +88,7 @@ def test_kernel_matches_portable_path_under_vmap(seed):
         assert relative_error(got, want) < 1e-5
 
 
+@pytest.mark.smoke
 def test_default_dispatch_uses_the_kernel(seed):
     q, kv, indices = kernel_inputs(seed=seed, s_q=2, topk=64)
     text = jax.jit(lambda q, kv, i: sparse_mla_prefill(q, kv, i, sm_scale=SM_SCALE)).lower(

@@ -93,7 +93,7 @@ def test_store_rows_writes_only_inside_the_array(shape, seed):
 
 
 @pytest.mark.parametrize("ptx", [
-    False, pytest.param(True, marks=pytest.mark.gpu)])
+    False, pytest.param(True, marks=[pytest.mark.gpu, pytest.mark.smoke])])
 def test_exp2_scales_shifts_and_gives_zero_for_minus_inf(ptx):
     """`tiles.exp2` is ``exp2(x * scale - shift)`` per row: masked scores (-inf) and rows
     that see nothing (shift +inf) give exactly 0, never NaN; compiled (``ptx``), its
