@@ -190,7 +190,9 @@ def test_info_reports_without_building(
 def test_a_failed_compile_leaves_its_whole_log_and_names_it(fake_toolchain, tmp_path, capsys):
     """nvcc's output can run to thousands of lines: the error keeps the first, the rest
     is in a log beside the library, whose path the error (and the fallback warning) name."""
-    failing = "#!/bin/sh\nfor i in $(seq 50); do echo \"error line $i\" >&2; done\nexit 1\n"
+    failing = ("#!/bin/sh\n"
+               "if [ \"$1\" = --version ]; then echo 'Cuda compilation tools'; exit 0; fi\n"
+               "for i in $(seq 50); do echo \"error line $i\" >&2; done\nexit 1\n")
     _executable(tmp_path / "nvcc", failing)
     output = tmp_path / "out" / build.LIBRARY_NAME
     assert main(["build", "--out", str(output)]) == 2

@@ -99,6 +99,17 @@ def test_the_planner_retiles_only_where_the_backend_declines_the_size(monkeypatc
         assert plan.problem.block_size == expected, size
 
 
+def test_triton_serves_masks_of_blocks_below_its_smallest_tile(monkeypatch):
+    """Triton tiles need 16 rows: an (8, 8) mask is re-tiled to Triton's own size."""
+    monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
+    plans = record_plans(monkeypatch)
+    q = jax.ShapeDtypeStruct((1, 96, 2, 32), jnp.float32)
+    mask = omni_jax.create_block_mask(omni_jax.causal_mask, None, None, 96, 96, 8)
+    jax.eval_shape(lambda q: omni_jax.attention(q, q, q, mask=mask, implementation="triton"), q)
+    assert plans[-1].forward.name == "triton"
+    assert plans[-1].problem.block_size == (128, 128)
+
+
 @pytest.fixture
 def _interpreted(monkeypatch):
     yield from interpreted_mosaic(monkeypatch)
