@@ -24,14 +24,17 @@ class PagedCase:
 
 def random_case(seed: int, *, kv_lens, q_len=1, heads=4, kv_heads=2, head_dim=32,
                 head_dim_v=None, page_size=16, pages_per_seq=None, spare_pages=3,
-                dtype=jnp.float32) -> PagedCase:
-    """Sequences of ``kv_lens`` tokens on pages in random order; unused table slots hold
-    random ids (they must be ignored); ``spare_pages`` pages belong to nobody."""
+                dtype=jnp.float32, own_every_slot=False) -> PagedCase:
+    """Sequences of ``kv_lens`` tokens on pages in random order; ``spare_pages`` pages
+    belong to nobody. Table slots past a sequence's tokens hold random ids (they must be
+    ignored), or with ``own_every_slot`` pages of their own (room to append)."""
     rng = np.random.default_rng(seed)
     kv_lens = np.asarray(kv_lens, np.int32)
     batch = len(kv_lens)
     needed = -(-kv_lens // page_size)
     pages_per_seq = pages_per_seq or max(1, int(needed.max()))
+    if own_every_slot:
+        needed = np.full(batch, pages_per_seq)
     num_pages = int(needed.sum()) + spare_pages
     order = rng.permutation(num_pages)
     table = rng.integers(0, num_pages, (batch, pages_per_seq), dtype=np.int32)

@@ -34,11 +34,20 @@ CASES = {
 }
 
 
-@pytest.fixture(params=["xla", "triton"])
+_ON_GPU = runtime.gpu_compute_capability() is not None
+
+
+@pytest.fixture(params=[
+    "xla",
+    pytest.param("triton", marks=pytest.mark.interpreted),
+    pytest.param("triton_compiled", marks=[
+        pytest.mark.gpu, pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA GPU")]),
+])
 def implementation(request, monkeypatch):
+    """Each implementation; "triton" interpreted on any machine, compiled on a GPU."""
     if request.param == "triton":
         monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
-    return request.param
+    return request.param.removesuffix("_compiled")
 
 
 def _check(case, kwargs, implementation, *, sinks=None, dtype=jnp.float32):
@@ -55,14 +64,12 @@ def _check(case, kwargs, implementation, *, sinks=None, dtype=jnp.float32):
     assert relative_error(lse, ref_lse) < TOLERANCE[dtype]
 
 
-@pytest.mark.interpreted
 @pytest.mark.parametrize("name", CASES)
 def test_matches_dense_reference(name, implementation, seed):
     case_args, kwargs = CASES[name]
     _check(random_case(seed, **case_args), kwargs, implementation)
 
 
-@pytest.mark.interpreted
 def test_bfloat16_gqa_with_sinks(implementation, seed):
     case = random_case(seed, kv_lens=[0, 75, 19], q_len=2, heads=8, kv_heads=2,
                        dtype=jnp.bfloat16)
@@ -82,7 +89,6 @@ def test_a_sequence_without_tokens_gets_zeros_and_its_sink(seed):
     assert np.all(np.isfinite(out)) and np.all(out[0] == 0)
 
 
-@pytest.mark.interpreted
 def test_bad_page_ids_under_jit_are_masked_not_read(implementation, seed):
     """Ids outside the cache for tokens in use, under jit (no concrete check), contribute
     nothing: each sequence gets the reference over its other tokens."""
@@ -106,3 +112,25 @@ def _reference_without_slot(case, b, slot):
     with jax.enable_x64(True):
         out, _ = reference_attention(case.q[b:b + 1], k[None, keep], v[None, keep], None)
     return out[0]
+
+
+def test_vmap_over_query_sets_sharing_a_cache(implementation, seed):
+    """Two sets of queries (two sampling candidates, say) against one cache."""
+    case = random_case(seed, kv_lens=[19, 44])
+    queries = jnp.stack([case.q, -case.q])
+    attend = lambda q, lens: omni_jax.paged_attention(
+        q, case.k_pages, case.v_pages, case.page_table, lens, implementation=implementation)
+    lens = jnp.stack([case.kv_lens, case.kv_lens - 3])
+    out = jax.jit(jax.vmap(attend))(queries, lens)
+    for i in range(2):
+        np.testing.assert_allclose(out[i], attend(queries[i], lens[i]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="GPUs prefer the kernels")
+def test_default_implementation_on_the_cpu_is_xla(seed):
+    case = random_case(seed, kv_lens=[9])
+    out = omni_jax.paged_attention(case.q, case.k_pages, case.v_pages, case.page_table,
+                                   case.kv_lens)
+    xla = omni_jax.paged_attention(case.q, case.k_pages, case.v_pages, case.page_table,
+                                   case.kv_lens, implementation="xla")
+    np.testing.assert_array_equal(out, xla)
