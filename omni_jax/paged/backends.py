@@ -15,7 +15,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from omni_jax import query_groups
-from omni_jax.dispatch_log import log_once
+from omni_jax.dispatch_log import log_once, warn_slow_fallback
 from omni_jax.paged.xla import paged_attention_xla
 from pallas_kernels import runtime
 from pallas_kernels.paged import PagedScores
@@ -60,12 +60,21 @@ def choose(implementation: str | None, problem: PagedProblem) -> str:
     for name in (*runtime.implementation_preference(), "xla"):
         reason = unsupported_reason(name, problem)
         if reason is None:
-            if declined:
-                log_once(logger, logging.DEBUG, f"paged_attention {problem}: {name!r} ("
-                         + "; ".join(f"not {n}: {r}" for n, r in declined.items()) + ")")
-            return name
+            break
         declined[name] = reason
-    raise AssertionError("xla serves every paged_attention call")
+    reasons = "; ".join(f"not {n}: {r}" for n, r in declined.items())
+    if declined:
+        log_once(logger, logging.DEBUG, f"paged_attention {problem}: {name!r} ({reasons})")
+    # Only the kernels' reasons count: mosaic's absence alone is no slowdown to report.
+    if (name == "xla" and set(declined) - {"mosaic"}
+            and runtime.gpu_compute_capability() is not None
+            and not runtime.interpret_requested()):
+        warn_slow_fallback(
+            f"omni_jax.paged_attention runs on the XLA reference on this GPU, many times "
+            f"slower than its kernel, for {problem}: {reasons}. Change what those reasons "
+            f"name to reach a kernel, or pass implementation='xla' to choose XLA without "
+            f"this warning.")
+    return name
 
 
 def forward(name: str, q: Array, k_pages: Array, v_pages: Array, page_table: Array,
