@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from pallas_kernels import runtime
+
 pytest.importorskip("optax")
 pytest.importorskip("tqdm")
 import optax  # noqa: E402
@@ -41,10 +43,15 @@ def greedy_contiguous(train_lm, model, prompt: bytes, num_new: int) -> list[int]
     return tokens
 
 
-def test_greedy_serving_matches_decoding_each_request_alone(tmp_path, seed):
+@pytest.mark.parametrize("implementation", [
+    "xla", pytest.param("triton", marks=pytest.mark.interpreted)])
+def test_greedy_serving_matches_decoding_each_request_alone(implementation, tmp_path, seed,
+                                                            monkeypatch):
+    if implementation == "triton":
+        monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
     serve = load_serve()
     train_lm = serve.train_lm
-    config = SimpleNamespace(d_model=32, layers=2, heads=4, kv_heads=2, implementation="xla",
+    config = SimpleNamespace(d_model=64, layers=2, heads=4, kv_heads=2, implementation="xla",
                              dtype=jnp.float32)
     model = train_lm.LanguageModel(config, nnx.Rngs(seed))
     optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
@@ -54,7 +61,7 @@ def test_greedy_serving_matches_decoding_each_request_alone(tmp_path, seed):
     stats, requests = serve.main([
         "--checkpoint", str(checkpoint), "--requests", "5", "--slots", "3", "--page-size", "4",
         "--prompt-lengths", "3", "21", "--new-tokens", "2", "9", "--arrivals-per-step", "2",
-        "--temperature", "0", "--implementation", "xla", "--seed", str(seed % 1000),
+        "--temperature", "0", "--implementation", implementation, "--seed", str(seed % 1000),
         "--quiet"])
     assert stats["output_tokens"] == sum(r.max_new for r in requests)
     assert stats["tokens_per_second"] > 0
