@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -118,7 +119,9 @@ def _function(impl: str, args: tuple):
     if q_len != 1:
         return "decoding steps only (q_len 1)"
     try:
-        from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+        with warnings.catch_warnings():  # deprecated from jax 0.12 on, still the peer named
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
     except ImportError:
         return "jax.experimental.pallas.ops.gpu.paged_attention is not importable"
     heads_first = (jnp.moveaxis(k_pages, 2, 0), jnp.moveaxis(v_pages, 2, 0))
