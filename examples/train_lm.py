@@ -120,9 +120,17 @@ class Block(nnx.Module):
     def __call__(self, x: Array, segment_ids: Array | None, decode: bool) -> Array:
         h = self.attention_norm(x)
         if decode:
-            x = x + self.attention(h, decode=True)
-        else:
-            x = x + self.attention(h, is_causal=True, segment_ids=segment_ids)
+            return self._mlp(x + self.attention(h, decode=True))
+        return self._mlp(x + self.attention(h, is_causal=True, segment_ids=segment_ids))
+
+    def decode_paged(self, x: Array, k_pages: Array, v_pages: Array, page_table: Array,
+                     kv_lens: Array) -> tuple[Array, Array, Array]:
+        """A decode step on this block's pages of a paged cache (examples/serve.py)."""
+        attended, k_pages, v_pages = self.attention.decode_paged(
+            self.attention_norm(x), k_pages, v_pages, page_table, kv_lens)
+        return self._mlp(x + attended), k_pages, v_pages
+
+    def _mlp(self, x: Array) -> Array:
         return x + self.down(jax.nn.gelu(self.up(self.mlp_norm(x))))
 
 
@@ -139,6 +147,20 @@ class LanguageModel(nnx.Module):
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x, segment_ids, decode)
+        return self._logits(x)
+
+    def decode_paged(self, tokens: Array, pages: list[tuple[Array, Array]], page_table: Array,
+                     kv_lens: Array) -> tuple[Array, list[tuple[Array, Array]]]:
+        """Logits of ``tokens [batch, n]`` appended after each sequence's ``kv_lens``
+        tokens of a paged cache, and every block's updated ``(k_pages, v_pages)``."""
+        x = self.embed(tokens)
+        updated = []
+        for block, (k_pages, v_pages) in zip(self.blocks, pages, strict=True):
+            x, k_pages, v_pages = block.decode_paged(x, k_pages, v_pages, page_table, kv_lens)
+            updated.append((k_pages, v_pages))
+        return self._logits(x), updated
+
+    def _logits(self, x: Array) -> Array:
         return self.embed.attend(self.norm(x)).astype(jnp.float32)
 
     def init_cache(self, batch: int, max_len: int) -> None:
@@ -240,19 +262,23 @@ def restore_checkpoint(path: Path, model: LanguageModel, optimizer: nnx.Optimize
                        curves: dict[str, list[tuple[int, float]]]) -> int:
     """Loads `save_checkpoint`'s file into model, optimizer and curves; returns the step."""
     with np.load(path) as saved:
-        for prefix, node in (("model", model), ("optimizer", optimizer)):
-            state = nnx.state(node, nnx.Param if node is model else nnx.optimizer.OptState)
-            flat = nnx.to_flat_state(state)
-            for key, value in flat:
-                name = "/".join([prefix, *map(str, key)])
-                if name not in saved or saved[name].shape != value[...].shape:
-                    raise SystemExit(f"{path} does not match this model at {name} "
-                                     f"(different flags?)")
-                value[...] = jnp.asarray(saved[name], value[...].dtype)
-            nnx.update(node, nnx.from_flat_state(flat))
+        load_state(saved, "model", model, nnx.Param, path)
+        load_state(saved, "optimizer", optimizer, nnx.optimizer.OptState, path)
         for name, points in curves.items():
             points[:] = [(int(step), float(loss)) for step, loss in saved[f"curve/{name}"]]
         return int(saved["step"])
+
+
+def load_state(saved: Any, prefix: str, node: nnx.Module, kind: type, path: Path) -> None:
+    """Loads the ``kind`` variables of ``node`` from ``saved`` (an opened checkpoint)."""
+    flat = nnx.to_flat_state(nnx.state(node, kind))
+    for key, value in flat:
+        name = "/".join([prefix, *map(str, key)])
+        if name not in saved or saved[name].shape != value[...].shape:
+            raise SystemExit(f"{path} does not match this model at {name} "
+                             f"(different flags?)")
+        value[...] = jnp.asarray(saved[name], value[...].dtype)
+    nnx.update(node, nnx.from_flat_state(flat))
 
 
 # -- plot ---------------------------------------------------------------------------------

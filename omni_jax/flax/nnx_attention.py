@@ -3,7 +3,8 @@
 q/k/v/out projections, grouped-query attention (``num_kv_heads``), rotary
 position embeddings, optional qk-norm (RMSNorm over head_dim, as Gemma 3 /
 OLMo 2), softcap, optional learnable attention sinks (gpt-oss), any mask of
-`omni_jax.attention` given at call time, and a KV-cache decode step. The
+`omni_jax.attention` given at call time, and a KV-cache decode step (on the layer's
+own contiguous cache, or on a paged cache the caller owns: `decode_paged`). The
 layer only prepares q/k/v; the kernel choice stays with ``implementation``.
 """
 
@@ -176,12 +177,8 @@ class Attention(nnx.Module):
         if jnp.ndim(x) != 3 or x.shape[-1] != in_features:
             raise ValueError(f"x must be [batch, seq, in_features] with in_features="
                              f"{in_features}, got shape {jnp.shape(x)}")
-        query, key, value = (_project(linear, x, 1) for linear in (self.query, self.key,
-                                                                     self.value))
-        if self.query_norm is not None:
-            query, key = self.query_norm(query), self.key_norm(key)
-        sinks = None if self.sinks is None else self.sinks[...]
-        common = dict(softcap=self.softcap, sinks=sinks, implementation=self.implementation)
+        query, key, value = self._project_qkv(x)
+        common = self._attention_options()
         window = check_window(local_window_size)
         if decode:
             out = self._decode(query, key, value, positions, segment_ids, mask, score_mod,
@@ -195,6 +192,46 @@ class Attention(nnx.Module):
                                  local_window_size=window,
                                  q_segment_ids=segment_ids, score_mod=score_mod, **common)
         return _project(self.out, out, 2)
+
+    def decode_paged(self, x: Array, k_pages: Array, v_pages: Array, page_table: Array,
+                     kv_lens: Array, *, positions: Array | None = None,
+                     local_window_size: int | tuple[int, int] | None = None,
+                     ) -> tuple[Array, Array, Array]:
+        """A decode step on a paged KV cache that the caller owns (continuous batching).
+
+        Appends ``x [batch, n, in_features]``'s keys and values after each sequence's
+        ``kv_lens[b]`` tokens in this layer's ``k_pages``/``v_pages`` (laid out as
+        `omni_jax.paged_attention` reads them, through the shared ``page_table``) and
+        attends causally over everything cached. ``kv_lens`` are the lengths before the
+        step: the caller advances them by n once every layer has run. ``positions``
+        (RoPE) default to the tokens' cache positions; the cache computes in the pages'
+        dtype. Returns ``(out [batch, n, out_features], k_pages, v_pages)``; donate the
+        pages to a jitted step to update them in place.
+        """
+        query, key, value = self._project_qkv(x)
+        if positions is None:
+            positions = kv_lens[:, None] + jnp.arange(x.shape[1], dtype=jnp.int32)
+        query, key = self._rotate(query, key, positions)
+        k_pages, v_pages = omni_jax.paged_cache_write(
+            k_pages, v_pages, page_table, kv_lens, key.astype(k_pages.dtype),
+            value.astype(v_pages.dtype))
+        out = omni_jax.paged_attention(query.astype(k_pages.dtype), k_pages, v_pages,
+                                       page_table, kv_lens + x.shape[1],
+                                       local_window_size=check_window(local_window_size),
+                                       **self._attention_options())
+        return _project(self.out, out.astype(query.dtype), 2), k_pages, v_pages
+
+    def _project_qkv(self, x: Array) -> tuple[Array, Array, Array]:
+        """Queries, keys and values ``[batch, seq, heads, head_dim]`` (qk-normed), unrotated."""
+        query, key, value = (_project(linear, x, 1) for linear in (self.query, self.key,
+                                                                     self.value))
+        if self.query_norm is not None:
+            query, key = self.query_norm(query), self.key_norm(key)
+        return query, key, value
+
+    def _attention_options(self) -> dict:
+        sinks = None if self.sinks is None else self.sinks[...]
+        return dict(softcap=self.softcap, sinks=sinks, implementation=self.implementation)
 
     def _rotate(self, query: Array, key: Array, positions: Array) -> tuple[Array, Array]:
         if self.rope_base is None:

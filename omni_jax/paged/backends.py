@@ -1,0 +1,89 @@
+"""Which implementation computes a paged-attention call, and how each is called.
+
+``implementation=None`` takes the first of the device's preference order
+(`pallas_kernels.runtime.implementation_preference`: on Hopper "mosaic", "triton",
+"xla") that serves the call; "xla" serves every call. Each implementation returns the
+sink-free ``(out, lse)`` of the grouped-query layout the API passes in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import jax.numpy as jnp
+
+from omni_jax import query_groups
+from omni_jax.dispatch_log import log_once, warn_slow_fallback
+from omni_jax.paged.xla import paged_attention_xla
+from pallas_kernels import runtime
+from pallas_kernels.paged import PagedScores
+from pallas_kernels.triton import paged_attention as triton_paged
+
+logger = logging.getLogger("omni_jax.paged")
+Array = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedProblem:
+    """The static description of one call: what decides who serves it."""
+
+    dtype: Any
+    head_dim: int
+    head_dim_v: int
+    page_size: int
+
+
+def unsupported_reason(name: str, problem: PagedProblem) -> str | None:
+    """Why ``name`` cannot compute ``problem`` here, or None when it can."""
+    if name == "xla":
+        return None
+    if name == "mosaic":
+        return "there is no Mosaic-GPU paged-attention kernel yet (use 'triton' or 'xla')"
+    if not runtime.can_run_triton():
+        return ("the Triton backend needs an NVIDIA GPU with compute capability >= 8.0 "
+                f"(or {runtime.INTERPRET_ENV_VAR}=1 to run it interpreted)")
+    return triton_paged.unsupported_reason(jnp.dtype(problem.dtype), problem.head_dim,
+                                           problem.head_dim_v)
+
+
+def choose(implementation: str | None, problem: PagedProblem) -> str:
+    """The implementation that computes ``problem``; a named one that cannot raises."""
+    if implementation is not None:
+        reason = unsupported_reason(implementation, problem)
+        if reason is not None:
+            raise ValueError(f"implementation={implementation!r} cannot serve this "
+                             f"paged_attention call: {reason}")
+        return implementation
+    declined = {}
+    for name in (*runtime.implementation_preference(), "xla"):
+        reason = unsupported_reason(name, problem)
+        if reason is None:
+            break
+        declined[name] = reason
+    reasons = "; ".join(f"not {n}: {r}" for n, r in declined.items())
+    if declined:
+        log_once(logger, logging.DEBUG, f"paged_attention {problem}: {name!r} ({reasons})")
+    # Only the kernels' reasons count: mosaic's absence alone is no slowdown to report.
+    if (name == "xla" and set(declined) - {"mosaic"}
+            and runtime.gpu_compute_capability() is not None
+            and not runtime.interpret_requested()):
+        warn_slow_fallback(
+            f"omni_jax.paged_attention runs on the XLA reference on this GPU, many times "
+            f"slower than its kernel, for {problem}: {reasons}. Change what those reasons "
+            f"name to reach a kernel, or pass implementation='xla' to choose XLA without "
+            f"this warning.")
+    return name
+
+
+def forward(name: str, q: Array, k_pages: Array, v_pages: Array, page_table: Array,
+            kv_lens: Array, scores: PagedScores, *, interpret: bool) -> tuple[Array, Array]:
+    """Sink-free (out ``[B, Sq, Hq, Dv]``, lse ``[B, Hq, Sq]``) by implementation ``name``."""
+    if name == "xla":
+        return paged_attention_xla(q, k_pages, v_pages, page_table, kv_lens, scores)
+    group = q.shape[2] // k_pages.shape[2]
+    out, lse = triton_paged.paged_attention(
+        query_groups.pack_queries(q, group), k_pages, v_pages, page_table, kv_lens,
+        scores=scores, group=group, interpret=interpret)
+    return query_groups.unpack(out, lse, group)

@@ -1,0 +1,56 @@
+"""Which implementation serves a paged_attention call, as a Hopper GPU would see it."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import omni_jax
+from omni_jax import dispatch_log
+from omni_jax.paged import backends
+from pallas_kernels import runtime
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    monkeypatch.setattr(dispatch_log, "_warned", set())
+    monkeypatch.delenv(runtime.INTERPRET_ENV_VAR, raising=False)
+    monkeypatch.setattr(runtime, "gpu_compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(runtime, "can_run_triton", lambda: True)
+    monkeypatch.setattr(runtime, "implementation_preference", lambda: ("mosaic", "triton", "xla"))
+
+
+def _problem(head_dim=128, dtype=jnp.bfloat16):
+    return backends.PagedProblem(jnp.dtype(dtype), head_dim, head_dim, 16)
+
+
+def test_hopper_passes_over_the_missing_mosaic_kernel_quietly(hopper):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert backends.choose(None, _problem()) == "triton"
+
+
+def test_a_head_dim_the_kernel_declines_falls_back_to_xla_with_a_warning(hopper):
+    with pytest.warns(UserWarning, match="paged_attention runs on the XLA reference.*"
+                                         "not triton: head_dim=96 is not a power of two"):
+        assert backends.choose(None, _problem(head_dim=96)) == "xla"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert backends.choose("xla", _problem(head_dim=96)) == "xla"
+
+
+def test_naming_a_kernel_that_declines_raises(hopper):
+    with pytest.raises(ValueError, match="implementation='triton' cannot serve.*float64"):
+        backends.choose("triton", _problem(dtype=jnp.float64))
+
+
+def test_float64_runs_on_the_reference(seed):
+    with jax.enable_x64(True):
+        q = jax.random.normal(jax.random.key(seed), (1, 1, 2, 16), jnp.float64)
+        pages = jax.random.normal(jax.random.key(seed + 1), (2, 4, 1, 16), jnp.float64)
+        out, lse = omni_jax.paged_attention(q, pages, pages, jnp.array([[1, 0]]),
+                                            jnp.array([6]), return_lse=True)
+        assert out.dtype == jnp.float64 and lse.dtype == jnp.float64
