@@ -1,0 +1,140 @@
+"""Context-parallel attention against the single-device call on the gathered sequence.
+
+`compare` runs one case on ``num_devices`` devices of this process (the test process has
+two; `python -m tests.omni_jax.context_parallel.checks N` runs cases on N virtual CPU
+devices in a process of its own). Each case has fresh random inputs, and compares out,
+lse and the gradients of q, k, v and sinks (NaN or a wrong infinity never passes).
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+import omni_jax
+from omni_jax.context_parallel import unzigzag, zigzag
+from tests.reference import relative_error
+
+SHARD_LEN = 8  # query/key positions per device
+HEADS = 4
+
+
+def _documents(rng, batch: int, length: int, num_devices: int) -> dict:
+    """Sorted segment ids with documents spanning shard boundaries."""
+    ids = np.sort(rng.integers(0, num_devices + 1, (batch, length)), axis=1)
+    return {"q_segment_ids": ids}
+
+
+def _blind_rows(rng, batch: int, length: int, num_devices: int) -> dict:
+    """Key ids a query shard never matches: the second device's queries (and scattered
+    rows elsewhere) see no key at all (zeros, lse -inf, zero gradients)."""
+    kv_ids = rng.integers(0, 3, (batch, length))
+    q_ids = rng.integers(0, 4, (batch, length))  # id 3: no key
+    q_ids[:, SHARD_LEN:2 * SHARD_LEN] = 3
+    return {"q_segment_ids": q_ids, "kv_segment_ids": kv_ids}
+
+
+# name -> (attention keyword arguments, kv heads, segment ids builder or None, sinks)
+CASES: dict[str, tuple[dict, int, Any, bool]] = {
+    "causal_gqa_softcap_sinks": ({"is_causal": True, "softcap": 3.0}, 2, None, True),
+    "window": ({"local_window_size": (5, 3)}, HEADS, None, False),
+    "causal_documents": ({"is_causal": True}, HEADS, _documents, True),
+    "blind_rows_mqa": ({"local_window_size": (9, 0)}, 1, _blind_rows, False),
+}
+STRATEGIES = ("ring", "allgather")
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def _inputs(case: str, num_devices: int, dtype: Any, seed: int, shard_len: int) -> tuple:
+    kwargs, kv_heads, ids_builder, with_sinks = CASES[case]
+    rng = np.random.default_rng(seed)
+    batch, length, dim = 2, num_devices * shard_len, 8
+    q = jnp.asarray(rng.standard_normal((batch, length, HEADS, dim)), dtype)
+    k, v = (jnp.asarray(rng.standard_normal((batch, length, kv_heads, dim)), dtype)
+            for _ in range(2))
+    sinks = jnp.asarray(rng.standard_normal(HEADS), dtype) if with_sinks else None
+    ids = {} if ids_builder is None else {
+        name: jnp.asarray(value, jnp.int32)
+        for name, value in ids_builder(rng, batch, length, num_devices).items()}
+    return (q, k, v, sinks, ids), kwargs
+
+
+def _loss_and_grads(kwargs: dict, **context: Any):
+    """(out, lse, dq, dk, dv, dsinks) of a loss on out and the finite lse."""
+
+    def loss(q, k, v, sinks, ids):
+        out, lse = omni_jax.attention(q, k, v, sinks=sinks, return_lse=True, **ids, **kwargs,
+                                      **context)
+        finite_lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+        return (out.astype(jnp.float32) ** 2).sum() + (finite_lse ** 2).sum(), (out, lse)
+
+    def run(q, k, v, sinks, ids):
+        grads, (out, lse) = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(
+            q, k, v, sinks, ids)
+        return out, lse, *grads
+
+    return run
+
+
+def compare(case: str, num_devices: int, strategy: str, layout: str, *,
+            dtype: Any = jnp.float32, implementation: str = "xla", seed: int = 0,
+            shard_len: int = SHARD_LEN) -> dict[str, float]:
+    """Relative errors of out, lse, dq, dk, dv (and dsinks) of the sharded call against
+    the single-device call."""
+    (q, k, v, sinks, ids), kwargs = _inputs(case, num_devices, dtype, seed, shard_len)
+    kwargs = {**kwargs, "implementation": implementation}
+    want = jax.jit(_loss_and_grads(kwargs))(q, k, v, sinks, ids)
+    mesh = jax.make_mesh((num_devices,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:num_devices])
+    seq = P(None, "seq")
+    in_specs = (seq, seq, seq, P(), {name: seq for name in ids})
+    out_specs = (seq, P(None, None, "seq"), seq, seq, seq, P())
+    sharded = jax.jit(jax.shard_map(
+        _loss_and_grads(kwargs, context_axis="seq", context_strategy=strategy,
+                        context_layout=layout),
+        mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+    if layout == "zigzag":
+        reorder = lambda x, axis=1: zigzag(x, num_devices, axis)
+        restore = lambda x, axis=1: unzigzag(x, num_devices, axis)
+    else:
+        reorder = restore = lambda x, axis=1: x
+    got = sharded(reorder(q), reorder(k), reorder(v), sinks,
+                  {name: reorder(x) for name, x in ids.items()})
+    got = (restore(got[0]), restore(got[1], 2), *map(restore, got[2:5]), got[5])
+    names = ("out", "lse", "dq", "dk", "dv", "dsinks")
+    return {name: relative_error(g, w) for name, g, w in zip(names, got, want, strict=True)
+            if w is not None}
+
+
+def runs(every_layout: bool) -> list[tuple[str, str, str]]:
+    """(case, strategy, layout) of every case and strategy, with every layout or
+    (``every_layout`` False) one per strategy, alternating so that both layouts meet
+    every case and strategy."""
+    return [(case, strategy, layout)
+            for case, strategy, layout in itertools.product(CASES, STRATEGIES, LAYOUTS)
+            if every_layout or (STRATEGIES.index(strategy) + list(CASES).index(case)) % 2
+            == LAYOUTS.index(layout)]
+
+
+def main(num_devices: int, seed: int, tolerance: float, every_layout: bool) -> int:
+    """`runs` in float64; prints the errors, 1 on a failure."""
+    jax.config.update("jax_enable_x64", True)
+    failures = 0
+    for case, strategy, layout in runs(every_layout):
+        errors = compare(case, num_devices, strategy, layout, dtype=jnp.float64, seed=seed)
+        worst = max(errors.values())
+        failures += not worst < tolerance
+        print(f"{'ok' if worst < tolerance else 'FAIL'} {num_devices} devices {case} "
+              f"{strategy} {layout}: " + " ".join(f"{k}={e:.1e}" for k, e in errors.items()))
+    return int(failures > 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main(int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]),
+                  sys.argv[4] == "every-layout"))
