@@ -36,6 +36,15 @@ def shard_positions(layout: str, shard: Any, num_shards: int, shard_len: int) ->
     return jnp.concatenate([shard * half + steps, (2 * num_shards - 1 - shard) * half + steps])
 
 
+def shard_ranges(layout: str, shard: int, num_shards: int,
+                 shard_len: int) -> list[tuple[int, int]]:
+    """The global positions of `shard_positions` as inclusive ``(first, last)`` runs."""
+    if layout == "contiguous":
+        return [(shard * shard_len, (shard + 1) * shard_len - 1)]
+    half = shard_len // 2
+    return [(c * half, (c + 1) * half - 1) for c in (shard, 2 * num_shards - 1 - shard)]
+
+
 def zigzag(x: Array, axis_size: int, seq_axis: int = 1) -> Array:
     """A global array reordered along ``seq_axis`` so that its ``axis_size`` equal
     contiguous shards are the zigzag shards: shard i is chunks i and ``2n - 1 - i``."""

@@ -2,10 +2,12 @@
 
 Forward: at step s device i attends its queries to the K/V block of device
 ``i - s (mod n)``, while `lax.ppermute` already sends that block on to device i + 1;
-partial results merge by their lse, and sinks join once at the end. Backward: each
+partial results merge by their lse, and sinks join once at the end. Steps that causal
+or window masks leave empty on every device are left out at trace time; steps empty on
+some devices only are skipped there by a `lax.cond`. Backward: each
 step recomputes its probabilities from the final lse (the backend's own backward),
 dQ accumulates locally and the dK/dV accumulators travel with their K/V block, one hop
-behind it, so that after n hops every device holds its own block's dK/dV.
+behind it; a last hop sends each home.
 
 With ``call.rotate`` False the keys are already all of them (the all-gather strategy):
 one step, no hops; JAX differentiates the gather (a reduce-scatter of dK/dV).
@@ -18,6 +20,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from omni_jax.context_parallel.steps import (
@@ -42,13 +45,18 @@ def context_attention(call: ContextCall, q: Array, k: Array, v: Array, q_ids: Ar
     return _context_attention(call, *compat.vary_alike((q, k, v, q_ids, kv_ids, sinks)))
 
 
-def _steps(call: ContextCall) -> int:
-    return call.num_shards if call.rotate else 1
+def _visible_steps(call: ContextCall) -> list[tuple[int, np.ndarray]]:
+    """``(step, visible per device)`` up to the last step that some device needs: the
+    blocks stop travelling there (a window reaches only the nearest blocks)."""
+    steps = [(step, call.visible_by_position(step))
+             for step in range(call.num_shards if call.rotate else 1)]
+    last = max((step for step, visible in steps if visible.any()), default=0)
+    return steps[:last + 1]
 
 
-def _to_next_device(call: ContextCall, tree: Any) -> Any:
+def _to_next_device(call: ContextCall, tree: Any, hops: int = 1) -> Any:
     n = call.num_shards
-    return lax.ppermute(tree, call.axis, [(i, (i + 1) % n) for i in range(n)])
+    return lax.ppermute(tree, call.axis, [(i, (i + hops) % n) for i in range(n)])
 
 
 def _source(call: ContextCall, step: int) -> Any:
@@ -67,17 +75,19 @@ def _forward(call, q, k, v, q_ids, kv_ids, sinks):
     q_positions = call.q_positions(lax.axis_index(call.axis))
     block = (k, v, kv_ids)
     out = lse = None
-    for step in range(_steps(call)):
-        if step + 1 < _steps(call):  # sent before this step computes: they overlap
+    steps = _visible_steps(call)
+    for step, visible in steps:
+        if step + 1 < len(steps):  # sent before this step computes: they overlap
             next_block = _to_next_device(call, block)
-        k_s, v_s, ids_s = block
-        mask = step_mask(call, q_positions, call.kv_positions(_source(call, step)), q_ids,
-                         ids_s)
-        part = step_forward(call, q, k_s, v_s, mask)
-        out, lse = part if out is None else merge(out, lse, *part)
-        if step + 1 < _steps(call):
+        if visible.any():
+            k_s, v_s, ids_s = block
+            mask = step_mask(call, q_positions, call.kv_positions(_source(call, step)),
+                             q_ids, ids_s)
+            part = step_forward(call, q, k_s, v_s, mask, guarded=not visible.all())
+            out, lse = part if out is None else merge(out, lse, *part)
+        if step + 1 < len(steps):
             block = next_block
-    out = out.astype(q.dtype)
+    out = out.astype(q.dtype)  # step 0 (the device's own block) is never left out
     if sinks is not None:
         out, lse = fold_sinks(out, lse, sinks)
     return (out, lse), (q, k, v, q_ids, kv_ids, sinks, out, lse)
@@ -91,19 +101,23 @@ def _backward(call, residuals, cotangents):
     dq = jnp.zeros(q.shape, accumulate)
     dkv = (jnp.zeros(k.shape, accumulate), jnp.zeros(v.shape, accumulate))
     block = (k, v, kv_ids)
-    for step in range(_steps(call)):
-        if step + 1 < _steps(call):
+    steps = _visible_steps(call)
+    for step, visible in steps:
+        if step + 1 < len(steps):
             next_block = _to_next_device(call, block)
-        k_s, v_s, ids_s = block
-        mask = step_mask(call, q_positions, call.kv_positions(_source(call, step)), q_ids,
-                         ids_s)
-        dq_s, dk_s, dv_s = step_backward(call, q, k_s, v_s, mask, out, lse, dout, dlse)
-        dq = dq + dq_s
-        dkv = (dkv[0] + dk_s, dkv[1] + dv_s)
-        if call.rotate:  # one hop behind the block: n hops bring it home
+        if visible.any():
+            k_s, v_s, ids_s = block
+            mask = step_mask(call, q_positions, call.kv_positions(_source(call, step)),
+                             q_ids, ids_s)
+            dq_s, dk_s, dv_s = step_backward(call, q, k_s, v_s, mask, out, lse, dout, dlse,
+                                             guarded=not visible.all())
+            dq = dq + dq_s
+            dkv = (dkv[0] + dk_s, dkv[1] + dv_s)
+        if step + 1 < len(steps):  # one hop behind its block
             dkv = _to_next_device(call, dkv)
-        if step + 1 < _steps(call):
             block = next_block
+    if call.rotate:  # home: the block here came from ``last step`` devices back
+        dkv = _to_next_device(call, dkv, hops=call.num_shards - steps[-1][0])
     dsinks = None if sinks is None else _sinks_cotangent(sinks, out, lse, dout, dlse)
     return (dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype),
             jax.tree.map(zero_cotangent, q_ids), jax.tree.map(zero_cotangent, kv_ids), dsinks)

@@ -9,13 +9,15 @@ Partial results of steps combine by their log-sum-exp (`merge`).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from omni_jax.backends import AttentionPlan
-from omni_jax.context_parallel.layout import shard_positions
+from omni_jax.context_parallel.layout import shard_positions, shard_ranges
 from omni_jax.masks import BlockGrid, BlockMask
 from omni_jax.masks.construct import structured_tile_flags
 from omni_jax.masks.mask_mods import (
@@ -63,6 +65,29 @@ class ContextCall:
                                 for j in range(self.num_shards)])
 
 
+    def visible_by_position(self, step: int) -> np.ndarray:
+        """Per device: whether causal/window leave its queries some key of ``step``'s
+        block (documents aside). Known at trace time, so that a step empty everywhere
+        is left out and a step visible everywhere needs no `lax.cond` (whose predicate
+        a GPU reads back to the host)."""
+        n, problem = self.num_shards, self.plan.problem
+        # Visible keys lie at kv - q in [low, high] of the query's position.
+        low = -math.inf if self.window is None else -self.window[0]
+        high = min(math.inf if self.window is None else self.window[1],
+                   0 if self.is_causal else math.inf)
+        visible = np.zeros(n, bool)
+        for device in range(n):
+            q_runs = shard_ranges(self.layout, device, n, problem.q_len)
+            if self.rotate:
+                kv_runs = shard_ranges(self.layout, (device - step) % n, n, problem.kv_len)
+            else:
+                kv_runs = [run for j in range(n) for run in shard_ranges(
+                    self.layout, j, n, problem.kv_len // n)]
+            visible[device] = any(k_first - q_last <= high and k_last - q_first >= low
+                                  for q_first, q_last in q_runs for k_first, k_last in kv_runs)
+        return visible
+
+
 def step_mask(call: ContextCall, q_positions: Array, kv_positions: Array,
               q_ids: Array | None, kv_ids: Array | None) -> BlockMask:
     """The BlockMask of one step: the call's mask arguments at these global positions."""
@@ -88,9 +113,10 @@ def any_visible(mask: BlockMask) -> Array:
     return jnp.any(mask.kv_num_blocks > 0)
 
 
-def step_forward(call: ContextCall, q: Array, k: Array, v: Array,
-                 mask: BlockMask) -> tuple[Array, Array]:
-    """(out, lse) of the step, out in the lse's dtype; zeros and -inf when it is empty."""
+def step_forward(call: ContextCall, q: Array, k: Array, v: Array, mask: BlockMask,
+                 guarded: bool) -> tuple[Array, Array]:
+    """(out, lse) of the step, out in the lse's dtype; zeros and -inf when it is empty
+    (``guarded``: a `lax.cond` skips the computation then)."""
     problem = call.plan.problem
     lse_dtype = jnp.promote_types(q.dtype, jnp.float32)
 
@@ -103,11 +129,14 @@ def step_forward(call: ContextCall, q: Array, k: Array, v: Array,
                    jnp.full((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf, lse_dtype))
         return _vary_like(nothing, (q, k, v, mask))
 
+    if not guarded:
+        return compute(q, k, v, mask)
     return jax.lax.cond(any_visible(mask), compute, skip, q, k, v, mask)
 
 
 def step_backward(call: ContextCall, q: Array, k: Array, v: Array, mask: BlockMask,
-                  out: Array, lse: Array, dout: Array, dlse: Array) -> tuple[Array, Array, Array]:
+                  out: Array, lse: Array, dout: Array, dlse: Array,
+                  guarded: bool) -> tuple[Array, Array, Array]:
     """(dq, dk, dv) of the step's keys, from the call's final ``out`` and ``lse``: the
     probabilities ``exp(score - lse)`` are then those of the softmax over all keys."""
     problem = call.plan.problem
@@ -121,6 +150,8 @@ def step_backward(call: ContextCall, q: Array, k: Array, v: Array, mask: BlockMa
         nothing = jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
         return _vary_like(nothing, (q, k, v, mask, out, lse, dout, dlse))
 
+    if not guarded:
+        return compute(q, k, v, mask)
     return jax.lax.cond(any_visible(mask), compute, skip, q, k, v, mask)
 
 
