@@ -2,8 +2,10 @@
 
 `compare` runs one case on ``num_devices`` devices of this process (the test process has
 two; `python -m tests.omni_jax.context_parallel.checks N` runs cases on N virtual CPU
-devices in a process of its own). Each case has fresh random inputs, and compares out,
-lse and the gradients of q, k, v and sinks (NaN or a wrong infinity never passes).
+devices in a process of its own), or on as many lanes of a `jax.vmap` with the same axis
+name, where the Pallas interpreters run the kernels on the CPU. Each case has fresh random
+inputs, and compares out, lse and the gradients of q, k, v and sinks (NaN or a wrong
+infinity never passes).
 """
 
 from __future__ import annotations
@@ -51,10 +53,11 @@ STRATEGIES = ("ring", "allgather")
 LAYOUTS = ("contiguous", "zigzag")
 
 
-def _inputs(case: str, num_devices: int, dtype: Any, seed: int, shard_len: int) -> tuple:
+def _inputs(case: str, num_devices: int, dtype: Any, seed: int, shard_len: int,
+            batch: int) -> tuple:
     kwargs, kv_heads, ids_builder, with_sinks = CASES[case]
     rng = np.random.default_rng(seed)
-    batch, length, dim = 2, num_devices * shard_len, 8
+    length, dim = num_devices * shard_len, 8
     q = jnp.asarray(rng.standard_normal((batch, length, HEADS, dim)), dtype)
     k, v = (jnp.asarray(rng.standard_normal((batch, length, kv_heads, dim)), dtype)
             for _ in range(2))
@@ -82,23 +85,58 @@ def _loss_and_grads(kwargs: dict, **context: Any):
     return run
 
 
-def compare(case: str, num_devices: int, strategy: str, layout: str, *,
-            dtype: Any = jnp.float32, implementation: str = "xla", seed: int = 0,
-            shard_len: int = SHARD_LEN) -> dict[str, float]:
-    """Relative errors of out, lse, dq, dk, dv (and dsinks) of the sharded call against
-    the single-device call."""
-    (q, k, v, sinks, ids), kwargs = _inputs(case, num_devices, dtype, seed, shard_len)
-    kwargs = {**kwargs, "implementation": implementation}
-    want = jax.jit(_loss_and_grads(kwargs))(q, k, v, sinks, ids)
+def _over_devices(fn, num_devices: int):
+    """``fn`` inside a `jax.shard_map` over ``num_devices`` devices: global arrays in and
+    out, sequence axes sharded (the sinks and their summed gradient replicated)."""
     mesh = jax.make_mesh((num_devices,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,),
                          devices=jax.devices()[:num_devices])
     seq = P(None, "seq")
-    in_specs = (seq, seq, seq, P(), {name: seq for name in ids})
-    out_specs = (seq, P(None, None, "seq"), seq, seq, seq, P())
-    sharded = jax.jit(jax.shard_map(
-        _loss_and_grads(kwargs, context_axis="seq", context_strategy=strategy,
-                        context_layout=layout),
-        mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+
+    def call(q, k, v, sinks, ids):
+        in_specs = (seq, seq, seq, P(), {name: seq for name in ids})
+        out_specs = (seq, P(None, None, "seq"), seq, seq, seq, P())
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(
+            q, k, v, sinks, ids)
+
+    return call
+
+
+def _over_a_vmap_axis(fn, num_devices: int):
+    """``fn`` on ``num_devices`` shards as lanes of a `jax.vmap` with axis name "seq"
+    (its collectives included) on one device: the Pallas interpreters run there, unlike
+    inside a shard_map."""
+
+    def split(x, axis=1):  # [.., n * L, ..] -> [n, .., L, ..]
+        shape = x.shape[:axis] + (num_devices, x.shape[axis] // num_devices) + x.shape[axis + 1:]
+        return jnp.moveaxis(x.reshape(shape), axis, 0)
+
+    def join(x, axis=1):
+        x = jnp.moveaxis(x, 0, axis)
+        return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
+
+    def call(q, k, v, sinks, ids):
+        out, lse, dq, dk, dv, dsinks = jax.vmap(fn, in_axes=(0, 0, 0, None, 0),
+                                                axis_name="seq")(
+            split(q), split(k), split(v), sinks, {name: split(x) for name, x in ids.items()})
+        return (join(out), join(lse, 2), join(dq), join(dk), join(dv),
+                None if dsinks is None else dsinks.sum(0))  # each lane's own part
+
+    return call
+
+
+def compare(case: str, num_devices: int, strategy: str, layout: str, *,
+            dtype: Any = jnp.float32, implementation: str = "xla", seed: int = 0,
+            shard_len: int = SHARD_LEN, batch: int = 2,
+            lanes: bool = False) -> dict[str, float]:
+    """Relative errors of out, lse, dq, dk, dv (and dsinks) of the sharded call against
+    the single-device call; ``lanes``: shards as lanes of a vmap, not devices."""
+    (q, k, v, sinks, ids), kwargs = _inputs(case, num_devices, dtype, seed, shard_len, batch)
+    kwargs = {**kwargs, "implementation": implementation}
+    want = jax.jit(_loss_and_grads(kwargs))(q, k, v, sinks, ids)
+    over = _over_a_vmap_axis if lanes else _over_devices
+    sharded = jax.jit(over(_loss_and_grads(kwargs, context_axis="seq",
+                                           context_strategy=strategy, context_layout=layout),
+                           num_devices))
     if layout == "zigzag":
         reorder = lambda x, axis=1: zigzag(x, num_devices, axis)
         restore = lambda x, axis=1: unzigzag(x, num_devices, axis)
