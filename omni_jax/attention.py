@@ -84,7 +84,9 @@ def attention(query: Array, key: Array, value: Array, *, mask: BlockMask | None 
       context_axis: inside `jax.shard_map`, the mesh axis along which the sequence is
         sharded (context parallelism, `omni_jax.context_parallel`): query, key, value
         and segment ids are this device's shard, the result is its shard of out and
-        lse, and masks keep their global positions. Not with ``mask`` or ``score_mod``.
+        lse, and masks keep their global positions. Under a plain `jax.jit`, arrays
+        whose type shards the sequence along that (Explicit) axis work alike, the
+        call running per shard. Not with ``mask`` or ``score_mod``.
       context_strategy: None (chosen from the head counts), "ring" or "allgather".
       context_layout: "contiguous" (device i holds the i-th slice) or "zigzag" (chunks
         i and 2n-1-i of 2n, see `omni_jax.context_parallel.zigzag`).
@@ -110,6 +112,18 @@ def attention(query: Array, key: Array, value: Array, *, mask: BlockMask | None 
     sinks = validation.check_sinks(sinks, num_q_heads)
     validation.check_implementation(implementation)
     if context_axis is not None:
+        if (not context_parallel.explicit.bound(context_axis)
+                and context_parallel.explicit.sequence_sharded(context_axis, query)):
+            per_shard = functools.partial(
+                attention, is_causal=is_causal, local_window_size=local_window_size,
+                softcap=softcap, scale=scale, return_lse=True, implementation=implementation,
+                context_axis=context_axis, context_strategy=context_strategy,
+                context_layout=context_layout, mask=mask, score_mod=score_mod)
+            q_ids, kv_ids = segments or (None, None)
+            out, lse = context_parallel.explicit.call_per_shard(per_shard, dict(
+                query=query, key=key, value=value, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
+                sinks=sinks))
+            return (out, lse) if return_lse else out
         _check_context_parallel(context_axis, context_strategy, context_layout, mask, score_mod)
     converted, captured = (None, []) if score_mod is None else convert_score_mod(score_mod)
     if not (batch and q_len and kv_len):

@@ -19,7 +19,7 @@ import dataclasses
 from typing import Any
 
 from omni_jax.backends import plan_attention
-from omni_jax.context_parallel import allgather, mesh_axis, ring
+from omni_jax.context_parallel import allgather, explicit, mesh_axis, ring
 from omni_jax.context_parallel.layout import LAYOUTS, check_layout, unzigzag, zigzag
 from omni_jax.context_parallel.steps import ContextCall
 from omni_jax.problem import AttentionProblem
@@ -27,8 +27,8 @@ from omni_jax.problem import AttentionProblem
 Array = Any
 STRATEGIES = ("ring", "allgather")
 
-__all__ = ["LAYOUTS", "STRATEGIES", "attention_over_axis", "choose_strategy", "unzigzag",
-           "zigzag"]
+__all__ = ["LAYOUTS", "STRATEGIES", "attention_over_axis", "check_arguments", "choose_strategy",
+           "explicit", "mesh_axis", "unzigzag", "zigzag"]
 
 
 def choose_strategy(num_q_heads: int, num_kv_heads: int) -> str:

@@ -8,6 +8,7 @@ marked ``gpu`` runs them on two GPUs.
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 import omni_jax
 from tests.jax_releases import skip_unless_triton_lowers_here
 from tests.omni_jax.context_parallel import checks
+from tests.reference import relative_error
 
 KERNELS = ("triton", "mosaic")
 CUSTOM_CALLS = {"triton": "xla.gpu.triton", "mosaic": "mosaic_gpu"}
@@ -129,3 +131,24 @@ def test_kernels_on_two_gpus(case, implementation, strategy, layout, seed):
                             implementation=implementation, seed=seed, shard_len=256)
     # The same kernels on the same data, merged in another order: bf16 roundings only.
     assert max(errors.values()) < 2e-2, errors
+
+
+def test_explicit_sequence_sharding_under_jit(seed):
+    """No shard_map: arrays typed as sharded along an Explicit "seq" axis (and the batch
+    along none), differentiated under a plain jit; results keep the sequence sharding."""
+    _needs(2)
+    (q, k, v, sinks, ids), kwargs = checks._inputs("causal_documents", 2, jnp.float32, seed,
+                                                   checks.SHARD_LEN, 2)
+    loss = lambda q, k, v, sinks, ids, **context: (omni_jax.attention(
+        q, k, v, sinks=sinks, implementation="xla", **ids, **kwargs, **context) ** 2).sum()
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3))
+    want = jax.jit(grad)(q, k, v, sinks, ids)
+    mesh = jax.make_mesh((2,), ("seq",), axis_types=(jax.sharding.AxisType.Explicit,),
+                         devices=jax.devices()[:2])
+    with jax.set_mesh(mesh):
+        sequence = jax.sharding.NamedSharding(mesh, P(None, "seq"))
+        q, k, v, ids = jax.device_put((q, k, v, ids), sequence)
+        got = jax.jit(functools.partial(grad, context_axis="seq"))(q, k, v, sinks, ids)
+    assert jax.typeof(got[0]).sharding.spec[1] == "seq"
+    for g, w in zip(got, want, strict=True):
+        assert relative_error(g, w) < 1e-5
