@@ -27,18 +27,18 @@ SHARD_LEN = 8  # query/key positions per device
 HEADS = 4
 
 
-def _documents(rng, batch: int, length: int, num_devices: int) -> dict:
+def _documents(rng, batch: int, length: int, num_devices: int, shard_len: int) -> dict:
     """Sorted segment ids with documents spanning shard boundaries."""
     ids = np.sort(rng.integers(0, num_devices + 1, (batch, length)), axis=1)
     return {"q_segment_ids": ids}
 
 
-def _blind_rows(rng, batch: int, length: int, num_devices: int) -> dict:
+def _blind_rows(rng, batch: int, length: int, num_devices: int, shard_len: int) -> dict:
     """Key ids a query shard never matches: the second device's queries (and scattered
     rows elsewhere) see no key at all (zeros, lse -inf, zero gradients)."""
     kv_ids = rng.integers(0, 3, (batch, length))
     q_ids = rng.integers(0, 4, (batch, length))  # id 3: no key
-    q_ids[:, SHARD_LEN:2 * SHARD_LEN] = 3
+    q_ids[:, shard_len:2 * shard_len] = 3
     return {"q_segment_ids": q_ids, "kv_segment_ids": kv_ids}
 
 
@@ -54,17 +54,17 @@ LAYOUTS = ("contiguous", "zigzag")
 
 
 def _inputs(case: str, num_devices: int, dtype: Any, seed: int, shard_len: int,
-            batch: int) -> tuple:
+            batch: int, dim: int = 8) -> tuple:
     kwargs, kv_heads, ids_builder, with_sinks = CASES[case]
     rng = np.random.default_rng(seed)
-    length, dim = num_devices * shard_len, 8
+    length = num_devices * shard_len
     q = jnp.asarray(rng.standard_normal((batch, length, HEADS, dim)), dtype)
     k, v = (jnp.asarray(rng.standard_normal((batch, length, kv_heads, dim)), dtype)
             for _ in range(2))
     sinks = jnp.asarray(rng.standard_normal(HEADS), dtype) if with_sinks else None
     ids = {} if ids_builder is None else {
         name: jnp.asarray(value, jnp.int32)
-        for name, value in ids_builder(rng, batch, length, num_devices).items()}
+        for name, value in ids_builder(rng, batch, length, num_devices, shard_len).items()}
     return (q, k, v, sinks, ids), kwargs
 
 
@@ -126,11 +126,12 @@ def _over_a_vmap_axis(fn, num_devices: int):
 
 def compare(case: str, num_devices: int, strategy: str, layout: str, *,
             dtype: Any = jnp.float32, implementation: str = "xla", seed: int = 0,
-            shard_len: int = SHARD_LEN, batch: int = 2,
+            shard_len: int = SHARD_LEN, batch: int = 2, head_dim: int = 8,
             lanes: bool = False) -> dict[str, float]:
     """Relative errors of out, lse, dq, dk, dv (and dsinks) of the sharded call against
     the single-device call; ``lanes``: shards as lanes of a vmap, not devices."""
-    (q, k, v, sinks, ids), kwargs = _inputs(case, num_devices, dtype, seed, shard_len, batch)
+    (q, k, v, sinks, ids), kwargs = _inputs(case, num_devices, dtype, seed, shard_len, batch,
+                                               head_dim)
     kwargs = {**kwargs, "implementation": implementation}
     want = jax.jit(_loss_and_grads(kwargs))(q, k, v, sinks, ids)
     over = _over_a_vmap_axis if lanes else _over_devices
