@@ -64,7 +64,6 @@ class ContextCall:
         return jnp.concatenate([shard_positions(self.layout, j, self.num_shards, shard_len)
                                 for j in range(self.num_shards)])
 
-
     def visible_by_position(self, step: int) -> np.ndarray:
         """Per device: whether causal/window leave its queries some key of ``step``'s
         block (documents aside). Known at trace time, so that a step empty everywhere
