@@ -4,7 +4,8 @@
     python -m benchmarks matmul [args]
     python -m benchmarks mla [args]
     python -m benchmarks decode [args]
-    python -m benchmarks paged [args]
+    python -m benchmarks paged [args]        # paged KV-cache attention
+    python -m benchmarks context [args]      # context parallelism over the devices
     python -m benchmarks all [--attention-args "..."]   # every available benchmark
     python -m benchmarks gpu-suite [out_dir]   # GPU tests + all benchmarks (scripts/gpu_suite.sh)
 
@@ -30,7 +31,7 @@ from types import ModuleType
 
 from benchmarks import report
 
-BENCHMARKS = ("attention", "matmul", "mla", "decode", "paged")
+BENCHMARKS = ("attention", "matmul", "mla", "decode", "paged", "context")
 SUITE_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_suite.sh"
 
 

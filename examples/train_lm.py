@@ -8,6 +8,11 @@ file boundary (a document mask) and RoPE positions restart in every file.
 
     python examples/train_lm.py                     # ~1 minute on 2 CPU cores
     python examples/train_lm.py --preset gpu        # a bigger model; fast kernels on a GPU
+    python examples/train_lm.py --context-parallel 2  # each row's sequence over 2 devices
+
+``--context-parallel N`` shards every row's sequence over N devices (context
+parallelism, `omni_jax.context_parallel`, zigzag layout) with RoPE at global positions;
+on a CPU, make N host devices with XLA_FLAGS=--xla_force_host_platform_device_count=N.
 
 Writes to ``--out-dir``: ``checkpoint.npz`` (parameters, optimizer state and
 step; ``--resume`` continues from it), ``loss.png`` (train/eval loss curves)
@@ -33,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 try:
@@ -40,6 +46,8 @@ try:
 except ModuleNotFoundError:  # Run from a source checkout without `pip install -e .`.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from omni_jax.flax import Attention
+from omni_jax.context_parallel import zigzag
+from omni_jax.flax.rope import segment_positions
 
 Array = Any
 VOCAB = 256  # bytes
@@ -110,18 +118,22 @@ class Block(nnx.Module):
     def __init__(self, cfg: argparse.Namespace, rngs: nnx.Rngs):
         d = cfg.d_model
         self.attention_norm = nnx.RMSNorm(d, rngs=rngs)
+        context = {} if cfg.context_parallel == 1 else dict(context_axis=SEQ_AXIS,
+                                                             context_layout="zigzag")
         self.attention = Attention(cfg.heads, d, num_kv_heads=cfg.kv_heads, qk_norm=True,
                                    implementation=cfg.implementation, dtype=cfg.dtype,
-                                   rngs=rngs)
+                                   rngs=rngs, **context)
         self.mlp_norm = nnx.RMSNorm(d, rngs=rngs)
         self.up = nnx.Linear(d, 4 * d, dtype=cfg.dtype, rngs=rngs)
         self.down = nnx.Linear(4 * d, d, dtype=cfg.dtype, rngs=rngs)
 
-    def __call__(self, x: Array, segment_ids: Array | None, decode: bool) -> Array:
+    def __call__(self, x: Array, segment_ids: Array | None, decode: bool,
+                 positions: Array | None) -> Array:
         h = self.attention_norm(x)
         if decode:
             return self._mlp(x + self.attention(h, decode=True))
-        return self._mlp(x + self.attention(h, is_causal=True, segment_ids=segment_ids))
+        return self._mlp(x + self.attention(h, is_causal=True, segment_ids=segment_ids,
+                                            positions=positions))
 
     def decode_paged(self, x: Array, k_pages: Array, v_pages: Array, page_table: Array,
                      kv_lens: Array) -> tuple[Array, Array, Array]:
@@ -143,10 +155,10 @@ class LanguageModel(nnx.Module):
         self.norm = nnx.RMSNorm(cfg.d_model, rngs=rngs)
 
     def __call__(self, tokens: Array, segment_ids: Array | None = None,
-                 decode: bool = False) -> Array:
+                 decode: bool = False, positions: Array | None = None) -> Array:
         x = self.embed(tokens)
         for block in self.blocks:
-            x = block(x, segment_ids, decode)
+            x = block(x, segment_ids, decode, positions)
         return self._logits(x)
 
     def decode_paged(self, tokens: Array, pages: list[tuple[Array, Array]], page_table: Array,
@@ -168,35 +180,64 @@ class LanguageModel(nnx.Module):
             block.attention.init_cache(batch, max_len)
 
 
-def loss_fn(model: LanguageModel, tokens: Array, segments: Array) -> Array:
-    """Mean next-byte cross-entropy, not counting predictions across a file boundary."""
+SEQ_AXIS = "seq"  # the mesh axis of --context-parallel
+
+
+def loss_fn(model: LanguageModel, tokens: Array, segments: Array,
+            context_parallel: int = 1) -> Array:
+    """Mean next-byte cross-entropy, not counting predictions across a file boundary.
+
+    With ``context_parallel`` N > 1 each row's sequence is split over N devices (zigzag
+    order, which balances the causal work); RoPE positions (within each file) are
+    computed on the whole row first, so they stay global.
+    """
     inputs, targets = tokens[:, :-1].astype(jnp.int32), tokens[:, 1:].astype(jnp.int32)
-    logits = model(inputs, segments[:, :-1])
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     same_file = (segments[:, 1:] == segments[:, :-1]).astype(jnp.float32)
-    return (losses * same_file).sum() / jnp.maximum(same_file.sum(), 1.0)
+    if context_parallel == 1:
+        logits = model(inputs, segments[:, :-1])
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+        return (losses * same_file).sum() / jnp.maximum(same_file.sum(), 1.0)
+    graphdef, state = nnx.split(model)
+
+    def shard_loss(state, inputs, segments, positions, targets, weights):
+        logits = nnx.merge(graphdef, state)(inputs, segments, positions=positions)
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+        return (jax.lax.psum((losses * weights).sum(), SEQ_AXIS),
+                jax.lax.psum(weights.sum(), SEQ_AXIS))
+
+    mesh = jax.make_mesh((context_parallel,), (SEQ_AXIS,),
+                         axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:context_parallel])
+    rows = [inputs, segments[:, :-1], segment_positions(segments[:, :-1]), targets, same_file]
+    seq = P(None, SEQ_AXIS)
+    total, count = jax.shard_map(shard_loss, mesh=mesh, in_specs=(P(), *[seq] * len(rows)),
+                                 out_specs=(P(), P()))(
+        state, *(zigzag(row, context_parallel) for row in rows))
+    return total / jnp.maximum(count, 1.0)
 
 
-@nnx.jit
+@functools.partial(nnx.jit, static_argnames="context_parallel")
 def train_step(model: LanguageModel, optimizer: nnx.Optimizer, tokens: Array,
-               segments: Array) -> Array:
-    loss, grads = nnx.value_and_grad(loss_fn)(model, tokens, segments)
+               segments: Array, context_parallel: int = 1) -> Array:
+    loss, grads = nnx.value_and_grad(loss_fn)(model, tokens, segments, context_parallel)
     optimizer.update(model, grads)
     return loss
 
 
-@nnx.jit
-def eval_step(model: LanguageModel, tokens: Array, segments: Array) -> Array:
-    return loss_fn(model, tokens, segments)
+@functools.partial(nnx.jit, static_argnames="context_parallel")
+def eval_step(model: LanguageModel, tokens: Array, segments: Array,
+              context_parallel: int = 1) -> Array:
+    return loss_fn(model, tokens, segments, context_parallel)
 
 
-def evaluate(model: LanguageModel, data: PackedData, batch: int, max_batches: int) -> float:
+def evaluate(model: LanguageModel, data: PackedData, batch: int, max_batches: int,
+             context_parallel: int = 1) -> float:
     """Mean loss over eval rows spread evenly through the eval files (same rows every time);
     batches of all the rows when there are fewer than ``batch``."""
     batch = min(batch, data.tokens.shape[0])
     count = min(max_batches, data.tokens.shape[0] // batch)
     rows = np.linspace(0, data.tokens.shape[0] - 1, count * batch).astype(int)
-    losses = [eval_step(model, data.tokens[part], data.segments[part])
+    losses = [eval_step(model, data.tokens[part], data.segments[part], context_parallel)
               for part in np.split(rows, count)]
     return float(np.mean(jax.device_get(losses)))
 
@@ -369,6 +410,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="sampling temperature (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--context-parallel", type=positive_int, default=1, metavar="N",
+                        help="split each row's sequence over N devices (default: %(default)s)")
     args = parser.parse_args(argv)
     for name, value in PRESETS[args.preset].items():
         if getattr(args, name) is None:
@@ -386,6 +429,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.heads % args.kv_heads:
         parser.error(f"argument --kv-heads: must divide --heads {args.heads}, got "
                      f"{args.kv_heads}")
+    if args.seq_len % (2 * args.context_parallel):
+        parser.error(f"argument --context-parallel: the zigzag layout needs --seq-len to be a "
+                     f"multiple of 2 * {args.context_parallel}, got {args.seq_len}")
+    if args.context_parallel > len(jax.devices()):
+        parser.error(f"argument --context-parallel: {args.context_parallel} devices asked, "
+                     f"{len(jax.devices())} present (on a CPU: XLA_FLAGS="
+                     f"--xla_force_host_platform_device_count={args.context_parallel})")
     # The eval split packs a tenth of --max-bytes into rows of seq_len + 1 bytes.
     if args.max_bytes // 10 < args.seq_len + 1:
         parser.error(f"argument --max-bytes: {args.max_bytes} leaves the eval split (a tenth) "
@@ -428,18 +478,19 @@ def main(argv: list[str] | None = None) -> dict:
     rng = np.random.default_rng(args.seed + first_step)
     data = batches(train_data, args.batch, rng)
     if first_step == 0:
-        eval_curve.append((0, evaluate(model, eval_data, args.batch, args.eval_batches)))
+        eval_curve.append((0, evaluate(model, eval_data, args.batch, args.eval_batches,
+                                       args.context_parallel)))
         print(f"step 0: eval loss {eval_curve[-1][1]:.3f}")
     progress = tqdm(range(first_step, args.steps), initial=first_step, total=args.steps,
                     disable=args.no_progress, file=sys.stdout, dynamic_ncols=True)
     for step in progress:
-        loss = float(train_step(model, optimizer, *next(data)))
+        loss = float(train_step(model, optimizer, *next(data), args.context_parallel))
         if not math.isfinite(loss):
             raise SystemExit(f"loss became {loss} at step {step}")
         train_curve.append((step + 1, loss))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             eval_curve.append((step + 1, evaluate(model, eval_data, args.batch,
-                                                  args.eval_batches)))
+                                                  args.eval_batches, args.context_parallel)))
             save_checkpoint(checkpoint, model, optimizer, step + 1, curves)
             progress.write(f"step {step + 1}: train loss {loss:.3f}, "
                            f"eval loss {eval_curve[-1][1]:.3f}")
@@ -448,6 +499,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     if train_curve:
         plot_losses(args.out_dir / "loss.png", train_curve, eval_curve)
+    if args.context_parallel > 1:  # decode on one device: the same weights, no context axis
+        single = LanguageModel(argparse.Namespace(**{**vars(args), "context_parallel": 1}),
+                               nnx.Rngs(args.seed))
+        nnx.update(single, nnx.state(model, nnx.Param))
+        model = single
     sample = generate(model, args.prompt.encode(), args.sample_tokens, args.temperature,
                       args.seed)
     print("sample:\n" + (args.prompt.encode() + sample).decode("utf-8", errors="replace"))

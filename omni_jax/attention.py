@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from omni_jax import explicit_sharding, query_groups, validation
+from omni_jax import context_parallel, explicit_sharding, query_groups, validation
 from omni_jax.backends import AttentionPlan, get_backend, plan_attention
 from omni_jax.masks import BlockGrid, BlockMask
 from omni_jax.masks.construct import structured_tile_flags
@@ -51,7 +51,9 @@ def attention(query: Array, key: Array, value: Array, *, mask: BlockMask | None 
               q_segment_ids: Array | None = None, kv_segment_ids: Array | None = None,
               score_mod: Callable | None = None, softcap: float | None = None,
               sinks: Array | None = None, scale: float | None = None, return_lse: bool = False,
-              implementation: str | None = None) -> Array | tuple[Array, Array]:
+              implementation: str | None = None, context_axis: str | None = None,
+              context_strategy: str | None = None,
+              context_layout: str = "contiguous") -> Array | tuple[Array, Array]:
     """Exact, differentiable, block-sparse attention.
 
     Args:
@@ -79,6 +81,15 @@ def attention(query: Array, key: Array, value: Array, *, mask: BlockMask | None 
       return_lse: also return the log-sum-exp ``[batch, num_q_heads, q_len]``
         (float32; float64 for float64 inputs), natural log, sinks included.
       implementation: None (best available), "xla", "triton" or "mosaic".
+      context_axis: inside `jax.shard_map`, the mesh axis along which the sequence is
+        sharded (context parallelism, `omni_jax.context_parallel`): query, key, value
+        and segment ids are this device's shard, the result is its shard of out and
+        lse, and masks keep their global positions. Under a plain `jax.jit`, arrays
+        whose type shards the sequence along that (Explicit) axis work alike, the
+        call running per shard. Not with ``mask`` or ``score_mod``.
+      context_strategy: None (chosen from the head counts), "ring" or "allgather".
+      context_layout: "contiguous" (device i holds the i-th slice) or "zigzag" (chunks
+        i and 2n-1-i of 2n, see `omni_jax.context_parallel.zigzag`).
 
     Returns:
       ``out [batch, q_len, num_q_heads, head_dim_v]`` in query's dtype, or
@@ -100,6 +111,20 @@ def attention(query: Array, key: Array, value: Array, *, mask: BlockMask | None 
     scale = validation.check_scalar("scale", scale, positive=False)
     sinks = validation.check_sinks(sinks, num_q_heads)
     validation.check_implementation(implementation)
+    if context_axis is not None:
+        if (not context_parallel.explicit.bound(context_axis)
+                and context_parallel.explicit.sequence_sharded(context_axis, query)):
+            per_shard = functools.partial(
+                attention, is_causal=is_causal, local_window_size=local_window_size,
+                softcap=softcap, scale=scale, return_lse=True, implementation=implementation,
+                context_axis=context_axis, context_strategy=context_strategy,
+                context_layout=context_layout, mask=mask, score_mod=score_mod)
+            q_ids, kv_ids = segments or (None, None)
+            out, lse = context_parallel.explicit.call_per_shard(per_shard, dict(
+                query=query, key=key, value=value, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
+                sinks=sinks))
+            return (out, lse) if return_lse else out
+        _check_context_parallel(context_axis, context_strategy, context_layout, mask, score_mod)
     converted, captured = (None, []) if score_mod is None else convert_score_mod(score_mod)
     if not (batch and q_len and kv_len):
         out, lse = _nothing_to_attend(query, value, sinks)
@@ -112,6 +137,12 @@ def attention(query: Array, key: Array, value: Array, *, mask: BlockMask | None 
         scale=1.0 / math.sqrt(head_dim) if scale is None else scale, softcap=softcap,
         score_mod=converted, has_sinks=sinks is not None, has_user_mask=mask is not None,
         block_size=None if mask is None else mask.block_size)
+    if context_axis is not None:
+        out, lse = context_parallel.attention_over_axis(
+            problem, implementation, query, key, value, is_causal=is_causal, window=window,
+            segments=segments, sinks=sinks, axis=context_axis, strategy=context_strategy,
+            layout=context_layout)
+        return (out, lse) if return_lse else out
     group = query_groups.packing_group(problem, mask)
     # A concrete BlockMask of a block size the backend declines is re-tiled to its own.
     retile = None if mask is None else (lambda size: regroupable(mask, size) is None)
@@ -135,6 +166,19 @@ def attention(query: Array, key: Array, value: Array, *, mask: BlockMask | None 
                 tuple(captured))
     out, lse = explicit_sharding.call(call, operands, lambda: _out_specs(query))
     return (out, lse) if return_lse else out
+
+
+def _check_context_parallel(axis: str, strategy: str | None, layout: str,
+                            mask: BlockMask | None, score_mod: Callable | None) -> None:
+    """Trace-time errors for a context-parallel call: unknown axis, strategy or layout,
+    and the arguments it does not take (their indices would be local to the shard)."""
+    context_parallel.check_arguments(strategy, layout)
+    context_parallel.mesh_axis.axis_size(axis)
+    for name, value in (("mask", mask), ("score_mod", score_mod)):
+        if value is not None:
+            raise NotImplementedError(
+                f"attention(context_axis={axis!r}) does not take {name}= yet: express the "
+                f"mask with is_causal, local_window_size and segment ids")
 
 
 def _nothing_to_attend(query: Array, value: Array, sinks: Array | None) -> tuple[Array, Array]:

@@ -56,6 +56,9 @@ class Attention(nn.Module):
     kernel_init: Initializer = DEFAULT_KERNEL_INIT
     bias_init: Initializer = DEFAULT_BIAS_INIT
     axis_names: AxisNames | None = None
+    context_axis: str | None = None
+    context_strategy: str | None = None
+    context_layout: str = "contiguous"
 
     @nn.compact
     def __call__(self, x: Array, *, positions: Array | None = None,
@@ -84,7 +87,9 @@ class Attention(nn.Module):
             qk_norm=self.qk_norm, rope_base=self.rope_base, softcap=self.softcap,
             learnable_sinks=self.learnable_sinks, implementation=self.implementation,
             dtype=self.dtype, param_dtype=self.param_dtype, kernel_init=self.kernel_init,
-            bias_init=self.bias_init, axis_names=self.axis_names, cache_shape=cache_shape,
+            bias_init=self.bias_init, axis_names=self.axis_names,
+            context_axis=self.context_axis, context_strategy=self.context_strategy,
+            context_layout=self.context_layout, cache_shape=cache_shape,
             name="attention")
         return layer(x, positions=positions, mask=mask, is_causal=is_causal,
                      local_window_size=local_window_size, segment_ids=segment_ids,

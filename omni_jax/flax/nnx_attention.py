@@ -20,7 +20,8 @@ import numpy as np
 from flax import nnx
 
 import omni_jax
-from omni_jax import explicit_sharding
+from omni_jax import context_parallel, explicit_sharding
+from omni_jax.context_parallel.layout import shard_positions
 from omni_jax.flax.cache import decode_mask, write_cache
 from omni_jax.flax.rope import apply_rope, segment_positions
 from omni_jax.masks import BlockMask
@@ -72,6 +73,9 @@ class Attention(nnx.Module):
       kernel_init, bias_init: initialisers of the projections.
       axis_names: shard the projection kernels over these mesh axes (None: no
         sharding metadata); see `AxisNames` for the mesh this needs.
+      context_axis, context_strategy, context_layout: context parallelism, as
+        `omni_jax.attention` (inside `jax.shard_map`, ``x`` is this device's shard of
+        the sequence); default RoPE positions are then global.
       rngs: flax.nnx random streams (``params``).
     """
 
@@ -83,7 +87,9 @@ class Attention(nnx.Module):
                  dtype: Any = None, param_dtype: Any = jnp.float32,
                  kernel_init: Initializer = DEFAULT_KERNEL_INIT,
                  bias_init: Initializer = DEFAULT_BIAS_INIT,
-                 axis_names: AxisNames | None = None, rngs: nnx.Rngs) -> None:
+                 axis_names: AxisNames | None = None, context_axis: str | None = None,
+                 context_strategy: str | None = None, context_layout: str = "contiguous",
+                 rngs: nnx.Rngs) -> None:
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
@@ -102,6 +108,9 @@ class Attention(nnx.Module):
         self.softcap = softcap
         self.implementation = implementation
         self.dtype = dtype
+        self.context = {} if context_axis is None else dict(
+            context_axis=context_axis, context_strategy=context_strategy,
+            context_layout=context_layout)
 
         def sharded(init: Initializer, names: tuple[str | None, ...]) -> Initializer:
             return init if axis_names is None else nnx.with_partitioning(init, names)
@@ -180,17 +189,19 @@ class Attention(nnx.Module):
         query, key, value = self._project_qkv(x)
         common = self._attention_options()
         window = check_window(local_window_size)
+        if decode and self.context:
+            raise ValueError("decode=True does not take context parallelism (context_axis="
+                             f"{self.context['context_axis']!r}): decode with a layer without it")
         if decode:
             out = self._decode(query, key, value, positions, segment_ids, mask, score_mod,
                                window, common)
             return _project(self.out, out, 2)
         if positions is None:
-            positions = (jnp.arange(x.shape[1], dtype=jnp.int32)[None] if segment_ids is None
-                         else segment_positions(segment_ids))
+            positions = self._default_positions(x.shape[1], segment_ids)
         query, key = self._rotate(query, key, positions)
         out = omni_jax.attention(query, key, value, mask=mask, is_causal=is_causal,
-                                 local_window_size=window,
-                                 q_segment_ids=segment_ids, score_mod=score_mod, **common)
+                                 local_window_size=window, q_segment_ids=segment_ids,
+                                 score_mod=score_mod, **common, **self.context)
         return _project(self.out, out, 2)
 
     def decode_paged(self, x: Array, k_pages: Array, v_pages: Array, page_table: Array,
@@ -232,6 +243,21 @@ class Attention(nnx.Module):
     def _attention_options(self) -> dict:
         sinks = None if self.sinks is None else self.sinks[...]
         return dict(softcap=self.softcap, sinks=sinks, implementation=self.implementation)
+
+    def _default_positions(self, length: int, segment_ids: Array | None) -> Array:
+        """RoPE positions ``[1|batch, length]`` of this call's tokens in their sequence
+        (the global one under context parallelism) or their document."""
+        if not self.context:
+            return (jnp.arange(length, dtype=jnp.int32)[None] if segment_ids is None
+                    else segment_positions(segment_ids))
+        axis = self.context["context_axis"]
+        if segment_ids is not None:
+            raise ValueError(f"with context_axis={axis!r} and segment_ids, pass positions: "
+                             f"positions within each document need the whole sequence "
+                             f"(compute them before sharding)")
+        num_shards = context_parallel.mesh_axis.axis_size(axis)  # names an unknown axis
+        return shard_positions(self.context["context_layout"], jax.lax.axis_index(axis),
+                               num_shards, length)[None]
 
     def _rotate(self, query: Array, key: Array, positions: Array) -> tuple[Array, Array]:
         if self.rope_base is None:

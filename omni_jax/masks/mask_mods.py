@@ -219,8 +219,9 @@ class SlidingWindow(MaskMod):
     def classify(self, grid):
         q_start, q_end = grid.q_bounds()
         kv_start, kv_end = grid.kv_bounds()
-        full = np.ones((1, 1, grid.num_q_blocks, grid.num_kv_blocks), bool)
-        empty = np.zeros_like(full)
+        # jnp, not numpy: bounds are traced for masks at traced positions (`AtPositions`).
+        full = jnp.ones((1, 1, grid.num_q_blocks, grid.num_kv_blocks), bool)
+        empty = jnp.zeros_like(full)
         if self.left is not None:
             full &= kv_start >= q_end - self.left
             empty |= kv_end < q_start - self.left
@@ -441,6 +442,63 @@ class RepeatedQueries(MaskMod):
 
     def __repr__(self):
         return f"RepeatedQueries({self.inner!r}, group={self.group})"
+
+
+@dataclasses.dataclass(frozen=True)
+class _PositionGrid(BlockGrid):
+    """A `BlockGrid` whose block bounds are the smallest and largest of given positions
+    in each block: index-based masks classify their tiles by these positions."""
+
+    q_positions: Any = None
+    kv_positions: Any = None
+
+    def q_bounds(self):
+        low, high = _block_min_max(self.q_positions, self.q_len, self.block_q)
+        return low[:, None, :, None], high[:, None, :, None]
+
+    def kv_bounds(self):
+        low, high = _block_min_max(self.kv_positions, self.kv_len, self.block_kv)
+        return low[:, None, None, :], high[:, None, None, :]
+
+
+@jax.tree_util.register_pytree_node_class
+class AtPositions(MaskMod):
+    """``inner`` evaluated at the given positions: query row i is at position
+    ``q_positions[b, i]``, key j at ``kv_positions[b, j]`` (int ``[batch or 1, len]``).
+
+    A shard of a longer sequence (context parallelism) keeps the global meaning of
+    causal, window and chunk masks this way; leaf-based masks (documents) read their own
+    per-row arrays as before. Tiles are classified from each block's smallest and
+    largest position, which is exact for masks whose visible keys form an interval.
+    """
+
+    def __init__(self, inner: MaskMod, q_positions: Array, kv_positions: Array):
+        self.inner = inner
+        self.q_positions = q_positions
+        self.kv_positions = kv_positions
+
+    def tree_flatten(self):
+        return (self.q_positions, self.kv_positions, self.inner), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        q_positions, kv_positions, inner = children
+        return cls(inner, q_positions, kv_positions)
+
+    def predicate(self, q_idx, kv_idx):
+        # The position leaves are gathered at (q_idx, kv_idx) already: they are the indices.
+        return self.inner.predicate(self.q_positions, self.kv_positions)
+
+    def classify(self, grid):
+        return self.inner.classify(_PositionGrid(
+            grid.q_len, grid.kv_len, grid.block_q, grid.block_kv,
+            jnp.asarray(self.q_positions), jnp.asarray(self.kv_positions)))
+
+    def leaf_kinds(self):
+        return ("q", "kv", *self.inner.leaf_kinds())
+
+    def __repr__(self):
+        return f"AtPositions({self.inner!r})"
 
 
 # Ready-made mask_mods. Each is a MaskMod, so create_block_mask classifies it
