@@ -28,6 +28,7 @@ import numpy as np
 
 import omni_jax
 from benchmarks.timing import add_impls_argument, add_sustain_argument, bench_interleaved, tflops
+from pallas_kernels import runtime
 
 SHAPES = tuple(
     f"{batch},1,{kv_len},32,8,128,{page},{lengths}"
@@ -92,6 +93,14 @@ def _contiguous(k_pages, page_table):
     return k_pages[page_table].reshape(batch, -1, *k_pages.shape[2:])
 
 
+def _fa3_splits(batch: int, kv_heads: int, cache_len: int) -> int:
+    """kv splits for FA3's kernel, which flash_attn3_jax makes the caller choose (at least 1):
+    enough (batch, kv head) programs to fill the SMs in one wave, each share at least 512
+    tokens long, at most 16 (the values its docstring suggests)."""
+    fill = -(-runtime.num_sms() // (batch * kv_heads))
+    return max(1, min(16, fill, cache_len // 512))
+
+
 def _function(impl: str, args: tuple):
     """(the timed function, the arguments it takes), or a string saying why there is none."""
     q, k_pages, v_pages, page_table, kv_lens = args
@@ -112,9 +121,10 @@ def _function(impl: str, args: tuple):
             from flash_attn3_jax import flash_mha_with_kvcache
         except ImportError:
             return "flash_attn3_jax is not installed"
+        splits = _fa3_splits(q.shape[0], k_pages.shape[2], page_table.shape[1] * k_pages.shape[1])
         return jax.jit(lambda q, k, v, table, lens: flash_mha_with_kvcache(
             q, k, v, cache_seqlens=lens, page_table=table, is_causal=True,
-            num_splits=0)), args
+            num_splits=splits)), args
     assert impl == "jax_pallas"
     if q_len != 1:
         return "decoding steps only (q_len 1)"

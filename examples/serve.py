@@ -46,7 +46,8 @@ def load_model(path: Path, dtype: Any, implementation: str | None) -> train_lm.L
             kv_heads=saved["model/blocks/0/attention/key/kernel"].shape[1],
             layers=len({name.split("/")[2] for name in saved.files
                         if name.startswith("model/blocks/")}),
-            implementation=implementation, dtype=jnp.dtype(dtype))
+            implementation=implementation, dtype=jnp.dtype(dtype),
+            context_parallel=1)  # serving keeps each sequence on one device
         model = train_lm.LanguageModel(config, nnx.Rngs(0))
         train_lm.load_state(saved, "model", model, nnx.Param, path)
     return model

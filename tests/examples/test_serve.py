@@ -52,7 +52,7 @@ def test_greedy_serving_matches_decoding_each_request_alone(implementation, tmp_
     serve = load_serve()
     train_lm = serve.train_lm
     config = SimpleNamespace(d_model=64, layers=2, heads=4, kv_heads=2, implementation="xla",
-                             dtype=jnp.float32)
+                             dtype=jnp.float32, context_parallel=1)
     model = train_lm.LanguageModel(config, nnx.Rngs(seed))
     optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
     checkpoint = tmp_path / "checkpoint.npz"
