@@ -16,7 +16,8 @@ Array = Any
 
 
 def softmax_delta(out: Array, dout: Array, dlse: Array) -> Array:
-    """``rowsum(dO * O) - dlse`` as float32 ``[B, Hq, Sq]``: the softmax VJP's row term.
+    """``rowsum(dO * O) - dlse`` as ``[B, Hq, Sq]`` in float32 (float64 for a float64
+    ``dlse``): the softmax VJP's row term.
 
     The rows are summed in the arrays' own ``[B, Sq, Hq, D]`` layout and only the
     small result is transposed. XLA fuses the two when it can, and its fused
@@ -24,9 +25,10 @@ def softmax_delta(out: Array, dout: Array, dlse: Array) -> Array:
     bandwidth (237 us against 63 us for 16k tokens x 16 heads x 128 on an H100);
     the barrier keeps them apart.
     """
-    rows = (dout.astype(jnp.float32) * out.astype(jnp.float32)).sum(axis=-1)
+    dtype = jnp.promote_types(dlse.dtype, jnp.float32)
+    rows = (dout.astype(dtype) * out.astype(dtype)).sum(axis=-1)
     rows = lax.optimization_barrier(rows)
-    return jnp.swapaxes(rows, 1, 2) - dlse.astype(jnp.float32)
+    return jnp.swapaxes(rows, 1, 2) - dlse.astype(dtype)
 
 
 def sinks_cotangent(sinks: Array, lse: Array, delta: Array) -> Array:
@@ -36,7 +38,7 @@ def sinks_cotangent(sinks: Array, lse: Array, delta: Array) -> Array:
     cotangent sums ``-p_sink * delta`` over batch and queries.
     """
     # lse = -inf only where the sink is -inf too (a query that sees nothing): probability 0.
-    sink_prob = jnp.exp(sinks.astype(jnp.float32)[None, :, None]
+    sink_prob = jnp.exp(sinks.astype(lse.dtype)[None, :, None]
                         - jnp.where(lse == -jnp.inf, 0.0, lse))
     return -(sink_prob * delta).sum(axis=(0, 2)).astype(sinks.dtype)
 

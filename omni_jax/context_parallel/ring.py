@@ -32,7 +32,7 @@ from omni_jax.context_parallel.steps import (
 )
 from omni_jax.scores import zero_cotangent
 from pallas_kernels import compat
-from pallas_kernels.softmax import fold_sinks
+from pallas_kernels.softmax import fold_sinks, sinks_cotangent, softmax_delta
 
 Array = Any
 
@@ -118,21 +118,10 @@ def _backward(call, residuals, cotangents):
             block = next_block
     if call.rotate:  # home: the block here came from ``last step`` devices back
         dkv = _to_next_device(call, dkv, hops=call.num_shards - steps[-1][0])
-    dsinks = None if sinks is None else _sinks_cotangent(sinks, out, lse, dout, dlse)
+    dsinks = (None if sinks is None
+              else sinks_cotangent(sinks, lse, softmax_delta(out, dout, dlse)))
     return (dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype),
             jax.tree.map(zero_cotangent, q_ids), jax.tree.map(zero_cotangent, kv_ids), dsinks)
-
-
-def _sinks_cotangent(sinks, out, lse, dout, dlse):
-    """d loss / d sinks, in the lse's precision: a sink's probability is
-    ``exp(sink - lse)`` and d lse / d sink that probability, so the cotangent sums
-    ``-p_sink * (rowsum(dO * O) - dlse)`` over batch and query rows."""
-    rows = (dout.astype(lse.dtype) * out.astype(lse.dtype)).sum(axis=-1)
-    delta = jnp.swapaxes(rows, 1, 2) - dlse.astype(lse.dtype)
-    # lse = -inf only where the sink is -inf too (no key, no sink): probability 0.
-    sink_prob = jnp.exp(sinks.astype(lse.dtype)[None, :, None]
-                        - jnp.where(lse == -jnp.inf, 0.0, lse))
-    return -(sink_prob * delta).sum(axis=(0, 2)).astype(sinks.dtype)
 
 
 _context_attention.defvjp(_forward, _backward)
