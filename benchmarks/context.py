@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import omni_jax
-from benchmarks.timing import add_sustain_argument, bench_interleaved, tflops
+from benchmarks.timing import add_run_arguments, bench_interleaved, tflops, timing_options
 from omni_jax.context_parallel import unzigzag, zigzag
 
 SHAPES = ("32768,16,16,128", "32768,16,4,128")
@@ -46,13 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="devices along the sequence (default: all)")
     parser.add_argument("--implementation", default=None, choices=("xla", "triton", "mosaic"),
                         help="omni_jax kernels (default: the best available)")
-    parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
-    parser.add_argument("--tiny", action="store_true",
-                        help=f"tiny shapes for a CPU smoke test: {' '.join(TINY_SHAPES)}")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--samples", type=int, default=5)
-    parser.add_argument("--inner", type=int, default=3)
-    add_sustain_argument(parser)
+    add_run_arguments(parser, impls=IMPLS, tiny=f"tiny shapes: {' '.join(TINY_SHAPES)}",
+                      warmup=2, samples=5, inner=3)
 
 
 def _shape(text: str) -> tuple[int, int, int, int]:
@@ -113,9 +108,7 @@ def _mismatch(results, reference) -> str | None:
 
 def run(args: argparse.Namespace) -> list[dict]:
     shapes = [_shape(s) for s in (TINY_SHAPES if args.tiny else args.shapes)]
-    timing = (dict(warmup=1, samples=2, inner=1) if args.tiny else
-              dict(warmup=args.warmup, samples=args.samples, inner=args.inner))
-    timing["sustain_s"] = args.sustain
+    timing = timing_options(args)
     num_devices = args.devices or len(jax.devices())
     if not 1 <= num_devices <= len(jax.devices()):
         raise ValueError(f"--devices must be between 1 and {len(jax.devices())}, got "

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 
-from benchmarks.timing import add_impls_argument, add_sustain_argument, bench_interleaved, tflops
+from benchmarks.timing import add_run_arguments, bench_interleaved, tflops, timing_options
 from omni_jax import sparse_mla_prefill
 from omni_jax.sparse_mla import kernel, kernel_platform_reason
 from omni_jax.sparse_mla.validation import ProblemShape
@@ -34,19 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--s-kv", type=int, default=32768)
     parser.add_argument("--d-qk", type=int, default=576)
     parser.add_argument("--d-v", type=int, default=512)
-    add_impls_argument(parser, default=IMPLS, check=_impl_name, choices=", ".join(IMPLS))
-    parser.add_argument("--tiny", action="store_true",
-                        help=f"tiny sizes for a CPU smoke test: {TINY}")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--samples", type=int, default=10)
-    parser.add_argument("--inner", type=int, default=3)
-    add_sustain_argument(parser)
-
-
-def _impl_name(impl: str) -> str:
-    if impl not in IMPLS:
-        raise ValueError(f"unknown implementation {impl!r}; choose from {IMPLS}")
-    return impl
+    add_run_arguments(parser, impls=IMPLS, tiny=f"tiny sizes: {TINY}", samples=10, inner=3)
 
 
 def _inputs(sizes: dict, seed: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -80,10 +68,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     flops = 2 * sizes["s_q"] * sizes["h_q"] * sizes["topk"] * (sizes["d_qk"] + sizes["d_v"])
     sm_scale = sizes["d_qk"] ** -0.5
     arg_sets = [_inputs(sizes, seed) for seed in range(2)]
-    timing = dict(warmup=args.warmup, samples=args.samples, inner=args.inner)
-    if args.tiny:
-        timing = dict(warmup=1, samples=2, inner=1)
-    timing["sustain_s"] = args.sustain
+    timing = timing_options(args)
 
     notes, fns = {}, {}
     for impl in args.impls:

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import omni_jax
-from benchmarks.timing import add_impls_argument, add_sustain_argument, bench_interleaved, tflops
+from benchmarks.timing import add_run_arguments, bench_interleaved, tflops, timing_options
 from pallas_kernels import runtime
 
 SHAPES = tuple(
@@ -46,19 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES),
                         help="batch,q_len,kv_len,q_heads,kv_heads,head_dim,page_size,"
                              "uniform|ragged per shape")
-    add_impls_argument(parser, default=IMPLS, check=_impl_name, choices=", ".join(IMPLS))
-    parser.add_argument("--tiny", action="store_true",
-                        help=f"tiny shapes for a CPU smoke test: {' '.join(TINY_SHAPES)}")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--samples", type=int, default=7)
-    parser.add_argument("--inner", type=int, default=5)
-    add_sustain_argument(parser)
-
-
-def _impl_name(impl: str) -> str:
-    if impl not in IMPLS:
-        raise ValueError(f"unknown implementation {impl!r}; choose from {IMPLS}")
-    return impl
+    add_run_arguments(parser, impls=IMPLS, tiny=f"tiny shapes: {' '.join(TINY_SHAPES)}")
 
 
 def _shape(text: str) -> tuple:
@@ -166,9 +154,7 @@ def _check(fn, fn_args, expected) -> str | None:
 
 def run(args: argparse.Namespace) -> list[dict]:
     shapes = [_shape(s) for s in (TINY_SHAPES if args.tiny else args.shapes)]
-    timing = (dict(warmup=1, samples=2, inner=1) if args.tiny else
-              dict(warmup=args.warmup, samples=args.samples, inner=args.inner))
-    timing["sustain_s"] = args.sustain
+    timing = timing_options(args)
     dtype = jnp.float32 if args.tiny else jnp.bfloat16
     rows = []
     for shape in shapes:

@@ -81,6 +81,32 @@ def add_impls_argument(parser: argparse.ArgumentParser, *, default: Sequence[str
                              f"{choices} (default: {' '.join(default)})")
 
 
+def add_run_arguments(parser: argparse.ArgumentParser, *, impls: Sequence[str],
+                      tiny: str, warmup: int = 3, samples: int = 7, inner: int = 5) -> None:
+    """The options every case benchmark shares: ``--impls`` (of ``impls``), ``--tiny``
+    (``tiny`` says what it runs), ``--warmup``, ``--samples``, ``--inner``, ``--sustain``."""
+
+    def check(impl: str) -> str:
+        if impl not in impls:
+            raise ValueError(f"unknown implementation {impl!r}; choose from {tuple(impls)}")
+        return impl
+
+    add_impls_argument(parser, default=impls, check=check, choices=", ".join(impls))
+    parser.add_argument("--tiny", action="store_true", help=f"{tiny} (CPU smoke test)")
+    parser.add_argument("--warmup", type=int, default=warmup)
+    parser.add_argument("--samples", type=int, default=samples)
+    parser.add_argument("--inner", type=int, default=inner)
+    add_sustain_argument(parser)
+
+
+def timing_options(args: argparse.Namespace) -> dict:
+    """`bench_interleaved`'s keywords from `add_run_arguments`' options (one quick sample
+    under ``--tiny``)."""
+    timing = (dict(warmup=1, samples=2, inner=1) if args.tiny else
+              dict(warmup=args.warmup, samples=args.samples, inner=args.inner))
+    return timing | {"sustain_s": args.sustain}
+
+
 def bench(fn: Callable[..., Any], arg_sets: Sequence[Sequence[Any]], *, warmup: int = 3,
           samples: int = 10, inner: int = 5) -> float:
     """Median milliseconds of one call of ``fn``, cycling through ``arg_sets``.
