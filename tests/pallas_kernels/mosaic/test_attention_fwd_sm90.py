@@ -7,6 +7,7 @@ float64).
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -192,21 +193,31 @@ def test_trace_key_covers_the_short_walk_config(monkeypatch):
 
 
 def test_declines_what_it_cannot_serve():
+    """What the kernels cannot take, named. Concrete masks of other block sizes are
+    re-tiled (`omni_jax.masks.regroup`); masks traced inside a jit are not."""
     q = jnp.ones((1, 64, 1, 64), jnp.float32)
     with pytest.raises(ValueError, match="bfloat16 or float16"):
         omni_jax.attention(q, q, q, implementation="mosaic")
-    mask = omni_jax.create_block_mask(lambda b, h, i, j: i >= j, None, None, 64, 64, (32, 32))
+
+    def traced_mask(bits, q_len, block_size):
+        return omni_jax.create_block_mask(lambda b, h, i, j: bits[i, j], None, None, q_len,
+                                          q_len, block_size)
+
+    def attend(bits, q, k, v, block_size):
+        mask = traced_mask(bits, q.shape[1], block_size)
+        return omni_jax.attention(q, k, v, mask=mask, implementation="mosaic")
+
+    q = jnp.ones((1, 64, 1, 64), jnp.bfloat16)
+    causal = jnp.tril(jnp.ones((64, 64), bool))
     with pytest.raises(ValueError, match="block_q=128"):
-        omni_jax.attention(q.astype(jnp.bfloat16), q.astype(jnp.bfloat16),
-                           q.astype(jnp.bfloat16), mask=mask, implementation="mosaic")
+        jax.eval_shape(lambda bits, q: attend(bits, q, q, q, (32, 32)), causal, q)
     # Stored tiles of 128 kv columns beside a value head dim of 192: the ring of K/V
     # stages would not fit, and the message says what would.
-    mask = omni_jax.create_block_mask(lambda b, h, i, j: (i + j) % 3 != 0, None, None, 128,
-                                      128, (128, 128))
+    bits = (jnp.arange(128)[:, None] + jnp.arange(128)[None, :]) % 3 != 0
     q, v = jnp.ones((1, 128, 1, 32), jnp.bfloat16), jnp.ones((1, 128, 1, 192), jnp.bfloat16)
     with pytest.raises(ValueError, match=r"block_kv=128 with head_dim=32, head_dim_v=192 "
                                          r"needs \d+ bytes.*block_kv=64 fits"):
-        omni_jax.attention(q, q, v, mask=mask, implementation="mosaic")
+        jax.eval_shape(lambda bits, q, v: attend(bits, q, q, v, (128, 128)), bits, q, v)
 
 
 @pytest.mark.parametrize("pipelined", [True, False])
