@@ -37,7 +37,7 @@ SHAPES = tuple(
 ) + tuple(f"1,{q_len},{kv_len},32,8,128,{page},uniform" for q_len, kv_len in
           ((128, 2048), (512, 8192), (2048, 32768)) for page in (16, 64))
 TINY_SHAPES = ("2,1,200,8,2,32,16,ragged", "1,4,64,4,1,32,8,uniform")
-IMPLS = ("omni", "omni_triton", "omni_xla", "fa3", "jax_pallas", "cudnn", "copy")
+IMPLS = ("omni", "omni_mosaic", "omni_triton", "omni_xla", "fa3", "jax_pallas", "cudnn", "copy")
 BASELINES = ("fa3", "cudnn", "omni_xla")
 TOLERANCE = 2e-2  # relative error against the float32 reference (bfloat16 inputs)
 

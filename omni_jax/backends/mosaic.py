@@ -148,7 +148,7 @@ class MosaicBackend(AttentionBackend):
             q, k, v, kmask, layout, scale=problem.scale, softcap=problem.softcap,
             score_mod=problem.score_mod, has_partial=problem.has_user_mask,
             config=self._config(problem, causal, mean_walk(kmask.kv_num_blocks)),
-            captured=captured, interpret_params=_interpret_params())
+            captured=captured, interpret_params=interpret_params())
         if sinks is None:
             return out, lse
         return fold_sinks(out, lse, sinks)
@@ -162,7 +162,7 @@ class MosaicBackend(AttentionBackend):
             q, k, v, kmask, layout, out, lse, dout, dlse, scale=problem.scale,
             softcap=problem.softcap, score_mod=problem.score_mod,
             has_partial=problem.has_user_mask, config=config, captured=captured,
-            mean_full_walk=mean_walk(kmask.q_num_full), interpret_params=_interpret_params())
+            mean_full_walk=mean_walk(kmask.q_num_full), interpret_params=interpret_params())
         dsinks = None if sinks is None else sinks_cotangent(sinks, lse, delta)
         return dq, dk, dv, dsinks, xla.captured_cotangents(
             problem, q, k, v, block_mask, sinks, captured, out, lse, dout, dlse)
@@ -210,6 +210,8 @@ class MosaicBackend(AttentionBackend):
                               np.dtype(problem.dtype).itemsize, problem.has_user_mask)
 
 
-def _interpret_params():
+def interpret_params():
+    """The Mosaic-GPU interpreter's parameters when interpreting (TMA bounds as on
+    hardware), else None."""
     params = runtime.mosaic_interpret_params()
     return None if params is None else compat.tma_faithful_interpret_params(params)

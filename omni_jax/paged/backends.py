@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from omni_jax import query_groups
 from omni_jax.dispatch_log import log_once, warn_slow_fallback
+from omni_jax.paged import mosaic
 from omni_jax.paged.xla import paged_attention_xla
 from pallas_kernels import runtime
 from pallas_kernels.paged import PagedScores
@@ -33,6 +34,7 @@ class PagedProblem:
     head_dim: int
     head_dim_v: int
     page_size: int
+    pages_per_seq: int
 
 
 def unsupported_reason(name: str, problem: PagedProblem) -> str | None:
@@ -40,7 +42,8 @@ def unsupported_reason(name: str, problem: PagedProblem) -> str | None:
     if name == "xla":
         return None
     if name == "mosaic":
-        return "there is no Mosaic-GPU paged-attention kernel yet (use 'triton' or 'xla')"
+        return mosaic.unsupported_reason(problem.dtype, problem.head_dim, problem.head_dim_v,
+                                         problem.page_size, problem.pages_per_seq)
     if not runtime.can_run_triton():
         return ("the Triton backend needs an NVIDIA GPU with compute capability >= 8.0 "
                 f"(or {runtime.INTERPRET_ENV_VAR}=1 to run it interpreted)")
@@ -65,8 +68,7 @@ def choose(implementation: str | None, problem: PagedProblem) -> str:
     reasons = "; ".join(f"not {n}: {r}" for n, r in declined.items())
     if declined:
         log_once(logger, logging.DEBUG, f"paged_attention {problem}: {name!r} ({reasons})")
-    # Only the kernels' reasons count: mosaic's absence alone is no slowdown to report.
-    if (name == "xla" and set(declined) - {"mosaic"}
+    if (name == "xla" and declined
             and runtime.gpu_compute_capability() is not None
             and not runtime.interpret_requested()):
         warn_slow_fallback(
@@ -82,6 +84,8 @@ def forward(name: str, q: Array, k_pages: Array, v_pages: Array, page_table: Arr
     """Sink-free (out ``[B, Sq, Hq, Dv]``, lse ``[B, Hq, Sq]``) by implementation ``name``."""
     if name == "xla":
         return paged_attention_xla(q, k_pages, v_pages, page_table, kv_lens, scores)
+    if name == "mosaic":
+        return mosaic.paged_attention_mosaic(q, k_pages, v_pages, page_table, kv_lens, scores)
     group = q.shape[2] // k_pages.shape[2]
     out, lse = triton_paged.paged_attention(
         query_groups.pack_queries(q, group), k_pages, v_pages, page_table, kv_lens,

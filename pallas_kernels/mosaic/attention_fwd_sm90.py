@@ -197,24 +197,31 @@ def forward_config(head_dim: int, dtype: Any, causal: bool,
 
 
 def q_buffers(config: ForwardConfig, head_dim: int, head_dim_v: int, itemsize: int,
-              has_partial: bool) -> int:
+              has_partial: bool, pages_per_seq: int = 0) -> int:
     """Q buffers per consumer: two (the next q-block's Q loads under the current one)
     when a CTA computes several q-blocks and shared memory has room, else one."""
-    if config.q_blocks_per_cta > 1 and smem_bytes(config, head_dim, head_dim_v, itemsize,
-                                                  has_partial, 2) <= common.SMEM_LIMIT:
+    if config.q_blocks_per_cta > 1 and smem_bytes(
+            config, head_dim, head_dim_v, itemsize, has_partial, 2,
+            pages_per_seq=pages_per_seq) <= common.SMEM_LIMIT:
         return 2
     return 1
 
 
 def smem_bytes(config: ForwardConfig, head_dim: int, head_dim_v: int, itemsize: int,
-               has_partial: bool, num_q_buffers: int = 1) -> int:
-    """Shared memory of one CTA (the producer's ring dominates)."""
+               has_partial: bool, num_q_buffers: int = 1, pages_per_seq: int = 0) -> int:
+    """Shared memory of one CTA (the producer's ring dominates; paged K/V add the
+    sequence's page table row of ``pages_per_seq`` ids)."""
     qo = config.block_q * (num_q_buffers * head_dim
                            + (head_dim_v if head_dim_v != head_dim else 0)) * itemsize
     ring = config.num_stages * config.block_kv * (head_dim + head_dim_v) * itemsize
     if has_partial:
         ring += config.num_stages * config.block_q * config.block_kv  # int8 tiles
-    return qo + ring
+    return qo + ring + table_lines(pages_per_seq) * common.WALK_LINE * 4
+
+
+def table_lines(pages_per_seq: int) -> int:
+    """Lines of `common.WALK_LINE` ids holding a page table row (one TMA box each way)."""
+    return -(-pages_per_seq // common.WALK_LINE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,20 +242,25 @@ class _Statics(common.LeafCounts):
     # For each mask_mod leaf, in leaf order: ("q" | "kv", row in its stacked leaf array).
     leaf_slots: tuple[tuple[str, int], ...]
     interpret: bool
+    # Paged K/V (`attention_forward`'s page_table): tokens per page, and the page
+    # table row's lines of `common.WALK_LINE` ids; None and 0 for contiguous K/V.
+    page_size: int | None = None
+    table_lines: int = 0
 
 
 def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
     s = statics
     cfg = s.config
     rows, block_kv, stages = ROWS_PER_CONSUMER, cfg.block_kv, cfg.num_stages
+    table_ref, refs = (refs[0], refs[1:]) if s.page_size is not None else (None, refs)
     partial_ref, q_leaf_ref, kv_leaf_ref, captured_ref, refs = common.split_optional_refs(
         refs, s)
     out_ref, lse_ref, smem, barriers = refs
     (q_smem, o_only_smem, lse_smem, walk_smem, k_smem, v_smem, mask_smem, q_leaf_smem,
-     kv_leaf_smem, p_staging, captured_smem) = smem
+     kv_leaf_smem, p_staging, captured_smem, table_smem) = smem
     (walk_barriers, q_leaf_barriers, q_barriers, k_barriers, v_barriers, mask_barriers,
      kv_leaf_barriers, k_consumed, v_consumed, q_block_done, schedule,
-     captured_barrier) = barriers
+     captured_barrier, table_barrier) = barriers
 
     # This CTA computes the q-blocks at positions first .. first + num_q_blocks - 1 of
     # its head's launch order, in turn. Per q-block i, its walk and q leaves sit in
@@ -277,6 +289,12 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
         common.load_captured(s, captured_ref, captured_smem, captured_barrier)
+        pages = None
+        if s.page_size is not None:
+            # The sequence's page table row, read by this warpgroup alone.
+            plgpu.copy_gmem_to_smem(table_ref.at[batch], table_smem, table_barrier)
+            plgpu.barrier_wait(table_barrier)
+            pages = (table_smem, s.page_size)
 
         def q_block_loads(i, first_step):
             buffer = lax.rem(i, 2)
@@ -300,7 +318,7 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
                 kv_leaves=((kv_leaf_ref, kv_leaf_smem, kv_leaf_barriers)
                            if s.num_kv_leaves else None),
                 partial=(partial_ref, mask_smem, mask_barriers) if s.has_partial else None,
-                first_step=first_step)
+                first_step=first_step, pages=pages)
             return first_step + count
 
         ring_steps = lax.fori_loop(0, num_q_blocks, q_block_loads, jnp.int32(0))
@@ -660,16 +678,29 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
                       scale: float, softcap: float | None,
                       score_mod: ConvertedScoreMod | None, has_partial: bool,
                       config: ForwardConfig, captured: Sequence[Array] = (),
-                      interpret_params: Any = None) -> tuple[Array, Array]:
+                      interpret_params: Any = None,
+                      page_table: Array | None = None) -> tuple[Array, Array]:
     """``(out [B, Sq, Hq, Dv], lse [B, Hq, Sq] float32)``; sinks are the caller's.
 
     ``layout`` must tile by ``(config.block_q, config.block_kv)``; ``captured``
     are ``score_mod``'s captured arrays, which it may read only by element
     (`pallas_kernels.captured.scalar_reads_reason`); ``has_partial`` False
     promises no PARTIAL tile.
+
+    With ``page_table`` int32 ``[B, pages_per_seq]``, K and V are paged,
+    ``[num_pages, page_size, Hkv, D(v)]``: key ``i`` of sequence ``b`` is row
+    ``i % page_size`` of page ``page_table[b, i // page_size]``, ids outside the cache
+    clamped into it (the mask must hide their keys). ``page_size`` is a power of two
+    of at least 8 that divides ``config.block_kv`` or that it divides, and the head dims
+    must be the kernel's own (`padded_head_dims`): the cache is never copied.
     """
     batch, q_len, num_q_heads, head_dim = q.shape
     num_kv_heads, head_dim_v = v.shape[2], v.shape[3]
+    page_size = None
+    if page_table is not None:
+        page_size = k.shape[1]
+        k, v, page_table = _paged_operands(k, v, page_table, layout.num_kv_blocks,
+                                           config.block_kv)
     if (layout.block_q, layout.block_kv) != (config.block_q, config.block_kv):
         raise ValueError(f"mask tiles {(layout.block_q, layout.block_kv)} differ from the "
                          f"kernel's {(config.block_q, config.block_kv)}")
@@ -689,11 +720,16 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
         group_size=num_q_heads // num_kv_heads, head_dim=dim, head_dim_v=dim_v,
         dtype=q.dtype, scores=scores,
         has_partial=has_partial, walk_lines=walk.shape[-2],
-        num_q_buffers=q_buffers(config, dim, dim_v, q.dtype.itemsize, has_partial),
+        num_q_buffers=q_buffers(
+            config, dim, dim_v, q.dtype.itemsize, has_partial,
+            pages_per_seq=0 if page_table is None else page_table.shape[1] * common.WALK_LINE),
         leaf_slots=leaf_slots,
-        interpret=interpret)
+        interpret=interpret, page_size=page_size,
+        table_lines=0 if page_table is None else page_table.shape[1])
 
     operands = [q, k, v, walk]
+    if page_table is not None:
+        operands.append(page_table)
     if has_partial:
         operands.append(partial_tiles)
     operands += [x for x in (q_leaves, kv_leaves, packed_captured) if x is not None]
@@ -714,6 +750,30 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
     )(*operands)
     out, lse = kv_splits.combine(out[..., :q_len, :, :head_dim_v], lse[..., :q_len], q.dtype)
     return out, lse
+
+
+def _paged_operands(k_pages: Array, v_pages: Array, page_table: Array, num_kv_blocks: int,
+                    block_kv: int) -> tuple[Array, Array, Array]:
+    """Paged K/V as ``[1, num_pages * page_size, Hkv, D]`` (a view, no copy) and the page
+    table as the producer reads it: ids clamped into the cache (so no TMA leaves it),
+    one id per page of every kv-block the mask may walk (past the table's pages: page 0,
+    whose keys the mask hides), in lines of `common.WALK_LINE` (``[B, R, WALK_LINE]``)."""
+    num_pages, page_size = k_pages.shape[:2]
+    if page_size < 8 or page_size & (page_size - 1) or (
+            block_kv % page_size and page_size % block_kv):
+        raise ValueError(f"page_size must be a power of two >= 8 dividing block_kv="
+                         f"{block_kv} or divisible by it, got {page_size}")
+    dims = (k_pages.shape[3], v_pages.shape[3])
+    if padded_head_dims(*dims) != dims:
+        raise ValueError(f"paged head dims must be the kernel's own {SUPPORTED_HEAD_DIMS} "
+                         f"(the cache is not padded), got {dims}")
+    flat = lambda x: x.reshape(1, num_pages * page_size, *x.shape[2:])
+    needed = -(-num_kv_blocks * block_kv // page_size)
+    table = jnp.clip(page_table.astype(jnp.int32), 0, num_pages - 1)
+    table = jnp.pad(table[:, :needed], ((0, 0), (0, needed - min(needed, table.shape[1]))))
+    lines = table_lines(needed)
+    table = jnp.pad(table, ((0, 0), (0, lines * common.WALK_LINE - needed)))
+    return flat(k_pages), flat(v_pages), table.reshape(-1, lines, common.WALK_LINE)
 
 
 def _schedule_barrier(cfg: ForwardConfig) -> Any:
@@ -744,14 +804,19 @@ def _scratch(s: _Statics):
         # Interpreted only: P staged in smem for the P @ V wgmma.
         common.swizzled((NUM_CONSUMERS, rows, cfg.block_kv), s.dtype) if s.interpret else None,
         captured_smem,
+        (plgpu.SMEM((s.table_lines, common.WALK_LINE), jnp.int32)
+         if s.page_size is not None else None),
     )
     consumed = plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages)
+    # A K (V) tile is loaded by one TMA, or paged by one per page, each arriving.
+    loaded = plgpu.Barrier(num_arrivals=common.page_copies(cfg.block_kv, s.page_size),
+                           num_barriers=stages)
     barriers = (
         plgpu.Barrier(num_barriers=2),
         plgpu.Barrier(num_barriers=2),
         plgpu.Barrier(num_barriers=s.num_q_buffers * NUM_CONSUMERS),
-        plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_barriers=stages),
+        loaded,
+        loaded,
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
         consumed,
@@ -760,6 +825,7 @@ def _scratch(s: _Statics):
         plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=2),
         _schedule_barrier(cfg),
         captured_barrier,
+        plgpu.Barrier(num_barriers=1) if s.page_size is not None else None,
     )
     return smem, barriers
 

@@ -381,9 +381,16 @@ def wait_released(consumed_barrier, *, interpret: bool) -> None:
         plgpu.commit_smem()
 
 
+def page_copies(block_kv: int, page_size: int | None) -> int:
+    """TMA copies that fill one K (V) tile: one per page the tile spans (paged K/V
+    sources, `produce_kv_blocks`), else one. Each arrives on the tile's barrier."""
+    return 1 if page_size is None else max(1, block_kv // page_size)
+
+
 def produce_kv_blocks(walk_smem, count, *, stages: int, block_kv: int, batch, kv_head,
                       offsets: tuple[int, int, int], k, v, consumed, interpret: bool,
-                      kv_leaves=None, partial=None, first_step=0, v_first=False) -> None:
+                      kv_leaves=None, partial=None, first_step=0, v_first=False,
+                      pages=None) -> None:
     """The producer loop of one q-block: TMA-loads its active kv-blocks into the ring.
 
     ``k`` and ``v`` are (gmem ref, smem ring, "loaded" barriers); ``consumed``
@@ -395,6 +402,12 @@ def produce_kv_blocks(walk_smem, count, *, stages: int, block_kv: int, batch, kv
     leaves) and ``partial`` (stored int8 tiles, loaded for PARTIAL tiles only)
     are optional (ref, ring, barriers) triples. K is loaded before V, or with
     ``v_first`` after it: the order in which the consumers release them.
+
+    ``pages`` = (page table row in smem as ``[R, WALK_LINE]``, page_size) makes K and V
+    paged: their refs are ``[1, num_pages * page_size, kv_heads, D]`` and token ``i`` of
+    the sequence is row ``i % page_size`` of page ``table[i // page_size]`` (ids already
+    clamped into the cache). A tile then takes `page_copies` TMAs, each of one page (or
+    of the part of one page the tile covers) into consecutive rows of the slot.
     """
     index_offset, flags_offset, partial_offset = offsets
     k_consumed, v_consumed = consumed
@@ -415,11 +428,24 @@ def produce_kv_blocks(walk_smem, count, *, stages: int, block_kv: int, batch, kv
             def _():
                 wait_released(consumed.at[slot], interpret=interpret)
 
+        def load_tile(ref, smem, barriers):
+            if pages is None:
+                plgpu.copy_gmem_to_smem(ref.at[batch, rows_kv, kv_head], smem.at[slot],
+                                        barriers.at[slot])
+                return
+            table, page_size = pages
+            copies = page_copies(block_kv, page_size)
+            rows = block_kv // copies
+            for j in range(copies):
+                token = kv_block * block_kv + j * rows
+                page = walk_entry(table, lax.div(token, page_size))
+                row = page * page_size + lax.rem(token, page_size)
+                plgpu.copy_gmem_to_smem(ref.at[0, pl.ds(row, rows), kv_head],
+                                        smem.at[slot, pl.ds(j * rows, rows)], barriers.at[slot])
+
         def load_k():
-            k_ref, k_smem, k_barriers = k
             wait_slot(k_consumed)
-            plgpu.copy_gmem_to_smem(k_ref.at[batch, rows_kv, kv_head], k_smem.at[slot],
-                                    k_barriers.at[slot])
+            load_tile(*k)
 
         if not v_first:
             load_k()
@@ -437,9 +463,7 @@ def produce_kv_blocks(walk_smem, count, *, stages: int, block_kv: int, batch, kv
                 plgpu.copy_gmem_to_smem(partial_ref.at[partial_id], mask_smem.at[slot],
                                         mask_barriers.at[slot])
 
-        v_ref, v_smem, v_barriers = v
-        plgpu.copy_gmem_to_smem(v_ref.at[batch, rows_kv, kv_head], v_smem.at[slot],
-                                v_barriers.at[slot])
+        load_tile(*v)
         if v_first:
             load_k()
 

@@ -23,23 +23,35 @@ def hopper(monkeypatch):
     monkeypatch.setattr(runtime, "implementation_preference", lambda: ("mosaic", "triton", "xla"))
 
 
-def _problem(head_dim=128, dtype=jnp.bfloat16):
-    return backends.PagedProblem(jnp.dtype(dtype), head_dim, head_dim, 16)
+def _problem(head_dim=128, dtype=jnp.bfloat16, page_size=16, pages_per_seq=64):
+    return backends.PagedProblem(jnp.dtype(dtype), head_dim, head_dim, page_size,
+                                 pages_per_seq)
 
 
-def test_hopper_passes_over_the_missing_mosaic_kernel_quietly(hopper):
+def test_hopper_takes_the_mosaic_kernel(hopper):
+    assert backends.choose(None, _problem()) == "mosaic"
+
+
+@pytest.mark.parametrize("problem, reason", [
+    (_problem(dtype=jnp.float32), "dtype float32"),
+    (_problem(head_dim=32), "head_dim=32"),
+    (_problem(page_size=8), "page_size=8"),
+    (_problem(pages_per_seq=1 << 15), "a page table row of 32768 pages"),
+])
+def test_what_mosaic_declines_goes_to_triton_quietly(hopper, problem, reason):
+    assert reason in backends.unsupported_reason("mosaic", problem)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert backends.choose(None, _problem()) == "triton"
+        assert backends.choose(None, problem) == "triton"
 
 
 def test_a_head_dim_the_kernel_declines_falls_back_to_xla_with_a_warning(hopper):
     with pytest.warns(UserWarning, match="paged_attention runs on the XLA reference.*"
-                                         "not triton: head_dim=96 is not a power of two"):
-        assert backends.choose(None, _problem(head_dim=96)) == "xla"
+                                         "not triton: head_dim=80 is not a power of two"):
+        assert backends.choose(None, _problem(head_dim=80)) == "xla"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert backends.choose("xla", _problem(head_dim=96)) == "xla"
+        assert backends.choose("xla", _problem(head_dim=80)) == "xla"
 
 
 def test_naming_a_kernel_that_declines_raises(hopper):

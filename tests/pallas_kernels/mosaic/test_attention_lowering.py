@@ -226,3 +226,28 @@ def test_a_variant_lowers_the_register_q_path():
 
     assert fwd.forward_config(64, jnp.bfloat16, causal=False).q_in_registers
     assert fwd.forward_config(64, jnp.bfloat16, causal=True).q_in_registers
+
+
+@pytest.mark.parametrize("head_dim,page_size,q_len,heads,kwargs", [
+    (64, 16, 1, 8, {}),  # pages of 16: eight TMAs fill a K (V) tile of 128 rows
+    (128, 64, 4, 4, dict(local_window_size=(100, 0))),  # two TMAs per tile
+    (128, 128, 1, 4, dict(softcap=5.0)),  # one TMA per tile
+    (256, 128, 2, 3, dict(is_causal=False)),  # tiles of 64 rows inside one page
+])
+def test_paged_forward_lowers_for_cuda(head_dim, page_size, q_len, heads, kwargs,
+                                       _compiled_mosaic):
+    """The paged forward (`omni_jax.paged_attention`'s "mosaic"), a decoding batch over a
+    cache of 8192 tokens per sequence: TMA copies per page, the page table row in smem."""
+    pages_per_seq = 8192 // page_size
+    q = jax.ShapeDtypeStruct((2, q_len, heads, head_dim), jnp.bfloat16)
+    pages = jax.ShapeDtypeStruct((2 * pages_per_seq, page_size, 1, head_dim), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((2, pages_per_seq), jnp.int32)
+    lens = jax.ShapeDtypeStruct((2,), jnp.int32)
+
+    def run(q, k, v, table, lens):
+        return omni_jax.paged_attention(q, k, v, table, lens, implementation="mosaic",
+                                        return_lse=True, **kwargs)
+
+    lowered = jax.jit(run).trace(q, pages, pages, table, lens).lower(
+        lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
