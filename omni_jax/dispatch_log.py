@@ -10,8 +10,23 @@ from __future__ import annotations
 import logging
 import warnings
 
+from pallas_kernels import runtime
+
 _logged: set[tuple[str, int, str]] = set()
 _warned: set[str] = set()
+
+
+def warn_xla_on_a_gpu(what: str, call: str, declined: dict[str, str]) -> None:
+    """`warn_slow_fallback` for ``what`` ("omni_jax.attention runs its backward on the XLA
+    backend") on a GPU whose kernels ``declined`` the ``call`` (backend: reason); quiet
+    off GPUs and under the Pallas interpreter, where XLA is the fast path."""
+    if runtime.gpu_compute_capability() is None or runtime.interpret_requested():
+        return
+    reasons = "; ".join(f"not {name}: {reason}" for name, reason in declined.items())
+    warn_slow_fallback(
+        f"{what} on this GPU, many times slower than the kernels, for "
+        f"{call}: {reasons}. Change what those reasons name to reach a kernel, or pass "
+        f"implementation='xla' to choose XLA without this warning.")
 
 
 def warn_slow_fallback(message: str) -> None:

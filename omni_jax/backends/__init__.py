@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable, Iterable
 
 from omni_jax.backends.base import AttentionBackend
-from omni_jax.dispatch_log import log_once, warn_slow_fallback
+from omni_jax.dispatch_log import log_once, warn_xla_on_a_gpu
 from omni_jax.problem import AttentionProblem
 from pallas_kernels import runtime
 
@@ -161,19 +161,14 @@ def _warn_if_xla_on_a_gpu(problem: AttentionProblem, forward: AttentionBackend,
                           declined_backward: dict[str, str]) -> None:
     """The XLA backend on a GPU whose kernels declined the call is many times slower
     (it materialises every score tile in memory): a `UserWarning` says so, once."""
-    if runtime.gpu_compute_capability() is None or runtime.interpret_requested():
-        return
     if forward.name == "xla":
         what, reasons = "forward and backward", declined
     elif backward.name == "xla":
         what, reasons = "backward (gradients)", declined_backward
     else:
         return
-    warn_slow_fallback(
-        f"omni_jax.attention runs its {what} on the XLA backend on this GPU, many times "
-        f"slower than the kernels, for {_describe(problem)}: {_reasons(reasons)}. Change what "
-        f"those reasons name to reach a kernel, or pass implementation='xla' to choose XLA "
-        f"without this warning.")
+    warn_xla_on_a_gpu(f"omni_jax.attention runs its {what} on the XLA backend",
+                      _describe(problem), reasons)
 
 
 def _first_serving(names: Iterable[str], reason_not_to: Callable[[AttentionBackend], str | None],

@@ -15,7 +15,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from omni_jax import query_groups
-from omni_jax.dispatch_log import log_once, warn_slow_fallback
+from omni_jax.dispatch_log import log_once, warn_xla_on_a_gpu
 from omni_jax.paged import mosaic
 from omni_jax.paged.xla import paged_attention_xla
 from pallas_kernels import runtime
@@ -68,14 +68,9 @@ def choose(implementation: str | None, problem: PagedProblem) -> str:
     reasons = "; ".join(f"not {n}: {r}" for n, r in declined.items())
     if declined:
         log_once(logger, logging.DEBUG, f"paged_attention {problem}: {name!r} ({reasons})")
-    if (name == "xla" and declined
-            and runtime.gpu_compute_capability() is not None
-            and not runtime.interpret_requested()):
-        warn_slow_fallback(
-            f"omni_jax.paged_attention runs on the XLA reference on this GPU, many times "
-            f"slower than its kernel, for {problem}: {reasons}. Change what those reasons "
-            f"name to reach a kernel, or pass implementation='xla' to choose XLA without "
-            f"this warning.")
+    if name == "xla" and declined:
+        warn_xla_on_a_gpu("omni_jax.paged_attention runs on the XLA reference", str(problem),
+                          declined)
     return name
 
 
