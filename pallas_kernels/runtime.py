@@ -5,6 +5,9 @@ mode, so the kernel test-suite runs unchanged on machines without a GPU:
 Triton-lowered kernels get ``interpret=True``; Mosaic-GPU kernels get the
 Mosaic-GPU interpreter, which simulates TMA, barriers and wgmma and reports
 data races (a race is an error, so a racy kernel fails its tests).
+``OMNI_JAX_PALLAS_INTERPRET=sm100`` interprets as a Blackwell GPU instead: the
+Mosaic backend runs its sm100 kernels (tcgen05 MMAs, tensor memory; the
+interpreter simulates them from jax 0.12) where ``=1`` runs the Hopper ones.
 """
 
 from __future__ import annotations
@@ -25,9 +28,25 @@ INTERPRET_ENV_VAR = "OMNI_JAX_PALLAS_INTERPRET"
 INTERPRETER_THREADS = 16
 
 
+_INTERPRET_HOPPER = ("1", "true", "yes", "on", "sm90")
+_INTERPRET_BLACKWELL = ("sm100",)
+
+
+def _interpret_setting() -> str:
+    return os.environ.get(INTERPRET_ENV_VAR, "").strip().lower()
+
+
 def interpret_requested() -> bool:
     """True when ``OMNI_JAX_PALLAS_INTERPRET`` asks for interpret mode."""
-    return os.environ.get(INTERPRET_ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on")
+    return _interpret_setting() in _INTERPRET_HOPPER + _INTERPRET_BLACKWELL
+
+
+def interpreted_architecture() -> str | None:
+    """The GPU the interpreter stands in for ("sm90" or "sm100"), None when compiling."""
+    setting = _interpret_setting()
+    if setting in _INTERPRET_BLACKWELL:
+        return "sm100"
+    return "sm90" if setting in _INTERPRET_HOPPER else None
 
 
 def _interpreter_threads_short() -> bool:
@@ -116,17 +135,34 @@ def can_run_triton() -> bool:
 
 
 def can_run_mosaic_hopper() -> bool:
-    """Mosaic-GPU Hopper kernels (wgmma, TMA) run here (on sm90, or interpreted)."""
+    """Mosaic-GPU Hopper kernels (wgmma, TMA) run here (on sm90, or interpreted as sm90)."""
     if interpret_requested():
-        return True
+        return interpreted_architecture() == "sm90"
     return gpu_compute_capability() == (9, 0)
+
+
+def can_run_mosaic_blackwell() -> bool:
+    """Mosaic-GPU Blackwell kernels (tcgen05, tensor memory) run here: on a datacenter
+    Blackwell (compute capability 10.x; sm120 has no tensor memory), or interpreted as
+    sm100."""
+    if interpret_requested():
+        return interpreted_architecture() == "sm100"
+    capability = gpu_compute_capability()
+    return capability is not None and capability[0] == 10
+
+
+def mosaic_architecture() -> str | None:
+    """Which Mosaic-GPU kernels run here: "sm90", "sm100", or None."""
+    if can_run_mosaic_hopper():
+        return "sm90"
+    return "sm100" if can_run_mosaic_blackwell() else None
 
 
 def implementation_preference() -> tuple[str, ...]:
     """Backend names, best first, for ops with Mosaic, Triton and XLA implementations."""
     if jax.default_backend() != "gpu":
         return ("xla",)
-    if can_run_mosaic_hopper():
+    if mosaic_architecture() is not None:
         return ("mosaic", "triton", "xla")
     if can_run_triton():
         return ("triton", "xla")

@@ -50,3 +50,17 @@ def test_num_sms_is_the_gpus_or_the_default_without_one():
         assert runtime.num_sms() == runtime.DEFAULT_NUM_SMS
     else:
         assert runtime.num_sms() >= 1
+
+
+@pytest.mark.parametrize("setting, architecture", [
+    ("1", "sm90"), ("sm90", "sm90"), ("sm100", "sm100"), ("SM100", "sm100"), ("", None),
+    ("0", None)])
+def test_interpret_setting_picks_the_simulated_architecture(monkeypatch, setting,
+                                                            architecture):
+    monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, setting)
+    assert runtime.interpreted_architecture() == architecture
+    assert runtime.interpret_requested() == (architecture is not None)
+    if architecture is not None:
+        assert runtime.mosaic_architecture() == architecture
+        assert runtime.can_run_mosaic_hopper() == (architecture == "sm90")
+        assert runtime.can_run_mosaic_blackwell() == (architecture == "sm100")
