@@ -7,10 +7,18 @@ forward's `ForwardConfig`, e.g. ``omni_mosaic/pipelined=0/q_blocks_per_cta=2``, 
 ``omni_mosaic/bwd.dkv_stages=2``, for A/B runs of its configs), ``cudnn`` and ``jax_xla``
 (`jax.nn.dot_product_attention`), ``jax_pallas_mha`` (JAX's Pallas Triton
 ``mha``), ``jax_mgpu`` (JAX's Mosaic ``attention_mgpu``: float16 only, so it
-runs on float16 copies of the inputs) and ``tokamax`` (if importable). An
+runs on float16 copies of the inputs), ``fa3`` (FlashAttention-3 for JAX,
+``flash_attn3_jax``: ``flash_mha``, ``flash_mha_varlen`` for documents), ``fa4``
+(FlashAttention-4 for JAX, ``fa4_jax.flash_attn``, documents as its
+``document_mask`` mask_mod) and ``tokamax`` (the peers where importable). An
 implementation that cannot run a case gets a row with its reason in the note.
+Before timing, every implementation's output (the gradients for fwd+bwd) is
+checked against omni_jax's XLA backend in float32 (`--no-check` skips it); one
+that is off by more than `TOLERANCE` or returns NaN gets a "wrong" row, untimed.
 The implementations of a case are timed together, their samples interleaved
 (`benchmarks.timing.bench_interleaved`), so clock drift hits them alike.
+``ratio`` is the baseline's time over the row's: ``--baseline`` names one
+implementation or several (the fastest of them that ran, e.g. ``fa3,fa4``).
 
 TFLOP/s count only unmasked work (4 * B * H * D * visible (q, k) pairs for the
 forward, 2.5x that for the backward), so masked cases compare by useful work;
@@ -23,6 +31,8 @@ dense case of the same length was measured, time / (dense time x fraction):
     python -m benchmarks attention --cases "d128 fwd" --dtype float16
     python -m benchmarks attention --seqs 1024 4096 32768 --forward-only   # walk lengths
     python -m benchmarks attention --tiny               # CPU smoke run
+    python -m benchmarks attention --cases "d128,d64" --impls omni_mosaic,fa3,fa4,cudnn \
+        --baseline fa3,fa4                              # beside the FlashAttention peers
 """
 
 from __future__ import annotations
@@ -44,7 +54,10 @@ from benchmarks.timing import add_impls_argument, add_sustain_argument, bench_in
 
 BASELINE = "cudnn"
 IMPLS = ("omni_xla", "omni_triton", "omni_mosaic", "cudnn", "jax_xla", "jax_pallas_mha",
-         "jax_mgpu", "tokamax")
+         "jax_mgpu", "fa3", "fa4", "tokamax")
+# Relative error (Frobenius norm) against the float32 reference that an output may have:
+# 16-bit inputs and outputs give about 4e-3, their gradients about 1e-2.
+TOLERANCE = 3e-2
 # "omni_mosaic/FIELD=N/...": the Mosaic backend with those ForwardConfig fields (and
 # BackwardConfig fields, as "bwd.FIELD=N") forced.
 FORCED_MOSAIC_PREFIX = "omni_mosaic/"
@@ -369,6 +382,61 @@ def _mgpu(case: Case):
                                                     v.astype(jnp.float16), config)
 
 
+def _cumulative_lengths(case: Case) -> jax.Array:
+    """[batch * NUM_DOCUMENTS + 1] starts of the documents in the flattened token axis."""
+    lengths = np.bincount(_segment_ids(case)[0], minlength=NUM_DOCUMENTS)
+    starts = np.cumsum(np.tile(lengths, case.batch))
+    return jnp.asarray(np.concatenate([[0], starts]), jnp.int32)
+
+
+def _fa3(case: Case):
+    """FlashAttention-3 for JAX (head dims up to 128; documents through its varlen call)."""
+    try:
+        import flash_attn3_jax
+    except ImportError as error:
+        raise Unsupported("flash_attn3_jax is not installed") from error
+    if jax.default_backend() != "gpu":
+        raise Unsupported("flash_attn3_jax needs a GPU")
+    if max(case.head_dim, case.v_head_dim) > 128:
+        raise Unsupported("flash_attn3_jax takes head dims up to 128")
+    if case.mask == "alibi":
+        raise Unsupported("flash_attn3_jax has no score_mod or bias")
+    causal = case.mask in ("causal", "window", "causal_documents")
+    window = (WINDOW, 0) if case.mask == "window" else (-1, -1)
+    if case.mask in DOCUMENT_MASKS:
+        starts = _cumulative_lengths(case)
+        longest = int(np.bincount(_segment_ids(case)[0]).max())
+
+        def varlen(q, k, v):
+            flat = lambda x: x.reshape(-1, *x.shape[2:])
+            out = flash_attn3_jax.flash_mha_varlen(
+                flat(q), flat(k), flat(v), starts, starts, max_seqlen_q=longest,
+                max_seqlen_k=longest, is_causal=causal)
+            return out.reshape(q.shape[:3] + out.shape[-1:])
+
+        return varlen
+    return lambda q, k, v: flash_attn3_jax.flash_mha(q, k, v, is_causal=causal,
+                                                     window_size=window)
+
+
+def _fa4(case: Case):
+    """FlashAttention-4 for JAX (its CuTe DSL kernels; documents as a mask_mod)."""
+    try:
+        import fa4_jax
+    except ImportError as error:
+        raise Unsupported("fa4_jax is not installed") from error
+    if jax.default_backend() != "gpu":
+        raise Unsupported("fa4_jax's kernels need a GPU")
+    if case.mask == "alibi":
+        raise Unsupported("fa4_jax has no score_mod")
+    kwargs: dict[str, Any] = {"causal": case.mask in ("causal", "window", "causal_documents")}
+    if case.mask == "window":
+        kwargs["window_size"] = (WINDOW, 0)
+    if case.mask in DOCUMENT_MASKS:
+        kwargs["mask_mod"] = fa4_jax.document_mask(jnp.asarray(_segment_ids(case)))
+    return lambda q, k, v: fa4_jax.flash_attn(q, k, v, **kwargs)
+
+
 def _tokamax(case: Case):
     try:
         import tokamax
@@ -385,7 +453,7 @@ def _tokamax(case: Case):
 BUILDERS: dict[str, Callable[[Case], Callable]] = {
     "omni_xla": _omni("xla"), "omni_triton": _omni("triton"), "omni_mosaic": _omni("mosaic"),
     "cudnn": _jax_nn("cudnn"), "jax_xla": _jax_nn("xla"), "jax_pallas_mha": _pallas_mha,
-    "jax_mgpu": _mgpu, "tokamax": _tokamax,
+    "jax_mgpu": _mgpu, "fa3": _fa3, "fa4": _fa4, "tokamax": _tokamax,
 }
 
 
@@ -436,6 +504,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny float32 shapes (CPU smoke run)")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default=None,
                         help="input dtype of the cases (default: bfloat16, float32 with --tiny)")
+    parser.add_argument("--baseline", default=BASELINE,
+                        help="the implementation(s) the ratio compares with: one name, or "
+                             "several comma-separated (the fastest of them that ran, e.g. "
+                             f"'fa3,fa4'); default {BASELINE}")
+    parser.add_argument("--no-check", dest="check", action="store_false",
+                        help="time the implementations without first checking their output "
+                             "against the float32 XLA reference")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--samples", type=int, default=5)
     parser.add_argument("--inner", type=int, default=3)
@@ -457,6 +532,40 @@ def _selected_cases(args) -> list[Case]:
         cases = [dataclasses.replace(c, dtype=args.dtype) for c in cases]
     wanted = [w for w in args.cases.split(",") if w]
     return [c for c in cases if not wanted or any(w in c.name for w in wanted)]
+
+
+def _relative_error(got: Any, want: Any) -> float:
+    """The largest relative (Frobenius) error over matching leaves; NaN if any is NaN."""
+    errors = []
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        if a.shape != b.shape:
+            raise ValueError(f"output shape {a.shape}, the reference's {b.shape}")
+        if not np.isfinite(a).all():
+            return float("nan")
+        errors.append(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+    return max(errors)
+
+
+def _wrong_output(fn: Callable, reference: Any, arguments: tuple) -> str | None:
+    """Why ``fn`` is not timed (its output differs from ``reference``), or None."""
+    error = _relative_error(fn(*arguments), reference)
+    if error <= TOLERANCE:
+        return None
+    return f"wrong: relative error {error:.2e} against the float32 reference (NaN: non-finite)"
+
+
+def _reference(case: Case, arguments: tuple) -> Any:
+    """The float32 XLA backend's output (or gradients) on ``arguments``."""
+    fn = _timed_fn(_omni("xla")(case), case.backward)
+    return fn(*(x.astype(jnp.float32) for x in arguments))
+
+
+def _baseline_ms(case_rows: list[dict], baseline: str) -> float | None:
+    """The time ``ratio`` divides: the fastest finite one of the named implementations."""
+    names = baseline.split(",")
+    times = [r["ms"] for r in case_rows if r["impl"] in names and np.isfinite(r["ms"])]
+    return min(times) if times else None
 
 
 def _skip_note(case: Case, dense_ms: dict, impl: str, ms: float) -> str:
@@ -490,9 +599,21 @@ def run(args) -> list[dict]:
                 fns[impl] = _timed_fn(builders[impl](case), case.backward)
             except Exception as error:  # noqa: BLE001 - a peer failing must not stop the table
                 notes[impl] = _failure_note(error)
+        inputs = _inputs(case, 2)
+        if args.check and fns:
+            reference = _reference(case, inputs[0])
+            for impl, fn in list(fns.items()):
+                try:
+                    wrong = _wrong_output(fn, reference, inputs[0])
+                except Exception as error:  # noqa: BLE001 - reported in its row
+                    wrong = _failure_note(error)
+                if wrong:
+                    notes[impl] = wrong
+                    del fns[impl]
+            del reference
         # Timed together, samples alternating: clock drift hits every implementation alike.
         power: dict[str, str] = {}
-        timed = bench_interleaved(fns, _inputs(case, 2), warmup=args.warmup,
+        timed = bench_interleaved(fns, inputs, warmup=args.warmup,
                                   samples=args.samples, inner=args.inner,
                                   sustain_s=args.sustain, telemetry=power)
         case_rows = []
@@ -509,8 +630,7 @@ def run(args) -> list[dict]:
                 note = "; ".join(filter(None, ["float16 inputs (bf16 unsupported)", note]))
             note = "; ".join(filter(None, [note, power.get(impl)]))
             case_rows.append(_row(case, impl, ms, tflops(flops, ms), note))
-        baseline = next((r["ms"] for r in case_rows if r["impl"] == BASELINE
-                         and np.isfinite(r["ms"])), None)
+        baseline = _baseline_ms(case_rows, args.baseline)
         for row in case_rows:
             if baseline is not None and np.isfinite(row["ms"]):
                 row["ratio"] = baseline / row["ms"]

@@ -107,7 +107,8 @@ def test_a_value_head_dim_case_shapes_values_and_counts_both_products():
 
 
 def test_a_case_is_timed_together_and_failures_are_rows(monkeypatch, timed_together):
-    """Failures while traced are rows: `Unsupported` a skip, anything else a failure."""
+    """Failures while traced are rows: `Unsupported` a skip, anything else a failure (with
+    the output check off, the timing meets them; with it on, the check does, untimed)."""
     groups = timed_together(attention)
 
     def raising(error):
@@ -125,17 +126,20 @@ def test_a_case_is_timed_together_and_failures_are_rows(monkeypatch, timed_toget
     parser = argparse.ArgumentParser()
     attention.add_arguments(parser)
     impls = ["omni_xla", "jax_xla", "tokamax", "cudnn"]
-    args = parser.parse_args(["--tiny", "--cases", "dense b1 s128 h2 d32 fwd", "--impls",
-                              ",".join(impls), "--warmup", "1", "--samples", "2", "--inner", "1"])
-    rows = attention.run(args)
-    runnable = ["omni_xla", "jax_xla", "tokamax"] + (
-        ["cudnn"] if jax.default_backend() == "gpu" else [])
-    assert groups == [runnable] * 2  # fwd and fwd+bwd
-    notes = {(row["case"], row["impl"]): row["note"] for row in rows}
-    for case in {row["case"] for row in rows}:
-        assert notes[case, "jax_xla"] == "skipped: not for this case"
-        assert notes[case, "tokamax"] == "failed: RuntimeError: exploded"
-    assert all(math.isfinite(row["ms"]) for row in rows if row["impl"] == "omni_xla")
+    for check in (False, True):
+        groups.clear()
+        args = parser.parse_args(["--tiny", "--cases", "dense b1 s128 h2 d32 fwd", "--impls",
+                                  ",".join(impls), "--warmup", "1", "--samples", "2",
+                                  "--inner", "1", *([] if check else ["--no-check"])])
+        rows = attention.run(args)
+        runnable = ["omni_xla"] + ([] if check else ["jax_xla", "tokamax"]) + (
+            ["cudnn"] if jax.default_backend() == "gpu" else [])
+        assert groups == [runnable] * 2  # fwd and fwd+bwd
+        notes = {(row["case"], row["impl"]): row["note"] for row in rows}
+        for case in {row["case"] for row in rows}:
+            assert notes[case, "jax_xla"] == "skipped: not for this case"
+            assert notes[case, "tokamax"] == "failed: RuntimeError: exploded"
+        assert all(math.isfinite(row["ms"]) for row in rows if row["impl"] == "omni_xla")
 
 
 @pytest.mark.parametrize("impl,backward,fields", [
@@ -173,3 +177,45 @@ def test_seqs_replace_the_default_cases():
         ["--seqs", "1024", "32768", "--forward-only", "--cases", "causal"]))
     assert [(c.batch, c.seq, c.mask, c.backward) for c in cases] == [
         (16, 1024, "causal", False), (1, 32768, "causal", False)]
+
+
+def _tiny_args(*extra: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    attention.add_arguments(parser)
+    return parser.parse_args(["--tiny", "--warmup", "1", "--samples", "1", "--inner", "1",
+                              *extra])
+
+
+@pytest.mark.parametrize("wrong", ["scaled", "nan"])
+def test_an_implementation_with_wrong_output_is_reported_and_not_timed(monkeypatch, wrong):
+    """A peer is timed only after its output matched the float32 reference."""
+    def build(case):
+        attend = attention._omni("xla")(case)
+        if wrong == "nan":
+            return lambda q, k, v: attend(q, k, v) * jnp.nan
+        return lambda q, k, v: attend(q, k, v) * 1.5
+
+    monkeypatch.setitem(attention.BUILDERS, "fa3", build)
+    rows = attention.run(_tiny_args("--cases", "causal b1 s128 h2 d32 fwd+bwd",
+                                    "--impls", "omni_xla,fa3"))
+    by_impl = {row["impl"]: row for row in rows}
+    assert math.isfinite(by_impl["omni_xla"]["ms"])
+    assert math.isnan(by_impl["fa3"]["ms"])
+    assert by_impl["fa3"]["note"].startswith("wrong: relative error")
+
+
+def test_the_ratio_compares_with_the_fastest_named_baseline(monkeypatch):
+    rows = attention.run(_tiny_args("--cases", "dense b1 s128 h2 d32 fwd",
+                                    "--impls", "omni_xla,jax_xla", "--baseline",
+                                    "jax_xla,omni_xla"))
+    for row in rows:
+        fastest = min(r["ms"] for r in rows if r["case"] == row["case"])
+        assert row["ratio"] == pytest.approx(fastest / row["ms"])
+
+
+@pytest.mark.parametrize("impl", ["fa3", "fa4"])
+def test_flash_attention_peers_off_a_gpu_are_skipped_with_a_reason(impl):
+    rows = attention.run(_tiny_args("--cases", "causal_documents b1 s128 h2 d32 fwd",
+                                    "--impls", f"omni_xla,{impl}"))
+    note = {row["impl"]: row["note"] for row in rows}[impl]
+    assert note.startswith("skipped:") and ("installed" in note or "GPU" in note), note
