@@ -497,8 +497,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated substrings; keep cases whose name contains one "
                              "(e.g. 's4096', 'causal', 'fwd+bwd', 'd64')")
     parser.add_argument("--seqs", type=int, nargs="+", default=[],
-                        help="instead of the default cases: dense and causal d128 at these "
+                        help="instead of the default cases: dense and causal at these "
                              "sequence lengths, 16k tokens each (see `length_sweep`)")
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[128],
+                        help="the head dims of the --seqs cases (default 128)")
     parser.add_argument("--forward-only", action="store_true",
                         help="leave out the forward+backward cases")
     parser.add_argument("--tiny", action="store_true", help="tiny float32 shapes (CPU smoke run)")
@@ -517,15 +519,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_sustain_argument(parser)
 
 
-def length_sweep(seqs: list[int]) -> list[Case]:
-    """Dense and causal head-dim-128 cases at each length, 16k tokens (batch x seq; one
+def length_sweep(seqs: list[int], head_dims: tuple[int, ...] = (128,)) -> list[Case]:
+    """Dense and causal cases at each length and head dim, 16k tokens (batch x seq; one
     sequence when longer), forward and forward+backward: how the walk length matters."""
-    return [Case(max(1, 16384 // seq), seq, 16, 128, mask, backward)
-            for seq in seqs for mask in ("dense", "causal") for backward in (False, True)]
+    return [Case(max(1, 16384 // seq), seq, 16, head_dim, mask, backward)
+            for head_dim in head_dims for seq in seqs for mask in ("dense", "causal")
+            for backward in (False, True)]
 
 
 def _selected_cases(args) -> list[Case]:
-    cases = length_sweep(args.seqs) if args.seqs else default_cases(args.tiny)
+    cases = (length_sweep(args.seqs, tuple(args.head_dims)) if args.seqs
+             else default_cases(args.tiny))
     if args.forward_only:
         cases = [c for c in cases if not c.backward]
     if args.dtype:
