@@ -2,7 +2,9 @@
 
 Compiles and warms each implementation outside the profiled range, then calls
 each once between cudaProfilerStart/Stop, so ``ncu --profile-from-start off``
-records exactly those kernels:
+records exactly those kernels. JAX's preallocation is turned off: ncu saves and
+restores all allocated GPU memory around each kernel replay, which with most of
+the GPU preallocated takes minutes per kernel.
 
     ncu --profile-from-start off --section SpeedOfLight --section WarpStateStats \\
         python scripts/ncu_attention.py --impls omni_mosaic,fa4 \\
@@ -14,10 +16,13 @@ from __future__ import annotations
 import argparse
 import ctypes
 import ctypes.util
+import os
 
-import jax
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-from benchmarks import attention
+import jax  # noqa: E402 - after the allocator setting
+
+from benchmarks import attention  # noqa: E402
 
 
 def _cudart() -> ctypes.CDLL:
