@@ -196,15 +196,18 @@ def operand_batch_index(
 ) -> jax.Array:
     """Index into an operand's flattened batch for the output's flat batch index ``flat``.
 
-    Dimensions where the operand has size 1 are broadcast (contribute 0).
+    Dimensions where the operand has size 1 are broadcast (contribute 0). Integer
+    arithmetic here and in `grouped_tile` is lax's (indices are non-negative): jnp's
+    floor division is a jitted function, which Mosaic-GPU does not lower inside a
+    warp (`plgpu.warp_map`) under jax 0.10.
     """
     index = 0
     stride = 1
     rem = flat
     for size, own in zip(reversed(batch_shape), reversed(operand_batch), strict=True):
         if size > 1:
-            coord = rem % size
-            rem = rem // size
+            coord = lax.rem(rem, size)
+            rem = lax.div(rem, size)
             if own > 1:
                 index = index + coord * stride
         stride *= own
@@ -219,11 +222,11 @@ def grouped_tile(pid: jax.Array, m_tiles: int, n_tiles: int, group_m: int):
     """
     group_m = max(1, min(group_m, m_tiles))
     per_group = group_m * n_tiles
-    group = pid // per_group
+    group = lax.div(pid, per_group)
     first_m = group * group_m
-    rows = jnp.minimum(m_tiles - first_m, group_m)
-    within = pid % per_group
-    return first_m + within % rows, within // rows
+    rows = lax.min(m_tiles - first_m, group_m)
+    within = lax.rem(pid, per_group)
+    return first_m + lax.rem(within, rows), lax.div(within, rows)
 
 
 # ------------------------------------------------- TMA staging of the Mosaic-GPU GEMMs

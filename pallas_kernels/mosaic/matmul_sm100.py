@@ -202,7 +202,7 @@ class RingPosition:
 
     @classmethod
     def of(cls, count: jax.Array, depth: int) -> RingPosition:
-        return cls(slot=lax.rem(count, depth), lap=count // depth)
+        return cls(slot=lax.rem(count, depth), lap=lax.div(count, depth))
 
 
 def _kernel(
@@ -232,8 +232,8 @@ def _kernel(
     def tile_coords(lin):
         """(batch indices of a, b, the epilogue vectors (a tuple) and out; m offset of
         the cluster's tile; n offset) of linear tile ``lin``."""
-        bi = lin // (m_tiles * n_tiles)
-        mi, ni = grouped_tile(lin % (m_tiles * n_tiles), m_tiles, n_tiles, c.group_m)
+        bi = lax.div(lin, m_tiles * n_tiles)
+        mi, ni = grouped_tile(lax.rem(lin, m_tiles * n_tiles), m_tiles, n_tiles, c.group_m)
         idx = (
             operand_batch_index(bi, p.batch_shape, p.a_batch),
             operand_batch_index(bi, p.batch_shape, p.b_batch),
@@ -242,10 +242,6 @@ def _kernel(
         )
         return idx, mi * c.cluster_tile_m, ni * c.tile_n
 
-    def local_tiles():
-        """Tiles this CTA (cluster) computes: the grid strides over them."""
-        return pl.cdiv(num_tiles - lax.axis_index("sm"), num_programs)
-
     def scoped(a_buf, b_buf, out_buf, vec_smems, acc_tmem, full, empty, tmem_full,
                tmem_empty, vec_bar):
         # (tiled view for the MMA and register stores, view that TMA addresses)
@@ -253,6 +249,14 @@ def _kernel(
         b_smem, b_tma = b_buf if untiled_tma["b"] else (b_buf, b_buf)
         out_smem, out_tma = out_buf if untiled_tma["out"] else (out_buf, out_buf)
         leader = lax.axis_index(_PAIR) == 0 if pair else True
+        # The persistent grid strides over the tiles. Axis indices are read here, in
+        # warpgroup context (jax 0.10 names no grid axis inside `warp_map`).
+        program = lax.axis_index("sm")
+        local_tiles = pl.cdiv(num_tiles - program, num_programs)
+
+        def for_each_tile(body):
+            """Runs ``body(local_index, linear_tile)`` over this CTA's (cluster's) tiles."""
+            pl.loop(0, local_tiles)(lambda local: body(local, program + local * num_programs))
 
         def copy_operands(ai, bi, m0, n0, ki, slot):
             """Starts the TMA loads of K step ``ki``'s A and B blocks into ``slot``. A pair
@@ -270,14 +274,13 @@ def _kernel(
                                         **(partition if pair else {}))
 
         def tma_warp():
-            @plgpu.nd_loop((num_tiles,), collective_axes="sm")
-            def _tile(info):
-                (lin,) = info.index
+            @for_each_tile
+            def _tile(local, lin):
                 (ai, bi, _, _), m0, n0 = tile_coords(lin)
 
                 @pl.loop(0, k_iters)
                 def _k(ki):
-                    stage = RingPosition.of(info.local_index * k_iters + ki, c.stages)
+                    stage = RingPosition.of(local * k_iters + ki, c.stages)
 
                     @pl.when(stage.lap > 0)
                     def _():
@@ -287,16 +290,16 @@ def _kernel(
 
             # The MMAs of the last `stages` steps release their stages too: observe
             # them, so that every phase of every empty barrier is waited on.
-            num_steps = local_tiles() * k_iters
+            num_steps = local_tiles * k_iters
 
-            @pl.loop(jnp.maximum(num_steps - c.stages, 0), num_steps)
+            @pl.loop(lax.max(num_steps - c.stages, 0), num_steps)
             def _drain(step):
                 plgpu.barrier_wait(empty.at[RingPosition.of(step, c.stages).slot])
 
         def mma_warp():
-            @plgpu.nd_loop((num_tiles,), collective_axes="sm")
-            def _tile(info):
-                acc = RingPosition.of(info.local_index, 2)
+            @for_each_tile
+            def _tile(local, lin):
+                acc = RingPosition.of(local, 2)
 
                 @pl.when(acc.lap > 0)
                 def _():  # The epilogue has read the tile this accumulator held before.
@@ -306,7 +309,7 @@ def _kernel(
 
                 @pl.loop(0, k_iters)
                 def _k(ki):
-                    stage = RingPosition.of(info.local_index * k_iters + ki, c.stages)
+                    stage = RingPosition.of(local * k_iters + ki, c.stages)
                     plgpu.barrier_wait(full.at[stage.slot])
                     a_op = a_smem.at[stage.slot]
                     if p.transpose_a:
@@ -321,9 +324,7 @@ def _kernel(
                 plgpu.tcgen05_commit_arrive(tmem_full.at[acc.slot], collective_axis=pair)
 
             # Observe the epilogue's release of the last two accumulators as well.
-            tiles = local_tiles()
-
-            @pl.loop(jnp.maximum(tiles - 2, 0), tiles)
+            @pl.loop(lax.max(local_tiles - 2, 0), local_tiles)
             def _drain(t):
                 plgpu.barrier_wait(tmem_empty.at[RingPosition.of(t, 2).slot])
 
@@ -334,20 +335,19 @@ def _kernel(
                 pl.when((warp == _MMA_WARP) & leader)(mma_warp)
 
         def epilogue_warpgroup():
-            @plgpu.nd_loop((num_tiles,), collective_axes="sm")
-            def _tile(info):
-                (lin,) = info.index
+            @for_each_tile
+            def _tile(local, lin):
                 (_, _, vec_indices, oi), m0, n0 = tile_coords(lin)
                 row0 = m0 + (lax.axis_index(_PAIR) * c.tile_m if pair else 0)
                 # This tile's epilogue vectors; the copy overlaps the tile's MMAs.
                 for vec, vi, smem in zip(vec_gmems, vec_indices, vec_smems, strict=True):
                     plgpu.copy_gmem_to_smem(vec.at[vi, pl.ds(n0, c.tile_n)], smem, vec_bar)
-                acc = RingPosition.of(info.local_index, 2)
+                acc = RingPosition.of(local, 2)
                 plgpu.barrier_wait(tmem_full.at[acc.slot])
                 if vec_gmems:
                     plgpu.barrier_wait(vec_bar)
                 for chunk in range(chunks):
-                    store_chunk(acc, chunk, info.local_index * chunks + chunk, row0, n0, oi)
+                    store_chunk(acc, chunk, local * chunks + chunk, row0, n0, oi)
                 # Every TMEM load of the accumulator done: the MMA warp may overwrite it.
                 plgpu.wait_load_tmem()
                 plgpu.barrier_arrive(tmem_empty.at[acc.slot])
