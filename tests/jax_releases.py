@@ -12,3 +12,13 @@ def skip_unless_triton_lowers_here() -> None:
     if not compat.triton_lowers_without_gpu() and runtime.gpu_compute_capability() is None:
         pytest.skip("this jax lowers Triton kernels for CUDA only on a GPU")
 
+
+
+def skip_unless_blackwell_interpreter() -> None:
+    """The Mosaic-GPU interpreter runs Blackwell kernels (tcgen05 MMAs, tensor memory)
+    from jax 0.12: 0.10's has neither, 0.11's stops at a barrier-phase check."""
+    import jax
+
+    if jax.__version_info__ < (0, 12):
+        pytest.skip(f"the Mosaic-GPU interpreter of jax {jax.__version__} does not simulate "
+                    "tcgen05/TMEM (jax 0.12 does)")
