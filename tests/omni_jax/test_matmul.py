@@ -5,7 +5,7 @@ interpreter with race detection), so shapes stay tiny and each kernel case is
 chosen to cover something distinct: tails in every dimension, each operand
 layout, each epilogue, each dtype, vmap batching, gradients. Interpreted, the
 "mosaic" cases run twice: as Hopper's kernel (``OMNI_JAX_PALLAS_INTERPRET=1``) and
-as Blackwell's (``=sm100``, from jax 0.12). The cases marked ``gpu`` run compiled, at
+as Blackwell's (``=sm100``, from jax 0.11). The cases marked ``gpu`` run compiled, at
 sizes with many tiles, on a real device.
 """
 
