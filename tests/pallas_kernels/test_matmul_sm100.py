@@ -175,12 +175,43 @@ def test_shallow_ring_wraps_across_tiles(transpose_a, transpose_b, interpreted_s
                        transpose_b=transpose_b, out_dtype=F32, config=config)
     expected = reference(a, b, bias=bias, transpose_a=transpose_a, transpose_b=transpose_b)
     assert_close(out, expected, F32, seed)
+    # The interpreter hands the kernel a zeroed output (the zeros TMA's out-of-bounds reads
+    # need); a float32 sum of random products is never exactly 0, so a 0 is unwritten.
+    assert np.all(np.asarray(out) != 0), "an output element was never written"
 
 
 @pytest.mark.interpreted
 @pytest.mark.parametrize("batched", ["scale", "bias"])
 def test_epilogue_vectors_are_read_at_their_own_batch(batched, interpreted_sm100):
     check_vectors_batched_apart(sm100, batched, 24, 64, 64)
+
+
+# ---------------------------------------------------- compiled, on a datacenter Blackwell GPU
+
+ON_BLACKWELL = runtime.gpu_compute_capability() is not None and runtime.can_run_mosaic_blackwell()
+
+
+@pytest.mark.gpu
+@pytest.mark.smoke
+@pytest.mark.skipif(not ON_BLACKWELL, reason="needs a datacenter Blackwell GPU (sm100)")
+@pytest.mark.parametrize("collective", [False, True])
+@pytest.mark.parametrize("dtype,transpose_a,transpose_b", [
+    (BF16, False, False), (BF16, True, True), (E4M3, False, True)])
+def test_gpu_against_float64(collective, dtype, transpose_a, transpose_b):
+    """Many tiles per CTA, tails in M and N, both configurations (the 2-CTA one runs
+    nowhere else)."""
+    m, n, k = 1000, 1088, 1536
+    a, b, bias, seed = random_operands(m, n, k, dtype, transpose_a=transpose_a,
+                                       transpose_b=transpose_b, batch=(1,))
+    out_dtype = BF16
+    config = dataclasses.replace(sm100.default_config(dtype, out_dtype, vectors=1),
+                                 collective=collective)
+    out = sm100.matmul(a, b, None, bias[None], transpose_a=transpose_a,
+                       transpose_b=transpose_b, activation="gelu", out_dtype=out_dtype,
+                       config=config)
+    expected = reference(a, b, bias=bias, activation="gelu", transpose_a=transpose_a,
+                         transpose_b=transpose_b)
+    assert_close(out, expected, out_dtype, seed)
 
 
 # ------------------------------------------------------------ lowered for CUDA (any jax)
