@@ -439,6 +439,29 @@ def test_unavailable_kernel_says_why(implementation, message, monkeypatch):
                         implementation=implementation)
 
 
+@pytest.mark.parametrize("setting,capability,expected", [
+    ("sm100", None, "matmul_sm100"),
+    ("1", None, "matmul_sm90"),
+    ("", (10, 0), "matmul_sm100"),
+    ("", (10, 3), "matmul_sm100"),
+    ("", (9, 0), "matmul_sm90"),
+])
+def test_mosaic_resolves_to_the_architecture_s_kernel(setting, capability, expected,
+                                                      monkeypatch):
+    monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, setting)
+    monkeypatch.setattr(runtime, "gpu_compute_capability", lambda: capability)
+    assert implementations.unavailable_reason("mosaic") is None
+    assert implementations.module("mosaic").__name__ == f"pallas_kernels.mosaic.{expected}"
+
+
+@pytest.mark.parametrize("capability", [None, (12, 0), (8, 0)])
+def test_no_mosaic_kernel_elsewhere_names_both_architectures(capability, monkeypatch):
+    monkeypatch.delenv(runtime.INTERPRET_ENV_VAR, raising=False)
+    monkeypatch.setattr(runtime, "gpu_compute_capability", lambda: capability)
+    reason = implementations.unavailable_reason("mosaic")
+    assert "Hopper (sm90)" in reason and "Blackwell (sm100)" in reason
+
+
 def test_the_choice_is_logged_with_the_reasons(caplog, monkeypatch):
     """DEBUG: the implementation a call takes; INFO: a backward GEMM that cannot take the
     forward's implementation, with the reason."""

@@ -1,6 +1,6 @@
-"""The Blackwell GEMM kernel: configs, dispatch, its pipelines interpreted (jax 0.12, race
-detection on), and its lowering for CUDA (the 2-CTA configuration, which the interpreter
-cannot run, included)."""
+"""The Blackwell GEMM kernel: configs, its pipelines interpreted (jax 0.11+, race detection
+on), and its lowering for CUDA (the 2-CTA configuration, which the interpreter cannot run,
+included). Which kernel "mosaic" resolves to is tested with `omni_jax.matmul`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from omni_jax.matmul import implementations
 from pallas_kernels import compat, runtime
 from pallas_kernels.matmul_common import problem_of
 from pallas_kernels.mosaic import matmul_sm90 as sm90
@@ -38,7 +37,7 @@ def _problem(m, n, k, dtype=BF16, out_dtype=BF16, *, transpose_a=False, transpos
                       activation=None, out_dtype=out_dtype)
 
 
-# ------------------------------------------------------------- configs, dispatch (any jax)
+# ---------------------------------------------------------------------- configs (any jax)
 
 @pytest.mark.parametrize("in_dtype", [BF16, F16, E4M3])
 @pytest.mark.parametrize("out_dtype", [BF16, F32])
@@ -91,30 +90,7 @@ def test_ring_position_counts_slots_and_laps():
     np.testing.assert_array_equal(position.lap, np.arange(11) // 4)
 
 
-@pytest.mark.parametrize("setting,capability,expected", [
-    ("sm100", None, "matmul_sm100"),
-    ("1", None, "matmul_sm90"),
-    ("", (10, 0), "matmul_sm100"),
-    ("", (10, 3), "matmul_sm100"),
-    ("", (9, 0), "matmul_sm90"),
-])
-def test_mosaic_resolves_to_the_architecture_s_kernel(setting, capability, expected,
-                                                      monkeypatch):
-    monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, setting)
-    monkeypatch.setattr(runtime, "gpu_compute_capability", lambda: capability)
-    assert implementations.unavailable_reason("mosaic") is None
-    assert implementations.module("mosaic").__name__ == f"pallas_kernels.mosaic.{expected}"
-
-
-@pytest.mark.parametrize("capability", [None, (12, 0), (8, 0)])
-def test_no_mosaic_kernel_elsewhere_names_both_architectures(capability, monkeypatch):
-    monkeypatch.delenv(runtime.INTERPRET_ENV_VAR, raising=False)
-    monkeypatch.setattr(runtime, "gpu_compute_capability", lambda: capability)
-    reason = implementations.unavailable_reason("mosaic")
-    assert "Hopper (sm90)" in reason and "Blackwell (sm100)" in reason
-
-
-# --------------------------------------------------- interpreted (jax 0.12, races detected)
+# -------------------------------------------------- interpreted (jax 0.11+, races detected)
 
 @pytest.fixture
 def interpreted_sm100(monkeypatch):
