@@ -169,10 +169,30 @@ class MatmulConfig:
             )
 
 
-def default_config(in_dtype, out_dtype, *, vectors: int = 0) -> MatmulConfig:
-    """128x256 tiles (the widest single-CTA tcgen05 MMA: it reads the fewest shared-memory
-    bytes per product) with the deepest operand ring that fits in shared memory."""
+# Tile widths the defaults choose from, with their relative main-loop efficiency: a
+# 128x256 MMA reads 96 bytes of shared memory per cycle at the full tcgen05 rate, a
+# 128x128 one 128 (all of it), so it is taken only where it fills the last wave better.
+_DEFAULT_TILE_N = ((256, 1.0), (128, 0.75))
+
+
+def default_config(
+    m: int, n: int, k: int, in_dtype, out_dtype, *, vectors: int = 0, batch: int = 1,
+    num_sms: int = B200_SMS,
+) -> MatmulConfig:
+    """Single-CTA tiles 128 rows high and 256 (or, where that fills the last of the waves of
+    ``num_sms`` persistent CTAs better, 128) columns wide, with the deepest operand ring
+    that fits in shared memory. ``vectors`` counts the epilogue's scale and bias vectors."""
+    del k
+
+    def score(choice):
+        tile_n, efficiency = choice
+        tiles = batch * pl.cdiv(m, 128) * pl.cdiv(n, tile_n)
+        filled = efficiency * tiles / (pl.cdiv(tiles, num_sms) * num_sms)
+        return filled, -tiles * tile_n  # ties: the least padding
+
+    tile_n, _ = max(_DEFAULT_TILE_N, key=score)
     base = MatmulConfig(
+        tile_n=tile_n,
         tile_k=SWIZZLE_BYTES // jnp.dtype(in_dtype).itemsize,
         epilogue_tile_n=SWIZZLE_BYTES // jnp.dtype(out_dtype).itemsize,
     )
@@ -455,7 +475,9 @@ def matmul(
     reason = unsupported_reason(p)
     if reason is not None:
         raise ValueError(reason)
-    config = config or default_config(p.in_dtype, p.out_dtype, vectors=epilogue_vector_count(p))
+    config = config or default_config(
+        p.m, p.n, p.k, p.in_dtype, p.out_dtype, vectors=epilogue_vector_count(p),
+        batch=p.batch, num_sms=runtime.num_sms())
     config.check(p)
     num_tiles = p.batch * pl.cdiv(p.m, config.cluster_tile_m) * pl.cdiv(p.n, config.tile_n)
     num_programs = _num_programs(config, num_tiles)  # clusters, when collective

@@ -43,12 +43,23 @@ def _problem(m, n, k, dtype=BF16, out_dtype=BF16, *, transpose_a=False, transpos
 @pytest.mark.parametrize("out_dtype", [BF16, F32])
 @pytest.mark.parametrize("vectors", [0, 2])
 def test_default_configs_are_valid(in_dtype, out_dtype, vectors):
-    config = sm100.default_config(in_dtype, out_dtype, vectors=vectors)
-    config.check(_problem(8192, 8192, 8192, in_dtype, out_dtype, transpose_b=True))
+    problem = _problem(8192, 8192, 8192, in_dtype, out_dtype, transpose_b=True)
+    config = sm100.default_config(8192, 8192, 8192, in_dtype, out_dtype, vectors=vectors)
+    config.check(problem)
     assert (config.tile_m, config.tile_n) == (128, 256) and config.stages >= 4
-    for collective in (False, True):
-        dataclasses.replace(config, collective=collective, tile_n=256).check(
-            _problem(8192, 8192, 8192, in_dtype, out_dtype, transpose_b=True))
+    dataclasses.replace(config, collective=True).check(problem)
+
+
+@pytest.mark.parametrize("m,n,tile_n", [
+    (8192, 8192, 256), (4096, 8192, 256),
+    # 148 SMs: 128 tiles of 128x256 fill 86 %, 256 of 128x128 86 % (x 0.75)
+    (1024, 4096, 256),
+    # 64 tiles of 128x256 fill 43 %; 128 of 128x128 86 % (x 0.75)
+    (1024, 2048, 128),
+    (640, 256, 128),
+])
+def test_default_tile_width_fills_the_last_wave(m, n, tile_n):
+    assert sm100.default_config(m, n, 4096, BF16, BF16).tile_n == tile_n
 
 
 @pytest.mark.parametrize("change,message", [
@@ -121,7 +132,7 @@ def test_interpreted_against_float64(m, n, k, dtype, out_dtype, transpose_a, tra
     a, b, bias, seed = random_operands(m, n, k, dtype, transpose_a=transpose_a,
                                        transpose_b=transpose_b, batch=(1,))
     scale = jax.random.uniform(jax.random.key(seed + 1), (1, n), jnp.float32, 0.5, 2.0)
-    config = dataclasses.replace(sm100.default_config(dtype, out_dtype, vectors=2),
+    config = dataclasses.replace(sm100.default_config(m, n, k, dtype, out_dtype, vectors=2),
                                  tile_n=tile_n, stages=3)
     out = sm100.matmul(a, b, scale, bias[None], transpose_a=transpose_a,
                        transpose_b=transpose_b, activation=activation, out_dtype=out_dtype,
@@ -180,7 +191,7 @@ def test_gpu_against_float64(collective, dtype, transpose_a, transpose_b):
     a, b, bias, seed = random_operands(m, n, k, dtype, transpose_a=transpose_a,
                                        transpose_b=transpose_b, batch=(1,))
     out_dtype = BF16
-    config = dataclasses.replace(sm100.default_config(dtype, out_dtype, vectors=1),
+    config = dataclasses.replace(sm100.default_config(m, n, k, dtype, out_dtype, vectors=1),
                                  collective=collective)
     out = sm100.matmul(a, b, None, bias[None], transpose_a=transpose_a,
                        transpose_b=transpose_b, activation="gelu", out_dtype=out_dtype,
@@ -226,7 +237,7 @@ def test_configs_lower_for_cuda(change, case, _compiling_for_sm100):
     vectors."""
     case = dict(case)
     dtype = case.pop("dtype")
-    config = dataclasses.replace(
-        sm100.default_config(dtype, case.get("out_dtype") or dtype, vectors=2), **change)
+    config = dataclasses.replace(sm100.default_config(
+        1088, 1024, 1536, dtype, case.get("out_dtype") or dtype, vectors=2), **change)
     text = lower_gemm_for_cuda(sm100, 1088, 1024, 1536, dtype, config=config, **case)
     assert "mosaic_gpu" in text
