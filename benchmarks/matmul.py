@@ -89,10 +89,10 @@ def _impl_name(impl: str) -> str:
 
 
 def _forced_fields(impl: str) -> dict[str, int]:
-    """The MatmulConfig fields ``mosaic/FIELD=N/...`` forces."""
-    from pallas_kernels.mosaic import matmul_sm90
-
-    names = {field.name for field in dataclasses.fields(matmul_sm90.MatmulConfig)}
+    """The MatmulConfig fields ``mosaic/FIELD=N/...`` forces (of the Mosaic kernel of this
+    machine's architecture: Hopper's, or Blackwell's)."""
+    config_type = implementations.module("mosaic").MatmulConfig
+    names = {field.name for field in dataclasses.fields(config_type)}
     fields = {}
     for item in impl[len(FORCED_MOSAIC_PREFIX):].split("/"):
         name, _, value = item.partition("=")
@@ -232,26 +232,24 @@ def _mosaic_kwargs(suite: str, args_set: tuple) -> tuple:
 def _forced(impl: str, suite: str, args_set: tuple) -> tuple[Callable, str]:
     """The Mosaic kernel with the default config's fields changed as ``impl`` says, and
     the config for the row's note."""
-    from pallas_kernels.matmul_common import problem_of
-    from pallas_kernels.mosaic import matmul_sm90
-
+    kernel = implementations.module("mosaic")
     a, b, scale, bias, kwargs = _mosaic_kwargs(suite, args_set)
     out_dtype = jnp.dtype(kwargs.get("out_dtype") or a.dtype)
     p = problem_of(a, b, scale, bias, transpose_a=False,
                    transpose_b=kwargs.get("transpose_b", False),
                    activation=kwargs.get("activation"), out_dtype=out_dtype)
     vectors = int(p.has_scale) + int(p.has_bias)
-    config = matmul_sm90.default_config(p.m, p.n, p.k, p.in_dtype, p.out_dtype, vectors=vectors)
+    config = kernel.default_config(p.m, p.n, p.k, p.in_dtype, p.out_dtype, vectors=vectors)
     changes = {name: type(getattr(config, name))(value)
                for name, value in _forced_fields(impl).items()}
     config = dataclasses.replace(config, **changes)
     while ("stages" not in changes and config.stages > 2
-           and config.smem_bytes(p.in_dtype, p.out_dtype, vectors) > matmul_sm90.SMEM_BYTES):
+           and config.smem_bytes(p.in_dtype, p.out_dtype, vectors) > kernel.SMEM_BYTES):
         config = dataclasses.replace(config, stages=config.stages - 1)  # deepest that fits
 
     def forced(a, b, bias, sa, sb):
         a, b, scale, bias, kwargs = _mosaic_kwargs(suite, (a, b, bias, sa, sb))
-        return matmul_sm90.matmul(a, b, scale, bias, config=config, **kwargs)
+        return kernel.matmul(a, b, scale, bias, config=config, **kwargs)
 
     return forced, f"config {config}"
 

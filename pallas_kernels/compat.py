@@ -10,6 +10,7 @@ Append new wrappers; keep existing signatures stable.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -511,3 +512,24 @@ def inputs_read(jaxpr: Any) -> tuple[bool, ...]:
 
     _, used = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
     return tuple(used)
+
+
+@contextlib.contextmanager
+def mosaic_lowering_arch(major: int, minor: int):
+    """Mosaic-GPU lowerings in this block target compute capability ``major.minor``.
+
+    Mosaic stamps the architecture on the module it lowers and picks arch-specific
+    code paths from it; it takes it from the default device, and without a GPU
+    assumes Hopper (9.0). Tests that lower Blackwell kernels for CUDA on a CPU
+    machine set it here (the inference lived in ``mosaic.gpu.core`` up to jax 0.10,
+    in ``mosaic.gpu.utils`` after).
+    """
+    from jax.experimental.mosaic.gpu import core, utils
+
+    owner = core if hasattr(core, "_infer_arch") else utils
+    inferred = owner._infer_arch
+    owner._infer_arch = lambda: (major, minor)
+    try:
+        yield
+    finally:
+        owner._infer_arch = inferred

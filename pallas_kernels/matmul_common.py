@@ -196,15 +196,18 @@ def operand_batch_index(
 ) -> jax.Array:
     """Index into an operand's flattened batch for the output's flat batch index ``flat``.
 
-    Dimensions where the operand has size 1 are broadcast (contribute 0).
+    Dimensions where the operand has size 1 are broadcast (contribute 0). Integer
+    arithmetic here and in `grouped_tile` is lax's (indices are non-negative): jnp's
+    floor division is a jitted function, which Mosaic-GPU does not lower inside a
+    warp (`plgpu.warp_map`) under jax 0.10.
     """
     index = 0
     stride = 1
     rem = flat
     for size, own in zip(reversed(batch_shape), reversed(operand_batch), strict=True):
         if size > 1:
-            coord = rem % size
-            rem = rem // size
+            coord = lax.rem(rem, size)
+            rem = lax.div(rem, size)
             if own > 1:
                 index = index + coord * stride
         stride *= own
@@ -219,8 +222,124 @@ def grouped_tile(pid: jax.Array, m_tiles: int, n_tiles: int, group_m: int):
     """
     group_m = max(1, min(group_m, m_tiles))
     per_group = group_m * n_tiles
-    group = pid // per_group
+    group = lax.div(pid, per_group)
     first_m = group * group_m
-    rows = jnp.minimum(m_tiles - first_m, group_m)
-    within = pid % per_group
-    return first_m + within % rows, within // rows
+    rows = lax.min(m_tiles - first_m, group_m)
+    within = lax.rem(pid, per_group)
+    return first_m + lax.rem(within, rows), lax.div(within, rows)
+
+
+# ------------------------------------------------- TMA staging of the Mosaic-GPU GEMMs
+# Shared by the Hopper (wgmma) and Blackwell (tcgen05) kernels: both stage operands and
+# output tiles through shared memory swizzled in 128-byte rows, moved by TMA.
+
+# Shared-memory tiles are swizzled in 128-byte rows, (8 rows, 128 bytes) per tile. A TMA
+# into the tiled view addresses the global array through that tiling, so its two minor
+# dimensions must be multiples of (8, 128 bytes); `tma_staging` lifts the 8-row multiple
+# where it can.
+SWIZZLE_BYTES = 128
+TMA_TILE_ROWS = 8
+MOSAIC_IN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), *FP8_DTYPES)
+
+
+def epilogue_vector_count(problem: GemmProblem) -> int:
+    """How many epilogue vectors (scale, bias) ``problem`` has."""
+    return int(problem.has_scale) + int(problem.has_bias)
+
+
+def stored_layouts(problem: GemmProblem) -> tuple[bool, bool]:
+    """(transpose_a, transpose_b) as a Mosaic kernel reads the operands (fp8: K-major,
+    `fp8_k_major`)."""
+    if problem.in_dtype in FP8_DTYPES:
+        return False, True
+    return problem.transpose_a, problem.transpose_b
+
+
+def _tma_tiled_only(problem: GemmProblem) -> dict[str, bool]:
+    """Which arrays TMA must move through the (8, 128-byte) tiled view (see `tma_staging`).
+
+    Blocks one swizzle row (128 bytes) wide can go through a view tiled by single rows
+    instead: a with K minor, b with K minor, the output's epilogue tiles. a read as
+    (K, M) and b as (K, N) have blocks several swizzle rows wide.
+    """
+    transpose_a, transpose_b = stored_layouts(problem)
+    return {"a": transpose_a, "b": not transpose_b, "out": False}
+
+
+def tma_unsupported_reason(problem: GemmProblem) -> str | None:
+    """Why a Mosaic GEMM's TMA staging cannot move ``problem``'s arrays (None when it can).
+
+    Every stored array needs rows a multiple of 128 bytes (TMA views rows in swizzle
+    rows); a read as (K, M) and b read as (K, N) also need a multiple of 8 rows. Any
+    other size, M in particular, is free.
+    """
+    if problem.in_dtype not in MOSAIC_IN_DTYPES:
+        return f"input dtype {problem.in_dtype} is not one of bf16, f16, fp8 (e4m3fn, e5m2)"
+    transpose_a, transpose_b = stored_layouts(problem)
+    tiled_only = _tma_tiled_only(problem)
+    p = problem
+    for name, shape, itemsize in (
+        ("a", (p.k, p.m) if transpose_a else (p.m, p.k), p.in_dtype.itemsize),
+        ("b", (p.n, p.k) if transpose_b else (p.k, p.n), p.in_dtype.itemsize),
+        ("out", (p.m, p.n), p.out_dtype.itemsize),
+    ):
+        cols = SWIZZLE_BYTES // itemsize
+        rows = TMA_TILE_ROWS if tiled_only[name] else 1
+        if shape[0] % rows or shape[1] % cols:
+            need = f"{rows} rows and of {cols} columns" if rows > 1 else f"{cols} columns"
+            return (
+                f"the Mosaic kernel's TMA tiles need {name} (stored as {shape}) to have a"
+                f" multiple of {need}"
+            )
+    return None
+
+
+def swizzled_smem(shape: tuple[int, ...], dtype):
+    """A shared-memory buffer tiled and swizzled for the MMA and TMA along its minor
+    dimension."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    bits = jnp.dtype(dtype).itemsize * 8
+    swizzle = plgpu.find_swizzle(shape[-1] * bits)
+    transforms = (
+        plgpu.TilingTransform((8, swizzle * 8 // bits)),
+        plgpu.SwizzleTransform(swizzle),
+    )
+    return plgpu.SMEM(shape, dtype, transforms=transforms)
+
+
+def tma_staging(shape: tuple[int, ...], dtype, untiled_tma: bool):
+    """A staging buffer: the tiled view alone, or (tiled view, plain swizzled view).
+
+    The MMA and register stores use the tiled view. When the buffer's minor extent is
+    one 128-byte swizzle row, the two views are the same bytes, and a TMA through the
+    plain one addresses the global array untiled: no divisibility requirement on the
+    array, TMA bounds handle every tail.
+    """
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    tiled = swizzled_smem(shape, dtype)
+    if not untiled_tma:
+        return tiled
+    row_elements = SWIZZLE_BYTES // jnp.dtype(dtype).itemsize
+    plain = plgpu.SMEM(
+        shape, dtype,
+        transforms=(
+            plgpu.TilingTransform((1, row_elements)), plgpu.SwizzleTransform(SWIZZLE_BYTES)
+        ),
+    )
+    return plgpu.RefUnion(tiled, plain)
+
+
+def untiled_tma_arrays(problem: GemmProblem, interpreted: bool) -> dict[str, bool]:
+    """Per array: TMA through the row-tiled view (arrays whose rows 8 do not divide).
+
+    The interpreter neither needs it (it does not tile global arrays) nor runs aliased
+    views, so interpreted kernels always use the tiled view.
+    """
+    if interpreted:
+        return {"a": False, "b": False, "out": False}
+    p = problem
+    rows = {"a": p.k if p.transpose_a else p.m, "b": p.n if p.transpose_b else p.k, "out": p.m}
+    tiled_only = _tma_tiled_only(p)
+    return {name: not tiled_only[name] and rows[name] % TMA_TILE_ROWS != 0 for name in rows}

@@ -1,4 +1,4 @@
-"""``omni_jax.matmul``: a fused, differentiable, batchable GEMM (Hopper, Triton, XLA paths)."""
+"""``omni_jax.matmul``: a fused, differentiable, batchable GEMM (Mosaic, Triton, XLA paths)."""
 
 from omni_jax.matmul.api import ACTIVATIONS, IMPLEMENTATIONS, matmul
 

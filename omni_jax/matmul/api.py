@@ -63,8 +63,8 @@ def matmul(
         (bfloat16 for fp8 inputs).
       transpose_a, transpose_b: read the operand transposed, without copying it.
       a_scale, b_scale: per-tensor scales of fp8 (e4m3fn / e5m2) operands.
-      implementation: None (best for the device), "mosaic" (Hopper kernel),
-        "triton" (portable Pallas kernel) or "xla" (``jnp.dot``).
+      implementation: None (best for the device), "mosaic" (the Hopper or
+        Blackwell kernel), "triton" (portable Pallas kernel) or "xla" (``jnp.dot``).
 
     Products accumulate in float32, except that in the Mosaic kernel Hopper's tensor
     cores add fp8 products at their own precision (about 14 mantissa bits: relative

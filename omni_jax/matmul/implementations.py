@@ -4,9 +4,11 @@ Each implementation is a module with ``unsupported_reason(problem)`` and
 ``matmul(a, b, scale, bias, *, transpose_a, transpose_b, activation, out_dtype)``
 over the batched operand layouts of `pallas_kernels.matmul_common`.
 ``implementation=None`` takes, in the device's order of preference, the first
-one that runs here and serves the call: on Hopper (sm90) "mosaic", then
-"triton", then "xla"; on other sm80+ GPUs "triton", then "xla"; elsewhere
-"xla", which serves everything. Naming one that cannot serve raises ValueError.
+one that runs here and serves the call: on Hopper (sm90) and datacenter
+Blackwell (sm100) "mosaic", then "triton", then "xla"; on other sm80+ GPUs
+"triton", then "xla"; elsewhere "xla", which serves everything. Naming one that
+cannot serve raises ValueError. "mosaic" is the kernel of the GPU's architecture:
+`pallas_kernels.mosaic.matmul_sm90` or `matmul_sm100`.
 """
 
 from __future__ import annotations
@@ -26,17 +28,28 @@ logger = logging.getLogger(__name__)
 _MODULES = {
     "xla": "omni_jax.matmul.xla",
     "triton": "pallas_kernels.triton.matmul",
-    "mosaic": "pallas_kernels.mosaic.matmul_sm90",
+}
+_MOSAIC_MODULES = {
+    "sm90": "pallas_kernels.mosaic.matmul_sm90",
+    "sm100": "pallas_kernels.mosaic.matmul_sm100",
 }
 
 
-@functools.cache
 def module(name: str) -> ModuleType | None:
-    """The module of implementation ``name``, or None when this version lacks it."""
+    """The module of implementation ``name``, or None when this version lacks it.
+    "mosaic" is the kernel of the architecture Mosaic kernels run on here (Hopper's
+    where none does)."""
+    if name == "mosaic":
+        return _import(_MOSAIC_MODULES[runtime.mosaic_architecture() or "sm90"])
+    return _import(_MODULES[name])
+
+
+@functools.cache
+def _import(path: str) -> ModuleType | None:
     try:
-        return importlib.import_module(_MODULES[name])
+        return importlib.import_module(path)
     except ModuleNotFoundError as error:
-        if error.name != _MODULES[name]:
+        if error.name != path:
             raise
         return None
 
@@ -49,11 +62,12 @@ def unavailable_reason(name: str) -> str | None:
     if name == "triton" and not runtime.can_run_triton():
         return (f"the Triton kernel needs a CUDA GPU of compute capability 8.0 or newer "
                 f"({interpret})")
-    if name == "mosaic" and not runtime.can_run_mosaic_hopper():
+    if name == "mosaic" and runtime.mosaic_architecture() is None:
         capability = runtime.gpu_compute_capability()
         here = ("this device is not a CUDA GPU" if capability is None
                 else f"this GPU has compute capability {capability[0]}.{capability[1]}")
-        return f"the Mosaic kernel needs a Hopper (sm90) GPU ({interpret}); {here}"
+        return (f"the Mosaic kernels need a Hopper (sm90) or datacenter Blackwell (sm100) "
+                f"GPU ({interpret}, =sm100 as Blackwell); {here}")
     return None
 
 
@@ -109,8 +123,9 @@ def _first_serving(names: tuple[str, ...], problem: GemmProblem, passed_over_lev
 
 
 def trace_state() -> Hashable:
-    """What the kernels read while tracing besides the call itself (interpret mode,
-    autotuned configs): part of `omni_jax.matmul`'s jit key, so that a change traces
-    afresh instead of reusing a call compiled before it."""
+    """What the kernels read while tracing besides the call itself (interpret mode and
+    the architecture it stands in for, autotuned configs): part of `omni_jax.matmul`'s
+    jit key, so that a change traces afresh instead of reusing a call compiled before
+    it."""
     tuned = getattr(module("mosaic"), "tuned_configs", None)
-    return runtime.interpret_requested(), None if tuned is None else tuned()
+    return runtime.interpreted_architecture(), None if tuned is None else tuned()

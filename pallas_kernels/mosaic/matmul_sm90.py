@@ -38,14 +38,19 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import compat, runtime
 from pallas_kernels.matmul_common import (
-    FP8_DTYPES,
+    SWIZZLE_BYTES,
     GemmProblem,
     epilogue,
+    epilogue_vector_count,
     flatten_batch,
     fp8_k_major,
     grouped_tile,
     operand_batch_index,
     problem_of,
+    stored_layouts,
+    tma_staging,
+    tma_unsupported_reason,
+    untiled_tma_arrays,
 )
 
 # Usable dynamic shared memory per CTA on H100 (227 KiB), less room for barriers.
@@ -56,13 +61,6 @@ _CONSUMER_REGISTERS = 232
 # A consumer warpgroup (128 threads) holds its accumulator in registers: at
 # most 192 float32 per thread, leaving room for addresses and the epilogue.
 _MAX_ACC_ELEMENTS = 128 * 192
-# Shared-memory tiles are swizzled in 128-byte rows, (8 rows, 128 bytes) per
-# tile. A TMA into the tiled view addresses the global array through that
-# tiling, so its two minor dimensions must be multiples of (8, 128 bytes);
-# `_staging` lifts the 8-row multiple where it can.
-_SWIZZLE_BYTES = 128
-_TILE_ROWS = 8
-_IN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), *FP8_DTYPES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,10 +132,10 @@ class MatmulConfig:
                 f" {_MAX_ACC_ELEMENTS // 128} registers per thread: {self}"
             )
         in_bytes = problem.in_dtype.itemsize
-        transpose_a, transpose_b = _stored_layouts(problem)
-        if self.tile_k * in_bytes != _SWIZZLE_BYTES:
+        transpose_a, transpose_b = stored_layouts(problem)
+        if self.tile_k * in_bytes != SWIZZLE_BYTES:
             raise ValueError(
-                f"tile_k must span one {_SWIZZLE_BYTES}-byte swizzle row; got {self.tile_k}"
+                f"tile_k must span one {SWIZZLE_BYTES}-byte swizzle row; got {self.tile_k}"
             )
         minor_dims = {}  # other swizzled minor dims of the smem tiles
         if transpose_a:
@@ -145,9 +143,9 @@ class MatmulConfig:
         if not transpose_b:
             minor_dims["tile_n"] = self.tile_n
         for name, size in minor_dims.items():
-            if size * in_bytes % _SWIZZLE_BYTES:
+            if size * in_bytes % SWIZZLE_BYTES:
                 raise ValueError(
-                    f"{name} must span a multiple of {_SWIZZLE_BYTES} bytes; got {size}"
+                    f"{name} must span a multiple of {SWIZZLE_BYTES} bytes; got {size}"
                 )
         if self.wgmma_in_flight not in (0, 1):
             raise ValueError(f"wgmma_in_flight must be 0 or 1; got {self}")
@@ -155,7 +153,8 @@ class MatmulConfig:
             raise ValueError(f"cluster_n must be 1 or 2; got {self}")
         if self.tile_m % self.epilogue_tile_m or self.tile_n % self.epilogue_tile_n:
             raise ValueError(f"epilogue tile must divide (tile_m, tile_n); got {self}")
-        needed = self.smem_bytes(problem.in_dtype, problem.out_dtype, _vectors(problem))
+        needed = self.smem_bytes(
+            problem.in_dtype, problem.out_dtype, epilogue_vector_count(problem))
         if needed > SMEM_BYTES:
             raise ValueError(
                 f"config needs {needed} bytes of shared memory, more than {SMEM_BYTES}: {self}"
@@ -168,10 +167,6 @@ class MatmulConfig:
 # widest wgmma, which reads the fewest shared-memory bytes per product.
 _DEFAULT_TILES = (((64, 256), 1.0), ((128, 128), 1.0), ((64, 128), 0.9), ((64, 64), 0.75))
 H100_SMS = 132
-
-
-def _vectors(problem: GemmProblem) -> int:
-    return int(problem.has_scale) + int(problem.has_bias)
 
 
 def default_config(
@@ -198,7 +193,7 @@ def default_config(
     (tile_m, tile_n), _ = max(_DEFAULT_TILES, key=score)  # then: the earlier tile
     base = MatmulConfig(
         tile_m=tile_m, tile_n=tile_n, tile_k=tile_k,
-        epilogue_tile_n=_SWIZZLE_BYTES // jnp.dtype(out_dtype).itemsize,
+        epilogue_tile_n=SWIZZLE_BYTES // jnp.dtype(out_dtype).itemsize,
     )
     for stages in range(6, 1, -1):
         config = dataclasses.replace(base, stages=stages)
@@ -207,100 +202,12 @@ def default_config(
     return dataclasses.replace(base, stages=2)
 
 
-def _k_major(problem: GemmProblem) -> bool:
-    """fp8 wgmma reads only K-major operands: a as (M, K), b as (N, K)."""
-    return problem.in_dtype in FP8_DTYPES
-
-
-def _stored_layouts(problem: GemmProblem) -> tuple[bool, bool]:
-    """(transpose_a, transpose_b) as the kernel reads the operands (fp8: K-major)."""
-    if _k_major(problem):
-        return False, True
-    return problem.transpose_a, problem.transpose_b
-
-
-def _tiled_only(problem: GemmProblem) -> dict[str, bool]:
-    """Which arrays TMA must move through the (8, 128-byte) tiled view (see `_staging`).
-
-    Blocks one swizzle row (128 bytes) wide can go through a view tiled by single
-    rows instead: a with K minor, b with K minor, the output's epilogue tiles.
-    a read as (K, M) and b as (K, N) have blocks several swizzle rows wide.
-    """
-    transpose_a, transpose_b = _stored_layouts(problem)
-    return {"a": transpose_a, "b": not transpose_b, "out": False}
-
-
 def unsupported_reason(problem: GemmProblem) -> str | None:
     """Why this kernel cannot run ``problem`` (None when it can); devices are not checked.
 
-    Every stored array needs rows a multiple of 128 bytes (TMA views rows in
-    swizzle rows); a read as (K, M) and b read as (K, N) also need a multiple of
-    8 rows. Any other size, M in particular, is free.
+    The limits are those of the TMA staging (`matmul_common.tma_unsupported_reason`).
     """
-    if problem.in_dtype not in _IN_DTYPES:
-        return f"input dtype {problem.in_dtype} is not one of bf16, f16, fp8 (e4m3fn, e5m2)"
-    transpose_a, transpose_b = _stored_layouts(problem)
-    tiled_only = _tiled_only(problem)
-    p = problem
-    for name, shape, itemsize in (
-        ("a", (p.k, p.m) if transpose_a else (p.m, p.k), p.in_dtype.itemsize),
-        ("b", (p.n, p.k) if transpose_b else (p.k, p.n), p.in_dtype.itemsize),
-        ("out", (p.m, p.n), p.out_dtype.itemsize),
-    ):
-        cols = _SWIZZLE_BYTES // itemsize
-        rows = _TILE_ROWS if tiled_only[name] else 1
-        if shape[0] % rows or shape[1] % cols:
-            need = f"{rows} rows and of {cols} columns" if rows > 1 else f"{cols} columns"
-            return (
-                f"the Mosaic kernel's TMA tiles need {name} (stored as {shape}) to have a"
-                f" multiple of {need}"
-            )
-    return None
-
-
-def _swizzled(shape: tuple[int, ...], dtype) -> plgpu.SMEM:
-    """A shared-memory buffer tiled and swizzled for wgmma/TMA along its minor dimension."""
-    bits = jnp.dtype(dtype).itemsize * 8
-    swizzle = plgpu.find_swizzle(shape[-1] * bits)
-    transforms = (
-        plgpu.TilingTransform((8, swizzle * 8 // bits)),
-        plgpu.SwizzleTransform(swizzle),
-    )
-    return plgpu.SMEM(shape, dtype, transforms=transforms)
-
-
-def _staging(shape: tuple[int, ...], dtype, untiled_tma: bool):
-    """A staging buffer: the tiled view alone, or (tiled view, plain swizzled view).
-
-    wgmma and register stores use the tiled view. When the buffer's minor extent
-    is one 128-byte swizzle row, the two views are the same bytes, and a TMA
-    through the plain one addresses the global array untiled: no divisibility
-    requirement on the array, TMA bounds handle every tail.
-    """
-    tiled = _swizzled(shape, dtype)
-    if not untiled_tma:
-        return tiled
-    row_elements = _SWIZZLE_BYTES // jnp.dtype(dtype).itemsize
-    plain = plgpu.SMEM(
-        shape, dtype,
-        transforms=(
-            plgpu.TilingTransform((1, row_elements)), plgpu.SwizzleTransform(_SWIZZLE_BYTES)
-        ),
-    )
-    return plgpu.RefUnion(tiled, plain)
-
-
-def _untiled_tma(p: GemmProblem, interpreted: bool) -> dict[str, bool]:
-    """Per array: TMA through the row-tiled view (arrays whose rows 8 do not divide).
-
-    The interpreter neither needs it (it does not tile global arrays) nor runs
-    aliased views, so interpreted kernels always use the tiled view.
-    """
-    if interpreted:
-        return {"a": False, "b": False, "out": False}
-    rows = {"a": p.k if p.transpose_a else p.m, "b": p.n if p.transpose_b else p.k, "out": p.m}
-    tiled_only = _tiled_only(p)
-    return {name: not tiled_only[name] and rows[name] % _TILE_ROWS != 0 for name in rows}
+    return tma_unsupported_reason(problem)
 
 
 def _kernel(
@@ -505,9 +412,9 @@ def _kernel(
 
     pl.run_scoped(
         scoped,
-        a_buf=_staging((c.stages, c.parts, *a_block), p.in_dtype, untiled_tma["a"]),
-        b_buf=_staging((c.stages, *b_block), p.in_dtype, untiled_tma["b"]),
-        out_buf=_staging((c.num_consumers, 2, epi_m, epi_n), p.out_dtype, untiled_tma["out"]),
+        a_buf=tma_staging((c.stages, c.parts, *a_block), p.in_dtype, untiled_tma["a"]),
+        b_buf=tma_staging((c.stages, *b_block), p.in_dtype, untiled_tma["b"]),
+        out_buf=tma_staging((c.num_consumers, 2, epi_m, epi_n), p.out_dtype, untiled_tma["out"]),
         # Each epilogue vector in its own dtype (a 16-bit bias is widened in the epilogue).
         vec_smems=tuple(plgpu.SMEM((c.num_consumers, c.tile_n), v.dtype) for v in vec_gmems),
         # Per (barrier set, stage). full: one TMA arrival per A block and one for B.
@@ -574,8 +481,8 @@ def matmul(
     if reason is not None:
         raise ValueError(reason)
     config = config or _TUNED.get(tuning_key(p)) or default_config(
-        p.m, p.n, p.k, p.in_dtype, p.out_dtype, vectors=_vectors(p), batch=p.batch,
-        num_sms=_num_sms(),
+        p.m, p.n, p.k, p.in_dtype, p.out_dtype, vectors=epilogue_vector_count(p),
+        batch=p.batch, num_sms=_num_sms(),
     )
     config.check(p)
     n_groups = pl.cdiv(pl.cdiv(p.n, config.tile_n), config.cluster_n)
@@ -585,11 +492,11 @@ def matmul(
     interpret = runtime.mosaic_interpret_params()
     if interpret is not None:
         interpret = compat.tma_faithful_interpret_params(interpret)
-    untiled_tma = _untiled_tma(p, interpreted=interpret is not None)
-    if untiled_tma["out"] and config.epilogue_tile_n * out_dtype.itemsize != _SWIZZLE_BYTES:
+    untiled_tma = untiled_tma_arrays(p, interpreted=interpret is not None)
+    if untiled_tma["out"] and config.epilogue_tile_n * out_dtype.itemsize != SWIZZLE_BYTES:
         raise ValueError(
             f"an output of shape {(p.m, p.n)} needs epilogue tiles one swizzle row"
-            f" ({_SWIZZLE_BYTES} bytes) wide; got epilogue_tile_n={config.epilogue_tile_n}"
+            f" ({SWIZZLE_BYTES} bytes) wide; got epilogue_tile_n={config.epilogue_tile_n}"
         )
     kernel = compat.mosaic_kernel(
         functools.partial(
@@ -644,7 +551,7 @@ def config_candidates(in_dtype, out_dtype, vectors: int = 0) -> list[MatmulConfi
     for tile_m, tile_n in ((128, 128), (64, 256), (128, 192), (64, 128), (64, 64)):
         base = MatmulConfig(
             tile_m=tile_m, tile_n=tile_n, tile_k=tile_k,
-            epilogue_tile_n=_SWIZZLE_BYTES // jnp.dtype(out_dtype).itemsize,
+            epilogue_tile_n=SWIZZLE_BYTES // jnp.dtype(out_dtype).itemsize,
         )
         fitting = [
             dataclasses.replace(base, stages=stages)
@@ -658,7 +565,7 @@ def config_candidates(in_dtype, out_dtype, vectors: int = 0) -> list[MatmulConfi
     for tile_m, tile_n in ((128, 128), (64, 256)):
         pingpong = MatmulConfig(
             tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, pingpong=True,
-            epilogue_tile_n=_SWIZZLE_BYTES // jnp.dtype(out_dtype).itemsize,
+            epilogue_tile_n=SWIZZLE_BYTES // jnp.dtype(out_dtype).itemsize,
         )
         for stages in range(6, 1, -1):
             config = dataclasses.replace(pingpong, stages=stages)

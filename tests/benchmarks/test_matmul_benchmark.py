@@ -6,6 +6,7 @@ import math
 import pytest
 
 from benchmarks import matmul
+from pallas_kernels import runtime
 
 
 def test_tiny_run_produces_rows():
@@ -60,3 +61,12 @@ def test_forced_mosaic_impls_change_the_default_config():
     for bad in ("mosaic/foo=2", "mosaic/stages=x", "cublass"):
         with pytest.raises(ValueError, match="unknown implementation|expected FIELD=N"):
             matmul._impl_name(bad)
+
+
+def test_forced_mosaic_impls_configure_the_blackwell_kernel_there(monkeypatch):
+    monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "sm100")
+    args = matmul._inputs("epilogue", 256, 512, 128, seed=0)
+    _, note = matmul._forced("mosaic/collective=1/tile_n=128", "epilogue", args)
+    assert "collective=True" in note and "tile_n=128" in note
+    with pytest.raises(ValueError, match="expected FIELD=N"):
+        matmul._impl_name("mosaic/cluster_n=2")  # a Hopper field

@@ -3,8 +3,10 @@
 Without a GPU the Pallas implementations run interpreted (the Mosaic-GPU
 interpreter with race detection), so shapes stay tiny and each kernel case is
 chosen to cover something distinct: tails in every dimension, each operand
-layout, each epilogue, each dtype, vmap batching, gradients. The cases marked
-``gpu`` run compiled, at sizes with many tiles, on a real device.
+layout, each epilogue, each dtype, vmap batching, gradients. Interpreted, the
+"mosaic" cases run twice: as Hopper's kernel (``OMNI_JAX_PALLAS_INTERPRET=1``) and
+as Blackwell's (``=sm100``, from jax 0.11). The cases marked ``gpu`` run compiled, at
+sizes with many tiles, on a real device.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from omni_jax import dispatch_log
 from omni_jax.matmul import implementations
 from pallas_kernels import runtime
 from pallas_kernels.matmul_common import problem_of
+from tests.jax_releases import skip_unless_blackwell_interpreter
 from tests.omni_jax.matmul_helpers import (
     FP8_TOLERANCE,
     REFERENCE_ACTIVATIONS,
@@ -37,6 +40,26 @@ ON_GPU = jax.default_backend() == "gpu"
 
 
 pytestmark = pytest.mark.usefixtures("interpret_pallas_without_gpu")
+
+
+def pytest_generate_tests(metafunc):
+    """Without a GPU, every case with an ``implementation`` runs under both interpreted
+    architectures (`interpreted_as`)."""
+    if "implementation" in metafunc.fixturenames and not ON_GPU:
+        metafunc.parametrize("interpreted_as", ["sm90", "sm100"], indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def interpreted_as(request, monkeypatch, interpret_pallas_without_gpu):
+    """The GPU architecture the interpreter stands in for: "sm100" runs the "mosaic"
+    cases on the Blackwell kernel (the other implementations are the same on both)."""
+    architecture = getattr(request, "param", "sm90")
+    if architecture == "sm100":
+        if request.node.callspec.params.get("implementation") != "mosaic":
+            pytest.skip("only the 'mosaic' implementation has a Blackwell kernel")
+        skip_unless_blackwell_interpreter()
+        monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "sm100")
+    return architecture
 
 
 def _skip_if_missing(implementation):
@@ -403,8 +426,9 @@ def test_kernel_that_cannot_serve_says_why():
 
 @pytest.mark.skipif(ON_GPU, reason="checks the message on a machine without a GPU")
 @pytest.mark.parametrize(("implementation", "message"), [
-    ("mosaic", r"Hopper \(sm90\) GPU \(or OMNI_JAX_PALLAS_INTERPRET=1 .*\); this device is not "
-               r"a CUDA GPU$"),
+    ("mosaic", r"Hopper \(sm90\) or datacenter Blackwell \(sm100\) GPU \(or "
+               r"OMNI_JAX_PALLAS_INTERPRET=1 .*, =sm100 as Blackwell\); this device is not a CUDA "
+               r"GPU$"),
     ("triton", r"compute capability 8.0 or newer \(or OMNI_JAX_PALLAS_INTERPRET=1 .*\)$"),
 ])
 def test_unavailable_kernel_says_why(implementation, message, monkeypatch):
@@ -413,6 +437,29 @@ def test_unavailable_kernel_says_why(implementation, message, monkeypatch):
                        match=rf"implementation='{implementation}' cannot serve.*{message}"):
         omni_jax.matmul(jnp.ones((8, 16), BF16), jnp.ones((16, 8), BF16),
                         implementation=implementation)
+
+
+@pytest.mark.parametrize("setting,capability,expected", [
+    ("sm100", None, "matmul_sm100"),
+    ("1", None, "matmul_sm90"),
+    ("", (10, 0), "matmul_sm100"),
+    ("", (10, 3), "matmul_sm100"),
+    ("", (9, 0), "matmul_sm90"),
+])
+def test_mosaic_resolves_to_the_architecture_s_kernel(setting, capability, expected,
+                                                      monkeypatch):
+    monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, setting)
+    monkeypatch.setattr(runtime, "gpu_compute_capability", lambda: capability)
+    assert implementations.unavailable_reason("mosaic") is None
+    assert implementations.module("mosaic").__name__ == f"pallas_kernels.mosaic.{expected}"
+
+
+@pytest.mark.parametrize("capability", [None, (12, 0), (8, 0)])
+def test_no_mosaic_kernel_elsewhere_names_both_architectures(capability, monkeypatch):
+    monkeypatch.delenv(runtime.INTERPRET_ENV_VAR, raising=False)
+    monkeypatch.setattr(runtime, "gpu_compute_capability", lambda: capability)
+    reason = implementations.unavailable_reason("mosaic")
+    assert "Hopper (sm90)" in reason and "Blackwell (sm100)" in reason
 
 
 def test_the_choice_is_logged_with_the_reasons(caplog, monkeypatch):
