@@ -19,6 +19,10 @@ import logging
 from collections.abc import Hashable
 from types import ModuleType
 
+import jax.numpy as jnp
+import numpy as np
+
+from omni_jax import first_use_check
 from omni_jax.dispatch_log import log_once
 from pallas_kernels import runtime
 from pallas_kernels.matmul_common import GemmProblem
@@ -75,7 +79,51 @@ def why_not(name: str, problem: GemmProblem) -> str | None:
     """Why ``name`` cannot serve ``problem`` here, or None when it can."""
     if name != "xla" and 0 in (problem.m, problem.n, problem.k):
         return "empty dimensions (M, N or K is 0) are served by the 'xla' implementation"
-    return unavailable_reason(name) or module(name).unsupported_reason(problem)
+    return (unavailable_reason(name) or module(name).unsupported_reason(problem)
+            or (_first_use_reason(problem) if name == "mosaic" else None))
+
+
+# The first-use check's GEMM: one tile of the default configs in M and N, two K steps.
+_CHECK_SIZE = 256
+
+
+def _first_use_reason(problem: GemmProblem) -> str | None:
+    """On a Blackwell GPU, where the sm100 kernel was never executed before this
+    process, why its configuration for ``problem`` is declined: checked once per
+    configuration on a small GEMM of the same kind against the xla implementation
+    (`omni_jax.first_use_check`)."""
+    if not first_use_check.unverified_hardware() or runtime.mosaic_architecture() != "sm100":
+        return None
+    kernel = module("mosaic")
+    config = kernel.default_config(problem.m, problem.n, problem.k, problem.in_dtype,
+                                   problem.out_dtype, vectors=problem.has_scale + problem.has_bias,
+                                   batch=problem.batch)
+    key = ("matmul", config, problem.transpose_a, problem.transpose_b, problem.activation,
+           problem.has_scale, problem.has_bias, str(problem.in_dtype), str(problem.out_dtype))
+    a, b, scale, bias = _check_operands(problem)
+    options = dict(transpose_a=problem.transpose_a, transpose_b=problem.transpose_b,
+                   activation=problem.activation)
+    widen = lambda x: None if x is None else x.astype(jnp.float32)
+    return first_use_check.verified(
+        key, f"the sm100 GEMM ({problem.in_dtype} -> {problem.out_dtype}, {config})",
+        lambda: kernel.matmul(a, b, scale, bias, out_dtype=problem.out_dtype, config=config,
+                              **options),
+        lambda: module("xla").matmul(widen(a), widen(b), scale, bias, out_dtype=jnp.float32,
+                                     **options))
+
+
+def _check_operands(problem: GemmProblem) -> tuple:
+    """Random operands of ``problem``'s kind at `_CHECK_SIZE` (M = N = K)."""
+    size = _CHECK_SIZE
+    rng = np.random.default_rng(0)
+    operand = lambda shape: jnp.asarray(rng.uniform(-1, 1, shape), jnp.float32).astype(
+        problem.in_dtype)
+    a = operand((size, size))
+    b = operand((size, size))
+    scale = jnp.asarray(rng.uniform(0.5, 1.5, (1, size)), jnp.float32) if problem.has_scale \
+        else None
+    bias = jnp.asarray(rng.uniform(-1, 1, (1, size)), jnp.float32) if problem.has_bias else None
+    return a[None], b[None], scale, bias
 
 
 def preference_order() -> tuple[str, ...]:
