@@ -219,6 +219,13 @@ def wgmma_col_layout() -> Any:
     return layout.WGMMA.reduce(0) if hasattr(layout.WGMMA, "reduce") else layout.WGMMA_COL
 
 
+def reduced_layout(layout: Any, axis: int) -> Any:
+    """The layout of a reduction along ``axis`` of a 2-D array in ``layout`` (None: WGMMA)."""
+    if layout is None:
+        return wgmma_row_layout() if axis == 1 else wgmma_col_layout()
+    return layout.reduce(axis)
+
+
 def wgmma_accumulate(acc: Array, a: Any, b: Any, *, interpret: bool) -> Array:
     """Returns ``acc + a @ b`` computed by wgmma (acc float32 in the WGMMA layout).
 

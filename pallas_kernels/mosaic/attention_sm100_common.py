@@ -1,0 +1,93 @@
+"""What the Mosaic-GPU Blackwell (sm100) attention kernels share, beside what they import
+from `attention_sm90_common` (walk packing, mask leaves, score spec, captured arrays).
+
+* tensor-memory budgets and the register layout of a tile loaded from tensor memory
+  (one row per thread: row reductions stay within a thread);
+* `exp2_polynomial`: 2^x on the FMA pipes, for the share of a softmax's exponentials
+  that FA4 takes off the MUFU unit (16 exp2 per clock per SM on a B200, against 128
+  FMAs per clock);
+* `kv_ring_step`: where a q tile's kv step sits in a ring that the q tiles of a CTA
+  fill in turn.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+Array = Any
+
+# Columns of tensor memory per SM (128 lanes x 512 columns of 32 bits).
+TMEM_COLUMNS = 512
+# A q tile is one tcgen05 MMA of M = 128 rows (one lane per row).
+TILE_ROWS = 128
+# FA4's threshold for rescaling O: the running max (in log2 units) is raised only when a
+# row's new max exceeds it by more than this; below it P's elements stay under 2^8 and
+# the stale max cancels out in the final O / sum.
+RESCALE_THRESHOLD = 8.0
+
+# 2^f for f in [0, 1) as 1 + f (c1 + f (c2 + f c3)): a least-squares fit of the relative
+# error (at most 1.7e-4, under a half ulp of bf16 and of fp16's P).
+_EXP2_COEFFICIENTS = (0.6950374769787613, 0.22830251243601768, 0.0763308155543161)
+# Below this the polynomial's exponent bits would underflow: such exponentials are 0.
+_EXP2_FLOOR = -126.0
+
+
+def tmem_layout() -> Any:
+    """The register layout of a tile loaded from tensor memory (a row per thread)."""
+    return plgpu.Layout.TCGEN05_TMEM_NATIVE
+
+
+def row_layout() -> Any:
+    """The layout of a per-row vector of a `tmem_layout` tile."""
+    return tmem_layout().reduce(1)
+
+
+def row_vector(value: float) -> Array:
+    """A per-row float32 vector of a q tile filled with ``value``."""
+    return plgpu.layout_cast(jnp.full((TILE_ROWS,), value, jnp.float32), row_layout())
+
+
+def tmem_columns(block_kv: int, head_dim_v: int, q_tiles: int) -> int:
+    """Tensor-memory columns of a forward CTA: per q tile S (float32, ``block_kv``
+    columns; P aliases it) and O (float32, ``head_dim_v`` columns)."""
+    return q_tiles * (block_kv + head_dim_v)
+
+
+def exp2_polynomial(x: Array) -> Array:
+    """2^x by a cubic on the fractional part and an integer add into the exponent bits
+    (FMA and ALU pipes only; no MUFU); 0 below 2^-126 and for -inf."""
+    clamped = jnp.maximum(x, _EXP2_FLOOR)
+    whole = jnp.floor(clamped)
+    fraction = clamped - whole
+    c1, c2, c3 = _EXP2_COEFFICIENTS
+    mantissa = 1.0 + fraction * (c1 + fraction * (c2 + fraction * c3))
+    bits = lax.bitcast_convert_type(mantissa, jnp.int32) + (whole.astype(jnp.int32) << 23)
+    return jnp.where(x < _EXP2_FLOOR, 0.0, lax.bitcast_convert_type(bits, jnp.float32))
+
+
+def split_exp2(x: Array, emulated_columns: int) -> Array:
+    """2^x of a ``[rows, cols]`` tile: its first ``emulated_columns`` columns by
+    `exp2_polynomial`, the rest by the hardware's exp2."""
+    if emulated_columns <= 0:
+        return jnp.exp2(x)
+    if emulated_columns >= x.shape[1]:
+        return exp2_polynomial(x)
+    return jnp.concatenate([exp2_polynomial(x[:, :emulated_columns]),
+                            jnp.exp2(x[:, emulated_columns:])], axis=1)
+
+
+def kv_ring_step(counts: tuple[Array, ...], tile: int, step) -> Array:
+    """The ring step of q tile ``tile``'s kv step ``step`` when the load warp fills one ring
+    for all tiles in the order (step 0 of each tile, step 1 of each tile, ...), a tile
+    dropping out once its ``counts[tile]`` steps are done."""
+    before = sum(jnp.minimum(step, count) for count in counts)
+    return before + sum((step < count).astype(jnp.int32) for count in counts[:tile])
+
+
+__all__ = ["RESCALE_THRESHOLD", "TILE_ROWS", "TMEM_COLUMNS", "exp2_polynomial",
+           "kv_ring_step", "row_layout", "row_vector", "split_exp2", "tmem_columns",
+           "tmem_layout"]
