@@ -219,13 +219,6 @@ def wgmma_col_layout() -> Any:
     return layout.WGMMA.reduce(0) if hasattr(layout.WGMMA, "reduce") else layout.WGMMA_COL
 
 
-def reduced_layout(layout: Any, axis: int) -> Any:
-    """The layout of a reduction along ``axis`` of a 2-D array in ``layout`` (None: WGMMA)."""
-    if layout is None:
-        return wgmma_row_layout() if axis == 1 else wgmma_col_layout()
-    return layout.reduce(axis)
-
-
 def wgmma_accumulate(acc: Array, a: Any, b: Any, *, interpret: bool) -> Array:
     """Returns ``acc + a @ b`` computed by wgmma (acc float32 in the WGMMA layout).
 
@@ -518,3 +511,18 @@ def inputs_read(jaxpr: Any) -> tuple[bool, ...]:
 
     _, used = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
     return tuple(used)
+
+
+def reduced_layout(layout: Any, axis: int) -> Any:
+    """The layout of a reduction along ``axis`` of a 2-D array in ``layout`` (None: WGMMA)."""
+    if layout is None:
+        return wgmma_row_layout() if axis == 1 else wgmma_col_layout()
+    return layout.reduce(axis)
+
+
+def interprets_blackwell() -> bool:
+    """The Mosaic-GPU interpreter simulates tcgen05 MMAs and tensor memory far enough for
+    the sm100 kernels (jax 0.12; 0.11's fails a barrier-phase check at deallocation)."""
+    import jax
+
+    return jax.__version_info__ >= (0, 12)
