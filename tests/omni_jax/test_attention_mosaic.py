@@ -4,7 +4,9 @@
 Mosaic-GPU interpreter on any machine (races fail the test);
 `TestMosaicAttentionGpu` runs the full suite compiled on an sm90 GPU. Both
 check that every call took its backward from the Mosaic kernels (not from
-the Triton fallback).
+the Triton fallback). `TestMosaicSm100AttentionInterpreted` runs every case's
+forward interpreted as sm100 (jax 0.12 and later): the Blackwell forward, whose
+backward is not built yet.
 """
 
 import dataclasses
@@ -17,7 +19,9 @@ import omni_jax
 from pallas_kernels import compat, runtime
 from pallas_kernels.mosaic import attention_bwd_sm90 as bwd
 from pallas_kernels.mosaic import attention_fwd_sm90 as fwd
-from tests.forced_configs import force_config_fields, record_plans
+from pallas_kernels.mosaic import attention_fwd_sm100 as fwd100
+from tests.forced_configs import force_config_fields, record_configs, record_plans
+from tests.jax_releases import skip_unless_blackwell_interpreter
 from tests.mosaic_interpret import interpreted_mosaic
 from tests.omni_jax.attention_suite import CASES, AttentionSuite, Case, check_case
 
@@ -76,6 +80,40 @@ class TestMosaicAttentionInterpreted(_MosaicSuite):
     @pytest.fixture(autouse=True)
     def _interpreted(self, monkeypatch):
         yield from interpreted_mosaic(monkeypatch)
+
+
+_SM100_BACKWARD = "the sm100 backward is not built yet: gradients come from the next backend"
+
+
+@pytest.mark.interpreted
+class TestMosaicSm100AttentionInterpreted(AttentionSuite):
+    """Every case's forward (output, lse, blind rows) against float64, interpreted as sm100."""
+
+    implementation = "mosaic"
+    dtypes = ("bfloat16",)
+    cases = GPU_CASES
+    mask_block_size = (128, 64)
+    check_gradients = False
+
+    @pytest.fixture(autouse=True)
+    def _interpreted(self, monkeypatch):
+        skip_unless_blackwell_interpreter()
+        yield from interpreted_mosaic(monkeypatch, "sm100")
+
+    def test_case(self, case, dtype, monkeypatch):
+        """The case's forward, run by the sm100 kernel."""
+        configs = record_configs(monkeypatch, fwd100, "attention_forward")
+        super().test_case(case, dtype)
+        assert configs and all(isinstance(c, fwd100.ForwardConfig) for c in configs)
+
+    def test_vmap_of_grad_matches_float64(self):
+        pytest.skip(_SM100_BACKWARD)
+
+    def test_second_order_derivatives_match_float64(self):
+        pytest.skip(_SM100_BACKWARD)
+
+    def test_no_nan_gradient_for_blind_rows(self):
+        pytest.skip(_SM100_BACKWARD)
 
 
 @pytest.mark.gpu

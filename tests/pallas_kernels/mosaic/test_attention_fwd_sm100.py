@@ -28,7 +28,7 @@ TOLERANCE = {"bfloat16": 2e-2, "float16": 4e-3}
 pytestmark = pytest.mark.interpreted
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def _interpreted(monkeypatch):
     skip_unless_blackwell_interpreter()
     yield from interpreted_mosaic(monkeypatch, "sm100")
@@ -76,6 +76,7 @@ def _causal(b, h, i, j):
     return j <= i
 
 
+@pytest.mark.usefixtures("_interpreted")
 @pytest.mark.parametrize("dtype,head_dim,head_dim_v,q_len,kv_len,causal,q_tiles", [
     ("bfloat16", 64, None, 300, 200, True, 2),    # tails, q_len != kv_len, odd q-block count
     ("float16", 64, None, 128, 256, False, 2),    # one q-block: the second q tile is empty
@@ -95,6 +96,7 @@ def test_lengths_dims_dtypes(dtype, head_dim, head_dim_v, q_len, kv_len, causal,
     _check(dtype, q, k, v, out, lse, visible)
 
 
+@pytest.mark.usefixtures("_interpreted")
 @pytest.mark.parametrize("emulated_exp2", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("rescale_threshold", [0.0, 8.0])
 def test_exp2_share_and_rescale_threshold(emulated_exp2, rescale_threshold):
@@ -111,6 +113,7 @@ def test_exp2_share_and_rescale_threshold(emulated_exp2, rescale_threshold):
     _check("bfloat16", q, k, v, out, lse, visible, scale=0.5)
 
 
+@pytest.mark.usefixtures("_interpreted")
 def test_partial_tiles_blind_rows_and_gqa():
     """A stored-tile (PARTIAL) mask over 4 heads sharing 2 kv heads, whose second q-block
     sees nothing: poisoned rows come back as zeros with lse -inf."""
@@ -127,6 +130,7 @@ def test_partial_tiles_blind_rows_and_gqa():
 
 
 # With stored tiles in the ring, head dim 128 fits shared memory at block_kv 64 only.
+@pytest.mark.usefixtures("_interpreted")
 @pytest.mark.parametrize("block_kv,head_dim", [(64, 128), (128, 64)])
 def test_computed_tiles_by_index_and_leaves(block_kv, head_dim):
     """Documents (segment ids: mask leaves) under a causal sliding window, through the
@@ -144,6 +148,7 @@ def test_computed_tiles_by_index_and_leaves(block_kv, head_dim):
     _check("float16", q, k, v, np.asarray(out, np.float32), np.asarray(lse), visible)
 
 
+@pytest.mark.usefixtures("_interpreted")
 def test_softcap_and_score_mod():
     rng = np.random.default_rng()
     q, k, v = _inputs(rng, "bfloat16", 1, 200, 200, 4, 2, 64)
@@ -178,6 +183,7 @@ def test_bad_config_is_named(fields, message):
         fwd.ForwardConfig(**{"block_kv": 128, "num_stages": 2, **fields})
 
 
+@pytest.mark.usefixtures("_interpreted")
 def test_tensor_memory_overflow_is_named():
     rng = np.random.default_rng()
     q, k, v = _inputs(rng, "bfloat16", 1, 128, 128, 1, 1, 256)
