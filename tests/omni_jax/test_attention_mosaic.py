@@ -179,9 +179,11 @@ def test_score_mod_captures_beyond_element_reads_are_declined(captured, score_mo
 _SLOPES = jnp.ones((2,), jnp.float32)
 
 
-def _backward_backends(head_dim, block_kv, score_mod, monkeypatch) -> list[str]:
-    """The backward backends planned for a default-dispatch call on interpreted kernels."""
-    monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
+def _backward_backends(head_dim, block_kv, score_mod, monkeypatch,
+                       interpret: str = "1") -> list[str]:
+    """The backward backends planned for a default-dispatch call on interpreted kernels
+    (``interpret``: the setting of ``OMNI_JAX_PALLAS_INTERPRET``)."""
+    monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, interpret)
     plans = record_plans(monkeypatch)
     q = jax.ShapeDtypeStruct((1, 256, 2, head_dim), jnp.bfloat16)
     mask = None if block_kv is None else omni_jax.create_block_mask(
@@ -209,6 +211,27 @@ def test_backward_falls_back_without_a_config(monkeypatch):
     monkeypatch.setattr(bwd, "backward_config", lambda *args, **kwargs: None)
     names = _backward_backends(128, None, None, monkeypatch)
     assert len(names) == 1 and names[0] != "mosaic", names
+
+
+def test_sm100_backward_goes_to_the_next_backend(monkeypatch):
+    """On sm100 the Mosaic backend serves the forward only (the sm90 backward needs
+    wgmma): gradients plan the next backend's backward."""
+    skip_unless_blackwell_interpreter()
+    names = _backward_backends(128, None, None, monkeypatch, interpret="sm100")
+    assert len(names) == 1 and names[0] != "mosaic", names
+
+
+def test_sm100_retiles_a_block_kv_it_lacks(monkeypatch):
+    """The sm100 forward takes kv tiles of 64 or 128: a concrete mask of 192 is re-tiled."""
+    skip_unless_blackwell_interpreter()
+    monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "sm100")
+    configs = record_configs(monkeypatch, fwd100, "attention_forward")
+    q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+    mask = omni_jax.create_block_mask(lambda b, h, i, j: i >= j, None, None, 256, 256,
+                                      (128, 192))
+    jax.eval_shape(lambda q: omni_jax.attention(q, q, q, mask=mask, implementation="mosaic"),
+                   q)
+    assert [config.block_kv for config in configs] == [128]
 
 
 @pytest.fixture
