@@ -207,7 +207,9 @@ class MosaicBackend(AttentionBackend):
         if problem.block_size is not None and problem.block_size[1] != config.block_kv:
             config = dataclasses.replace(config, block_kv=problem.block_size[1])
         if _blackwell():
-            return config
+            return fwd100.fit_config(config, SMEM_LIMIT, *fwd.padded_head_dims(
+                problem.head_dim, problem.head_dim_v), np.dtype(problem.dtype).itemsize,
+                problem.has_user_mask)
         num_q_blocks = -(-problem.q_len // config.block_q)
         walk = (-(-problem.kv_len // config.block_kv) if mean_walk is None
                 else mean_walk)  # a traced mask: at most every kv-block

@@ -70,7 +70,7 @@ from pallas_kernels.tile_classes import PARTIAL, trace_time_eval
 Array = Any
 
 __all__ = ["BLOCK_Q", "SUPPORTED_HEAD_DIMS", "ForwardConfig", "attention_forward",
-           "forward_config", "padded_head_dim", "padded_head_dims", "smem_bytes"]
+           "fit_config", "forward_config", "padded_head_dim", "padded_head_dims", "smem_bytes"]
 
 LOAD_WARP, MMA_WARP = 0, 1
 
@@ -141,6 +141,16 @@ def smem_bytes(config: ForwardConfig, head_dim: int, head_dim_v: int, itemsize: 
     if has_partial:
         ring += config.num_stages * config.block_q * config.block_kv
     return qo + ring
+
+
+def fit_config(config: ForwardConfig, limit: int, head_dim: int, head_dim_v: int,
+               itemsize: int, has_partial: bool) -> ForwardConfig:
+    """``config``, or with one q tile when its two do not fit ``limit`` bytes of shared
+    memory (head dim 128 with stored PARTIAL tiles in the ring)."""
+    if config.q_tiles > 1 and smem_bytes(config, head_dim, head_dim_v, itemsize,
+                                         has_partial) > limit:
+        return dataclasses.replace(config, q_tiles=1)
+    return config
 
 
 @dataclasses.dataclass(frozen=True)

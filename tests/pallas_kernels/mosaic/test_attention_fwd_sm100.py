@@ -129,9 +129,9 @@ def test_partial_tiles_blind_rows_and_gqa():
     _check("bfloat16", q, k, v, out, lse, visible)
 
 
-# With stored tiles in the ring, head dim 128 fits shared memory at block_kv 64 only.
+# Head dim 128 with stored tiles in the ring at block_kv 128: one q tile per CTA.
 @pytest.mark.usefixtures("_interpreted")
-@pytest.mark.parametrize("block_kv,head_dim", [(64, 128), (128, 64)])
+@pytest.mark.parametrize("block_kv,head_dim", [(64, 128), (128, 64), (128, 128)])
 def test_computed_tiles_by_index_and_leaves(block_kv, head_dim):
     """Documents (segment ids: mask leaves) under a causal sliding window, through the
     public call: FULL, COMPUTED and skipped tiles in one walk."""
