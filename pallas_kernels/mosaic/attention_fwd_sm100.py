@@ -53,7 +53,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import compat
-from pallas_kernels.block_sparse import KernelMask, MaskLayout, walk_offsets
+from pallas_kernels.block_sparse import KernelMask, MaskLayout
 from pallas_kernels.mosaic import attention_sm90_common as common
 from pallas_kernels.mosaic import attention_sm100_common as common100
 from pallas_kernels.mosaic.attention_sm90_common import (
@@ -65,7 +65,7 @@ from pallas_kernels.mosaic.attention_sm90_common import (
     padded_head_dims,
 )
 from pallas_kernels.score_pipeline import ConvertedScoreMod
-from pallas_kernels.tile_classes import PARTIAL, trace_time_eval
+from pallas_kernels.tile_classes import MASKED, PARTIAL, trace_time_eval
 
 Array = Any
 
@@ -133,13 +133,14 @@ def forward_config(head_dim: int, dtype: Any, causal: bool,
 def smem_bytes(config: ForwardConfig, head_dim: int, head_dim_v: int, itemsize: int,
                has_partial: bool, num_q_buffers: int = 1, pages_per_seq: int = 0) -> int:
     """Shared memory of one CTA: Q per tile (O staged in it, or beside it when the head
-    dims differ) and the kv ring (with stored int8 tiles when the mask has PARTIAL ones)."""
+    dims differ) and the kv ring (with a stored int8 tile per q tile when the mask has
+    PARTIAL ones)."""
     del num_q_buffers, pages_per_seq
     qo = config.q_tiles * config.block_q * (
         head_dim + (head_dim_v if head_dim_v != head_dim else 0)) * itemsize
     ring = config.num_stages * config.block_kv * (head_dim + head_dim_v) * itemsize
     if has_partial:
-        ring += config.num_stages * config.block_q * config.block_kv
+        ring += config.num_stages * config.q_tiles * config.block_q * config.block_kv
     return qo + ring
 
 
@@ -181,33 +182,27 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
     (q_smem, o_only_smem, lse_smem, scale_smem, stats_smem, walk_smem, k_smem, v_smem,
      mask_smem, q_leaf_smem, kv_leaf_smem, captured_smem) = smem
     score_tmem, o_tmem = tmem
-    (walk_barriers, q_leaf_barriers, q_barriers, k_barriers, v_barriers, k_consumed,
+    (walk_barrier, q_leaf_barrier, q_barriers, k_barriers, v_barriers, k_consumed,
      v_consumed, s_full, p_full, o_full, o_ready, corr_full, corr_empty, q_free,
      captured_barrier) = barriers
 
     batch, head, kv_head = common.head_program(s)
-    first = lax.axis_index("q_blocks") * tiles
-    index_offset, flags_offset, partial_offset = walk_offsets(s.layout.num_kv_blocks)
+    # Heaviest groups of q-blocks (under causal masks the last) first.
+    group = common.q_block_at(_num_groups(s), lax.axis_index("q_blocks"), interleaved=False)
     wg = lax.axis_index("wg")
     correction_wg, other_wg = tiles, tiles + 1
 
-    def valid(t):
-        return first + t < s.layout.num_q_blocks
-
     def q_block(t):
-        position = jnp.minimum(first + t, s.layout.num_q_blocks - 1)
-        return common.q_block_at(s.layout.num_q_blocks, position, interleaved=tiles > 1)
+        return group * tiles + t
 
-    def walk_counts(wait: bool = True):
-        """(active kv-blocks, of them FULL) per tile, once its walk landed (``wait``: wait
-        for that here); 0 for a tile past the last q-block."""
-        counts, fulls = [], []
-        for t in range(tiles):
-            if wait:
-                plgpu.barrier_wait(walk_barriers.at[t])
-            counts.append(jnp.where(valid(t), walk_smem[t, 0, 0], 0))
-            fulls.append(jnp.where(valid(t), walk_smem[t, 0, 1], 0))
-        return tuple(counts), tuple(fulls)
+    def valid(t):
+        return q_block(t) < s.layout.num_q_blocks
+
+    def walk_count():
+        """(active kv-blocks, of them FULL for every tile) of the group, once its walk
+        landed."""
+        plgpu.barrier_wait(walk_barrier)
+        return walk_smem[0, 0], walk_smem[0, 1]
 
     def s_tmem(t):
         return score_tmem[t][0]
@@ -217,14 +212,6 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
 
     def o_smem(t):
         return q_smem.at[t] if o_only_smem is None else o_only_smem.at[t]
-
-    def steps_in_turn(counts, *bodies):
-        """Per kv step, each of ``bodies(t, step)`` for each tile that has that step."""
-        @pl.loop(0, functools.reduce(jnp.maximum, counts))
-        def _(step):
-            for body in bodies:
-                for t in range(tiles):
-                    pl.when(step < counts[t])(functools.partial(body, t, step))
 
     @pl.when(wg == other_wg)
     def _other():
@@ -236,55 +223,46 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
             def _load():
                 common.load_captured(s, captured_ref, captured_smem, captured_barrier)
                 for t in range(tiles):
-                    rows = pl.ds(q_block(t) * cfg.block_q, cfg.block_q)
+                    rows = pl.ds(jnp.minimum(q_block(t), s.layout.num_q_blocks - 1)
+                                 * cfg.block_q, cfg.block_q)
                     plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[t],
                                             q_barriers.at[t])
-                    common.load_q_block_walk(
-                        s, walk_ref, walk_smem.at[t], walk_barriers.at[t],
-                        ((q_leaf_ref, q_leaf_smem.at[t], q_leaf_barriers.at[t])
-                         if s.num_q_leaves else None),
-                        batch=batch, head=head, q_block=q_block(t), block_q=cfg.block_q)
-                counts, _ = walk_counts(wait=False)  # load_q_block_walk waited.
-                _load_kv(s, counts, batch, kv_head, walk_smem, k_ref, v_ref, partial_ref,
+                count = common.load_q_block_walk(
+                    s, walk_ref, walk_smem, walk_barrier,
+                    (q_leaf_ref, q_leaf_smem, q_leaf_barrier) if s.num_q_leaves else None,
+                    batch=batch, head=head, q_block=group, block_q=tiles * cfg.block_q)
+                _load_kv(s, count, batch, kv_head, walk_smem, k_ref, v_ref, partial_ref,
                          kv_leaf_ref, k_smem, v_smem, mask_smem, kv_leaf_smem, k_barriers,
                          v_barriers, k_consumed, v_consumed)
 
             @pl.when(warp == MMA_WARP)
             def _mma():
-                counts, _ = walk_counts()
+                count, _ = walk_count()
                 for t in range(tiles):
                     plgpu.barrier_wait(q_barriers.at[t])
 
-                def issue_qk(t, step):
-                    slot = lax.rem(common100.kv_ring_step(counts, t, step), stages)
-
-                    # P @ V of the previous step read P from S's columns.
-                    @pl.when(step > 0)
-                    def _():
-                        plgpu.barrier_wait(o_full.at[t])
-
-                    plgpu.barrier_wait(k_barriers.at[slot])
-                    plgpu.tcgen05_mma(s_tmem(t), q_smem.at[t],
-                                      k_smem.at[slot].transpose((1, 0)), s_full.at[t],
-                                      accumulate=False)
-                    plgpu.tcgen05_commit_arrive(k_consumed.at[slot])
-
-                def issue_pv(t, step):
-                    slot = lax.rem(common100.kv_ring_step(counts, t, step), stages)
-                    plgpu.barrier_wait(p_full.at[t])
-
-                    @pl.when(step > 0)
-                    def _():
-                        plgpu.barrier_wait(o_ready.at[t])
-
-                    plgpu.barrier_wait(v_barriers.at[slot])
-                    plgpu.tcgen05_mma(o_tmem.at[t], p_tmem(t), v_smem.at[slot], o_full.at[t],
-                                      accumulate=step > 0)
-                    plgpu.tcgen05_commit_arrive(v_consumed.at[slot])
-
                 # Per step every tile's QK^T, then every tile's P @ V: tile 0's softmax
                 # runs under tile 1's QK^T, tile 1's under tile 0's P @ V and next QK^T.
-                steps_in_turn(counts, issue_qk, issue_pv)
+                @pl.loop(0, count)
+                def _(step):
+                    slot = lax.rem(step, stages)
+                    plgpu.barrier_wait(k_barriers.at[slot])
+                    for t in range(tiles):
+                        # P @ V of the previous step read P from S's columns.
+                        pl.when(step > 0)(functools.partial(plgpu.barrier_wait,
+                                                            o_full.at[t]))
+                        plgpu.tcgen05_mma(s_tmem(t), q_smem.at[t],
+                                          k_smem.at[slot].transpose((1, 0)), s_full.at[t],
+                                          accumulate=False)
+                    plgpu.tcgen05_commit_arrive(k_consumed.at[slot])
+                    plgpu.barrier_wait(v_barriers.at[slot])
+                    for t in range(tiles):
+                        plgpu.barrier_wait(p_full.at[t])
+                        pl.when(step > 0)(functools.partial(plgpu.barrier_wait,
+                                                            o_ready.at[t]))
+                        plgpu.tcgen05_mma(o_tmem.at[t], p_tmem(t), v_smem.at[slot],
+                                          o_full.at[t], accumulate=step > 0)
+                    plgpu.tcgen05_commit_arrive(v_consumed.at[slot])
 
                 for t in range(tiles):
                     plgpu.tcgen05_commit_arrive(q_free.at[t])
@@ -294,39 +272,43 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
         def _softmax(t=tile):
             plgpu.set_max_registers(192, action="increase")
             common.wait_captured(s, captured_barrier)
-            counts, fulls = walk_counts()
-            _softmax_tile(s, t, counts, fulls, batch, head, q_block(t), walk_smem.at[t],
-                          ((q_leaf_smem.at[t], q_leaf_barriers.at[t])
-                           if s.num_q_leaves else None), kv_leaf_smem,
-                          mask_smem, captured_smem, s_tmem(t), p_tmem(t), s_full.at[t],
-                          p_full.at[t], corr_full.at[t], corr_empty.at[t],
-                          scale_smem.at[t], stats_smem.at[t])
+            count, num_full = walk_count()
+            q_leaf_rows = []
+            if s.num_q_leaves:
+                plgpu.barrier_wait(q_leaf_barrier)
+                q_leaf_rows = [compat.mosaic_load(
+                    q_leaf_smem.at[leaf, pl.ds(t * cfg.block_q, cfg.block_q)],
+                    common100.row_layout(), interpret=s.interpret)
+                    for leaf in range(s.num_q_leaves)]
+            _softmax_tile(s, t, count, num_full, batch, head, q_block(t), walk_smem,
+                          q_leaf_rows, kv_leaf_smem, mask_smem, captured_smem, s_tmem(t),
+                          p_tmem(t), s_full.at[t], p_full.at[t], corr_full.at[t],
+                          corr_empty.at[t], scale_smem.at[t], stats_smem.at[t])
 
     @pl.when(wg == correction_wg)
     def _correction():
         plgpu.set_max_registers(80, action="decrease")
-        counts, _ = walk_counts()
+        count, _ = walk_count()
         layout = common100.tmem_layout()
 
-        def rescale(t, step):
+        @pl.loop(1, jnp.maximum(count, 1))
+        def _rescale(step):
             del step
-            plgpu.barrier_wait(corr_full.at[t])
-            factor = plgpu.layout_cast(scale_smem[t], common100.row_layout())
-            plgpu.barrier_arrive(corr_empty.at[t])
-            plgpu.barrier_wait(o_full.at[t])
+            for t in range(tiles):
+                plgpu.barrier_wait(corr_full.at[t])
+                factor = plgpu.layout_cast(scale_smem[t], common100.row_layout())
+                plgpu.barrier_arrive(corr_empty.at[t])
+                plgpu.barrier_wait(o_full.at[t])
 
-            @pl.when(jnp.min(factor) < 1.0)
-            def _():
-                o = plgpu.async_load_tmem(o_tmem.at[t], layout=layout)
-                plgpu.wait_load_tmem()
-                plgpu.async_store_tmem(o_tmem.at[t], o * lax.broadcast_in_dim(
-                    factor, o.shape, [0]))
-                plgpu.commit_tmem()
+                @pl.when(jnp.min(factor) < 1.0)
+                def _(t=t, factor=factor):
+                    o = plgpu.async_load_tmem(o_tmem.at[t], layout=layout)
+                    plgpu.wait_load_tmem()
+                    plgpu.async_store_tmem(o_tmem.at[t], o * lax.broadcast_in_dim(
+                        factor, o.shape, [0]))
+                    plgpu.commit_tmem()
 
-            plgpu.barrier_arrive(o_ready.at[t])
-
-        steps_in_turn(counts, lambda t, step: pl.when(step > 0)(
-            functools.partial(rescale, t, step)))
+                plgpu.barrier_arrive(o_ready.at[t])
 
         for t in range(tiles):
             plgpu.barrier_wait(corr_full.at[t])
@@ -344,7 +326,7 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
                 plgpu.wait_load_tmem()
                 return o * lax.broadcast_in_dim(inverse, o.shape, [0])
 
-            out = lax.cond(counts[t] > 0, normalized,
+            out = lax.cond(count > 0, normalized,
                            lambda: plgpu.layout_cast(
                                jnp.zeros((cfg.block_q, s.head_dim_v), jnp.float32), layout))
 
@@ -361,25 +343,30 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
         plgpu.wait_smem_to_gmem(0)
 
 
-def _load_kv(s: _Statics, counts, batch, kv_head, walk_smem, k_ref, v_ref, partial_ref,
+def _num_groups(s: _Statics) -> int:
+    """Groups of ``q_tiles`` consecutive q-blocks: one CTA each."""
+    return -(-s.layout.num_q_blocks // s.config.q_tiles)
+
+
+def _load_kv(s: _Statics, count, batch, kv_head, walk, k_ref, v_ref, partial_ref,
              kv_leaf_ref, k_smem, v_smem, mask_smem, kv_leaf_smem, k_barriers, v_barriers,
              k_consumed, v_consumed) -> None:
-    """Load warp: K, V and mask data of every tile's kv steps into the ring, the tiles in
-    turn per step. A step's mask leaves and stored tile arrive with its K: the softmax
-    reads them once its S is in, which the MMA issued after K's barrier; they are
-    released with V (whose P @ V follows the softmax's P)."""
+    """Load warp: K, V and the mask data of the group's kv steps into the ring. A step's
+    mask leaves and stored tiles (one per q tile) arrive with its K: the softmax reads
+    them once its S is in, which the MMA issued after K's barrier; they are released
+    with V (whose P @ V follows the softmax's P)."""
     cfg = s.config
     stages, block_kv = cfg.num_stages, cfg.block_kv
-    index_offset, flags_offset, partial_offset = walk_offsets(s.layout.num_kv_blocks)
+    index_offset, flags_offsets, id_offsets = common100.paired_walk_offsets(
+        s.layout.num_kv_blocks, cfg.q_tiles)
 
-    def load(t, step):
-        ring_step = common100.kv_ring_step(counts, t, step)
-        slot = lax.rem(ring_step, stages)
-        walk = walk_smem.at[t]
+    @pl.loop(0, count)
+    def _(step):
+        slot = lax.rem(step, stages)
         rows = pl.ds(common.walk_entry(walk, index_offset + step) * block_kv, block_kv)
 
         def wait_slot(consumed):
-            @pl.when(ring_step >= stages)
+            @pl.when(step >= stages)
             def _():
                 common.wait_released(consumed.at[slot], interpret=s.interpret)
 
@@ -388,51 +375,40 @@ def _load_kv(s: _Statics, counts, batch, kv_head, walk_smem, k_ref, v_ref, parti
             plgpu.copy_gmem_to_smem(kv_leaf_ref.at[batch, :, rows], kv_leaf_smem.at[slot],
                                     k_barriers.at[slot])
         if s.has_partial:
-            # Every step loads a stored tile (a PARTIAL step its own, others tile 0) so
-            # that K's barrier counts a fixed number of copies.
-            is_partial = (common.walk_entry(walk, flags_offset + step) & PARTIAL) != 0
-            tile_id = jnp.where(is_partial, common.walk_entry(walk, partial_offset + step), 0)
-            plgpu.copy_gmem_to_smem(partial_ref.at[tile_id], mask_smem.at[slot],
-                                    k_barriers.at[slot])
+            # Every step loads a stored tile per q tile (its own where PARTIAL, else tile
+            # 0) so that K's barrier counts a fixed number of copies.
+            for t in range(cfg.q_tiles):
+                is_partial = (common.walk_entry(walk, flags_offsets[t] + step) & PARTIAL) != 0
+                tile_id = jnp.where(is_partial, common.walk_entry(walk, id_offsets[t] + step),
+                                    0)
+                plgpu.copy_gmem_to_smem(partial_ref.at[tile_id], mask_smem.at[slot, t],
+                                        k_barriers.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[batch, rows, kv_head], v_smem.at[slot],
                                 v_barriers.at[slot])
         wait_slot(k_consumed)
         plgpu.copy_gmem_to_smem(k_ref.at[batch, rows, kv_head], k_smem.at[slot],
                                 k_barriers.at[slot])
 
-    @pl.loop(0, functools.reduce(jnp.maximum, counts))
-    def _(step):
-        for t in range(cfg.q_tiles):
-            pl.when(step < counts[t])(functools.partial(load, t, step))
-
-    common.drain_ring(sum(counts), stages, k_consumed, v_consumed)
+    common.drain_ring(count, stages, k_consumed, v_consumed)
 
 
-def _softmax_tile(s: _Statics, t: int, counts, fulls, batch, head, q_block, walk,
-                  q_leaves, kv_leaf_smem, mask_smem, captured_smem, s_tmem, p_tmem,
+def _softmax_tile(s: _Statics, t: int, count, num_full, batch, head, q_block, walk,
+                  q_leaf_rows, kv_leaf_smem, mask_smem, captured_smem, s_tmem, p_tmem,
                   s_full, p_full, corr_full, corr_empty, scale_smem, stats_smem) -> None:
     """Softmax warpgroup of q tile ``t``: per kv step S -> P in tensor memory, the row
     factors to the correction warpgroup; at the end the row max and sum."""
     cfg = s.config
     stages, block_kv = cfg.num_stages, cfg.block_kv
-    index_offset, flags_offset, _ = walk_offsets(s.layout.num_kv_blocks)
+    index_offset, flags_offsets, _ = common100.paired_walk_offsets(s.layout.num_kv_blocks,
+                                                                   cfg.q_tiles)
     layout = common100.tmem_layout()
     tile = (cfg.block_q, block_kv)
     q_start = q_block * cfg.block_q
-    count, num_full = counts[t], fulls[t]
     fold_scale = s.scores.folds_scale
     score_spec = common.with_captured_read(s.scores, captured_smem, batch, head)
 
     def to_log2(x):
         return x * (s.scores.scale * LOG2E) if fold_scale else x
-
-    q_leaf_rows = []
-    if s.num_q_leaves:
-        leaf_smem, leaf_barrier = q_leaves
-        plgpu.barrier_wait(leaf_barrier)
-        q_leaf_rows = [compat.mosaic_load(leaf_smem.at[leaf], common100.row_layout(),
-                                          interpret=s.interpret)
-                       for leaf in range(s.num_q_leaves)]
 
     def indices(kv_block, read):
         return common.tile_indices(tile, q_start, kv_block * block_kv, q_axis=0, read=read,
@@ -440,7 +416,7 @@ def _softmax_tile(s: _Statics, t: int, counts, fulls, batch, head, q_block, walk
 
     def step_fn(step, carry, full: bool):
         row_max, row_sum = carry
-        slot = lax.rem(common100.kv_ring_step(counts, t, step), stages)
+        slot = lax.rem(step, stages)
         kv_block = common.walk_entry(walk, index_offset + step)
         plgpu.barrier_wait(s_full)
         scores = plgpu.async_load_tmem(s_tmem, layout=layout)
@@ -450,15 +426,16 @@ def _softmax_tile(s: _Statics, t: int, counts, fulls, batch, head, q_block, walk
             scores = common.log2_scores(score_spec, scores, batch, head,
                                         functools.partial(indices, kv_block))
         if not full:
-            kv_leaf_columns = [
-                compat.mosaic_load(kv_leaf_smem.at[slot, i], common100.tmem_layout().reduce(0),
-                                   interpret=s.interpret)
-                for i in range(s.num_kv_leaves)]
-            partial = (mask_smem.at[slot], None) if s.has_partial else None
-            flags = common.walk_entry(walk, flags_offset + step)
+            kv_leaf_columns = [compat.mosaic_load(kv_leaf_smem.at[slot, i], layout.reduce(0),
+                                                  interpret=s.interpret)
+                               for i in range(s.num_kv_leaves)]
+            partial = (mask_smem.at[slot, t], None) if s.has_partial else None
+            flags = common.walk_entry(walk, flags_offsets[t] + step)
             scores = common.masked_q_major_scores(
                 s, scores, flags, functools.partial(indices, kv_block), q_leaf_rows,
                 kv_leaf_columns, partial, tile_layout=layout)
+            if cfg.q_tiles > 1:  # The kv-block is active for another tile of the group only.
+                scores = jnp.where(flags == MASKED, -jnp.inf, scores)
         tile_max = jnp.maximum(row_max, to_log2(scores.max(axis=1)))
         # The max moves only past the threshold (a row with no visible key yet: as soon
         # as it sees one); otherwise P's elements stay below 2^threshold.
@@ -469,9 +446,7 @@ def _softmax_tile(s: _Statics, t: int, counts, fulls, batch, head, q_block, walk
 
         @pl.when(step > 0)
         def _to_correction():
-            @pl.when(step > 1)
-            def _():
-                plgpu.barrier_wait(corr_empty)
+            pl.when(step > 1)(functools.partial(plgpu.barrier_wait, corr_empty))
             scale_smem[...] = factor
             plgpu.barrier_arrive(corr_full)
 
@@ -485,14 +460,11 @@ def _softmax_tile(s: _Statics, t: int, counts, fulls, batch, head, q_block, walk
 
     carry = (common100.row_vector(-jnp.inf), common100.row_vector(0.0))
     carry = lax.fori_loop(0, num_full, functools.partial(step_fn, full=True), carry)
-    if common.has_masked_tiles(s.layout, s.has_partial):
+    if cfg.q_tiles > 1 or common.has_masked_tiles(s.layout, s.has_partial):
         carry = lax.fori_loop(num_full, count, functools.partial(step_fn, full=False), carry)
     row_max, row_sum = carry
 
-    @pl.when(count > 1)
-    def _():
-        plgpu.barrier_wait(corr_empty)
-
+    pl.when(count > 1)(functools.partial(plgpu.barrier_wait, corr_empty))
     stats_smem[0] = row_max
     stats_smem[1] = row_sum
     plgpu.barrier_arrive(corr_full)
@@ -528,7 +500,7 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
     q, k, v = common.pad_last(q, dim), common.pad_last(k, dim), common.pad_last(v, dim_v)
     q, k, v = common.pad_sequence(q), common.pad_sequence(k), common.pad_sequence(v)
     with trace_time_eval(layout, kmask):
-        walk = common.packed_walk(kmask, "kv")
+        walk = common100.paired_walk(kmask, layout, config.q_tiles)
         q_leaves, kv_leaves, leaf_slots = common.stacked_leaves(kmask, layout, batch)
         partial_tiles = kmask.partial_masks.astype(jnp.int8)
     scores, packed_captured = common.score_spec(scale, softcap, score_mod, captured)
@@ -547,7 +519,7 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
     out, lse = compat.mosaic_kernel(
         functools.partial(_kernel, statics), out_type,
         scratch_types=_scratch(statics),
-        grid=(batch * num_q_heads, pl.cdiv(layout.num_q_blocks, config.q_tiles)),
+        grid=(batch * num_q_heads, _num_groups(statics)),
         grid_names=("batch_head", "q_blocks"),
         num_threads=config.q_tiles + 2, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -567,11 +539,12 @@ def _scratch(s: _Statics):
         plgpu.SMEM((tiles, rows), jnp.float32),  # lse
         plgpu.SMEM((tiles, rows), jnp.float32),  # row factors of O
         plgpu.SMEM((tiles, 2, rows), jnp.float32),  # final row max and sum
-        plgpu.SMEM((tiles, s.walk_lines, common.WALK_LINE), jnp.int32),
+        plgpu.SMEM((s.walk_lines, common.WALK_LINE), jnp.int32),
         common.swizzled((stages, cfg.block_kv, s.head_dim), s.dtype),
         common.swizzled((stages, cfg.block_kv, s.head_dim_v), s.dtype),
-        common.swizzled((stages, rows, cfg.block_kv), jnp.int8) if s.has_partial else None,
-        plgpu.SMEM((tiles, s.num_q_leaves, rows), jnp.int32) if s.num_q_leaves else None,
+        (common.swizzled((stages, tiles, rows, cfg.block_kv), jnp.int8) if s.has_partial
+         else None),
+        plgpu.SMEM((s.num_q_leaves, tiles * rows), jnp.int32) if s.num_q_leaves else None,
         (plgpu.SMEM((stages, s.num_kv_leaves, cfg.block_kv), jnp.int32)
          if s.num_kv_leaves else None),
         captured_smem,
@@ -585,10 +558,10 @@ def _scratch(s: _Statics):
     )
     per_tile = functools.partial(plgpu.Barrier, num_barriers=tiles)
     tensor_core = functools.partial(plgpu.Barrier, orders_tensor_core=True)
-    k_copies = 1 + (s.num_kv_leaves > 0) + s.has_partial
+    k_copies = 1 + (s.num_kv_leaves > 0) + s.has_partial * tiles
     barriers = (
-        per_tile(),  # walk
-        per_tile() if s.num_q_leaves else None,
+        plgpu.Barrier(num_barriers=1),  # walk
+        plgpu.Barrier(num_barriers=1) if s.num_q_leaves else None,
         per_tile(),  # Q
         plgpu.Barrier(num_arrivals=k_copies, num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),

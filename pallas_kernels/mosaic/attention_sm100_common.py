@@ -6,8 +6,8 @@ from `attention_sm90_common` (walk packing, mask leaves, score spec, captured ar
 * `exp2_polynomial`: 2^x on the FMA pipes, for the share of a softmax's exponentials
   that FA4 takes off the MUFU unit (16 exp2 per clock per SM on a B200, against 128
   FMAs per clock);
-* `kv_ring_step`: where a q tile's kv step sits in a ring that the q tiles of a CTA
-  fill in turn.
+* `paired_walk`: one kv walk for the q tiles of a CTA (consecutive q-blocks), so that
+  they share every K and V load, with each tile's own tile classes.
 """
 
 from __future__ import annotations
@@ -17,6 +17,10 @@ from typing import Any
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.block_sparse import KernelMask, MaskLayout
+from pallas_kernels.mosaic import attention_sm90_common as common
+from pallas_kernels.tile_classes import FULL, MASKED
 
 Array = Any
 
@@ -80,14 +84,51 @@ def split_exp2(x: Array, emulated_columns: int) -> Array:
                             jnp.exp2(x[:, emulated_columns:])], axis=1)
 
 
-def kv_ring_step(counts: tuple[Array, ...], tile: int, step) -> Array:
-    """The ring step of q tile ``tile``'s kv step ``step`` when the load warp fills one ring
-    for all tiles in the order (step 0 of each tile, step 1 of each tile, ...), a tile
-    dropping out once its ``counts[tile]`` steps are done."""
-    before = sum(jnp.minimum(step, count) for count in counts)
-    return before + sum((step < count).astype(jnp.int32) for count in counts[:tile])
+def paired_walk(kmask: KernelMask, layout: MaskLayout, tiles: int) -> Array:
+    """The kv walk of each group of ``tiles`` consecutive q-blocks, packed per group as
+    ``[Bm, Hm, ceil(nq / tiles), R, WALK_LINE]`` (`paired_walk_offsets`): the kv-blocks
+    active for any of them, those FULL for all first, and per q-block its tile's flags
+    (MASKED where the kv-block is inactive for that q-block alone) and stored-tile ids
+    (0 where it has none). One tile is the plain packed walk.
+    """
+    if tiles == 1:
+        return common.packed_walk(kmask, "kv")
+    nq, nkv = layout.num_q_blocks, layout.num_kv_blocks
+    count, indices = kmask.kv_num_blocks, kmask.kv_indices
+    active = jnp.arange(indices.shape[-1]) < count[..., None]
+    # Dense per (q-block, kv-block); inactive walk positions land in a spare column.
+    column = jnp.where(active, indices, nkv)
+
+    def dense(values, fill):
+        grid = jnp.full((*count.shape, nkv + 1), fill, jnp.int32)
+        grid = jnp.put_along_axis(grid, column, values.astype(jnp.int32), axis=-1,
+                                  inplace=False)[..., :nkv]
+        extra = -nq % tiles
+        grid = jnp.pad(grid, ((0, 0),) * 2 + ((0, extra), (0, 0)), constant_values=fill)
+        return grid.reshape(*grid.shape[:2], -1, tiles, nkv)
+
+    flags, ids = dense(kmask.kv_tile_flags, MASKED), dense(kmask.kv_partial_ids, 0)
+    ids = jnp.maximum(ids, 0)
+    any_active = (flags != MASKED).any(axis=-2)
+    all_full = (flags == FULL).all(axis=-2)
+    rank = jnp.where(all_full, 0, jnp.where(any_active, 1, 2))
+    order = jnp.argsort(rank * nkv + jnp.arange(nkv), axis=-1).astype(jnp.int32)
+    per_tile = lambda x: [jnp.take_along_axis(x[..., t, :], order, axis=-1)
+                          for t in range(tiles)]
+    rows = jnp.concatenate([any_active.sum(-1, dtype=jnp.int32)[..., None],
+                            all_full.sum(-1, dtype=jnp.int32)[..., None], order,
+                            *per_tile(flags), *per_tile(ids)], axis=-1)
+    return common.walk_lines(rows)
+
+
+def paired_walk_offsets(num_kv_blocks: int, tiles: int) -> tuple[int, tuple, tuple]:
+    """Where a `paired_walk` row holds its kv-block indices, and per q tile its flags and
+    stored-tile ids (entry 0: the active count, entry 1: how many are FULL for all)."""
+    flags = tuple(2 + (1 + t) * num_kv_blocks for t in range(tiles))
+    ids = tuple(2 + (1 + tiles + t) * num_kv_blocks for t in range(tiles))
+    return 2, flags, ids
 
 
 __all__ = ["RESCALE_THRESHOLD", "TILE_ROWS", "TMEM_COLUMNS", "exp2_polynomial",
-           "kv_ring_step", "row_layout", "row_vector", "split_exp2", "tmem_columns",
-           "tmem_layout"]
+           "paired_walk", "paired_walk_offsets", "row_layout", "row_vector", "split_exp2",
+           "tmem_columns", "tmem_layout"]

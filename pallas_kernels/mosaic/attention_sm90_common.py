@@ -66,9 +66,13 @@ def padded_head_dims(head_dim: int, head_dim_v: int) -> tuple[int | None, int | 
 def packed_walk(mask: KernelMask, over: str) -> Array:
     """`block_sparse.packed_walk` as ``[Bm, Hm, n, R, WALK_LINE]``: one walked block's row
     is one 2-D TMA box per CTA."""
-    rows = block_sparse.packed_walk(mask, over)
-    rows = jnp.pad(rows, ((0, 0),) * 3 + ((0, -rows.shape[-1] % WALK_LINE),))
-    return rows.reshape(*rows.shape[:3], -1, WALK_LINE)
+    return walk_lines(block_sparse.packed_walk(mask, over))
+
+
+def walk_lines(rows: Array) -> Array:
+    """Walk rows ``[..., n]`` as ``[..., R, WALK_LINE]`` (zero-padded): one TMA box each."""
+    rows = jnp.pad(rows, ((0, 0),) * (rows.ndim - 1) + ((0, -rows.shape[-1] % WALK_LINE),))
+    return rows.reshape(*rows.shape[:-1], -1, WALK_LINE)
 
 
 def has_masked_tiles(layout: MaskLayout, has_partial: bool) -> bool:

@@ -190,3 +190,40 @@ def test_tensor_memory_overflow_is_named():
     block_mask, _ = _mask(_causal, 1, 1, 128, 128, 128)
     with pytest.raises(ValueError, match="tensor-memory columns"):
         _run(q, k, v, block_mask, fwd.ForwardConfig(block_kv=128, num_stages=1, q_tiles=2))
+
+
+def test_paired_walk_unites_the_q_blocks_of_a_group():
+    """Per group of two q-blocks: the union of their kv walks, the kv-blocks FULL for both
+    first, and each q-block's own flags (MASKED where only the other is active) and
+    stored-tile ids; an odd q-block count leaves the last group's second tile MASKED."""
+    rng = np.random.default_rng()
+    table = jnp.asarray(rng.integers(0, 4, (5, 6)))  # 0: masked, 1: full, 2-3: partial
+
+    def mask_fn(b, h, i, j):
+        kind = table[i // 128, j // 64]
+        return (kind == 1) | ((kind >= 2) & ((i + j) % kind != 0))
+
+    block_mask = omni_jax.create_block_mask(mask_fn, None, None, 5 * 128, 6 * 64, (128, 64))
+    kmask, layout = kernel_mask(block_mask)
+    walk = np.asarray(common100.paired_walk(kmask, layout, 2)).reshape(1, 1, 3, -1)
+    index_offset, flags_offsets, id_offsets = common100.paired_walk_offsets(6, 2)
+    dense = np.full((6, 6), -1)
+    ids = np.zeros((6, 6), int)
+    for q in range(5):
+        count = int(kmask.kv_num_blocks[0, 0, q])
+        columns = np.asarray(kmask.kv_indices[0, 0, q, :count])
+        dense[q, columns] = np.asarray(kmask.kv_tile_flags[0, 0, q, :count])
+        ids[q, columns] = np.asarray(kmask.kv_partial_ids[0, 0, q, :count])
+    for group in range(3):
+        row = walk[0, 0, group]
+        count, num_full = row[0], row[1]
+        blocks = row[index_offset:index_offset + count]
+        pair = dense[2 * group:2 * group + 2]
+        assert sorted(blocks) == list(np.flatnonzero((pair >= 0).any(axis=0)))
+        assert (pair[:, blocks[:num_full]] == 0).all()
+        assert not (pair[:, blocks[num_full:]] == 0).all(axis=0).any()
+        for t in range(2):
+            assert (row[flags_offsets[t]:flags_offsets[t] + count] == pair[t, blocks]).all()
+            partial = pair[t, blocks] == 2
+            assert (row[id_offsets[t]:id_offsets[t] + count][partial]
+                    == ids[2 * group + t, blocks][partial]).all()
