@@ -1,14 +1,18 @@
 """Block-sparse attention forward for Blackwell (sm100) in Pallas Mosaic-GPU, after FA4.
 
-A CTA computes ``ForwardConfig.q_tiles`` q tiles of ``block_q = 128`` rows (q-blocks of
-the BlockMask) of one (batch, q head), so that one tile's softmax runs while the tensor
-cores compute the other's matmuls. Warpgroups (``q_tiles + 2``):
+A CTA computes ``ForwardConfig.q_tiles`` consecutive q tiles of ``block_q = 128`` rows
+(q-blocks of the BlockMask) of one (batch, q head), so that one tile's softmax runs
+while the tensor cores compute the other's matmuls. The tiles walk one kv walk, the
+union of theirs (`attention_sm100_common.paired_walk`: kv-blocks FULL for every tile
+first, each tile with its own tile classes, MASKED where only another tile sees the
+block), so each K and V tile is loaded once for all of them. Warpgroups
+(``q_tiles + 2``):
 
 * softmax warpgroups ``0 .. q_tiles - 1``, one per q tile: per kv step load S from
   tensor memory (a row per thread), apply the score transform and the tile's mask
   (none for FULL tiles, which the walk lists first and a loop without mask code
   takes; indices and mask leaves for COMPUTED tiles; the stored int8 tile for PARTIAL
-  ones), update the running max in log2 units, compute P = 2^(S - max) (a static
+  ones; -inf for MASKED ones), update the running max in log2 units, compute P = 2^(S - max) (a static
   share of the columns by a cubic on the FMA pipes, `attention_sm100_common.split_exp2`),
   store P (16-bit, over S's columns) back to tensor memory and keep the row sum.
   The max is raised only when a row's new max exceeds it by more than
@@ -17,11 +21,10 @@ cores compute the other's matmuls. Warpgroups (``q_tiles + 2``):
 * the correction warpgroup: rescales O in tensor memory between two P @ V, only when
   some row's factor is not 1, and at the end normalizes O by the row sums, writes the
   lse and TMA-stores both;
-* the last warpgroup: warp 0 loads (Q per tile, the tiles' walks, then K, V and the mask
-  data of every kv step into a ring of ``num_stages`` slots, steps of the tiles in turn:
-  `attention_sm100_common.kv_ring_step`); warp 1 issues the tcgen05 MMAs (one thread):
-  per step ``S_t = Q_t K^T`` for each tile, then ``O_t += P_t V`` (P read from tensor
-  memory) for each tile.
+* the last warpgroup: warp 0 loads (Q per tile, the walk and the tiles' q leaves, then
+  K, V and the mask data of every kv step into a ring of ``num_stages`` slots); warp 1
+  issues the tcgen05 MMAs (one thread): per step ``S_t = Q_t K^T`` for each tile, then
+  ``O_t += P_t V`` (P read from tensor memory) for each tile.
 
 Barriers, per q tile ``t`` unless said: ``s_full`` (QK^T done, S readable), ``p_full``
 (P stored and S read: the softmax's arrival), ``o_full`` (P @ V done: O readable, and
@@ -29,7 +32,7 @@ P's columns, which alias S's, free for the next QK^T), ``o_ready`` (the correcti
 decided on the rescale of O and did it), ``corr_full`` / ``corr_empty`` (the row
 factors in shared memory, and once more the final row max and sum), ``q_free`` (the
 MMAs read Q for the last time: O may be staged in its buffer); per ring slot K
-loaded (with the step's mask leaves and stored tile), V loaded, K consumed, V
+loaded (with the step's mask leaves and stored tiles), V loaded, K consumed, V
 consumed (tensor-core commits).
 
 K/V are keyed by the kv head ``h // group_size`` (GQA/MQA). Sequence tails need no
