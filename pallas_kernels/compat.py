@@ -422,15 +422,16 @@ def _clip_range(rnge, shape):
     return tuple(clipped), tuple(keep)
 
 
-def mosaic_load(ref: Any, layout: Any, *, interpret: bool) -> Array:
-    """``plgpu.load(ref, (), layout=layout)``: a whole smem ref into registers of ``layout``.
+def mosaic_load(ref: Any, layout: Any, *, interpret: bool, optimized: bool = True) -> Array:
+    """``plgpu.load(ref, (), layout=layout)``: a whole smem ref into registers of ``layout``
+    (``optimized=False``: with bank conflicts where no conflict-free plan exists).
 
     The interpreter cannot evaluate ``plgpu.load``; there a plain read is the same.
     """
     if interpret:
         return ref[...]
     load = _mosaic_module().load
-    return load(ref, *_load_index_argument(), layout=layout)
+    return load(ref, *_load_index_argument(), layout=layout, optimized=optimized)
 
 
 @functools.cache

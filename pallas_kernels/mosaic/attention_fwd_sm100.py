@@ -12,8 +12,9 @@ block), so each K and V tile is loaded once for all of them. Warpgroups
   tensor memory (a row per thread), apply the score transform and the tile's mask
   (none for FULL tiles, which the walk lists first and a loop without mask code
   takes; indices and mask leaves for COMPUTED tiles; the stored int8 tile for PARTIAL
-  ones; -inf for MASKED ones), update the running max in log2 units, compute P = 2^(S - max) (a static
-  share of the columns by a cubic on the FMA pipes, `attention_sm100_common.split_exp2`),
+  ones; -inf for MASKED ones), update the running max in log2 units, compute
+  P = 2^(S - max) (a static share of the columns by a cubic on the FMA pipes,
+  `attention_sm100_common.split_exp2`),
   store P (16-bit, over S's columns) back to tensor memory and keep the row sum.
   The max is raised only when a row's new max exceeds it by more than
   `RESCALE_THRESHOLD` (FA4's conditional rescaling): the per-row factor then goes to
@@ -112,25 +113,22 @@ class ForwardConfig:
         return int(round(self.emulated_exp2 * self.block_kv))
 
 
-# Per (padded value head dim <= 128): two q tiles of 128 x 128 S and 128 x Dv O fill the
-# 512 tensor-memory columns at Dv = 128; above it one q tile. Shared memory: Q (and O)
-# q_tiles x 128 x D plus num_stages x block_kv x (D + Dv), within 227 KiB. The exp2
-# share follows FA4 (emulated at head dims <= 128, where MUFU bounds the kv step; see
-# docs/blackwell-attention-model.md). Not tuned on hardware.
-def _config(dim: int, dim_v: int) -> ForwardConfig:
-    if max(dim, dim_v) <= 64:
-        return ForwardConfig(block_kv=128, num_stages=3, q_tiles=2, emulated_exp2=0.25)
-    if max(dim, dim_v) <= 128:
-        return ForwardConfig(block_kv=128, num_stages=2, q_tiles=2, emulated_exp2=0.25)
-    return ForwardConfig(block_kv=64, num_stages=2, q_tiles=1)
-
-
 def forward_config(head_dim: int, dtype: Any, causal: bool,
                    mean_walk: float | None = None) -> ForwardConfig:
-    """The config for a (padded) head dim; bf16 and fp16, causal or not, share it."""
+    """The config for the larger of the (padded) head dims; bf16 and fp16, causal or not,
+    share it. Not tuned on hardware: it follows FA4 and docs/blackwell-attention-model.md.
+
+    Up to 128, two q tiles: at 128 their S (128 x 128) and O (128 x 128) fill the 512
+    tensor-memory columns, and a quarter of the exp2 runs on the FMA pipes (MUFU would
+    tie with the tensor cores). Above 128 one q tile, kv tiles of 64 (shared memory).
+    """
     del dtype, causal, mean_walk
     dim = padded_head_dim(head_dim)
-    return _config(dim, dim)
+    if dim <= 64:
+        return ForwardConfig(block_kv=128, num_stages=3, q_tiles=2, emulated_exp2=0.25)
+    if dim <= 128:
+        return ForwardConfig(block_kv=128, num_stages=2, q_tiles=2, emulated_exp2=0.25)
+    return ForwardConfig(block_kv=64, num_stages=2, q_tiles=1)
 
 
 def smem_bytes(config: ForwardConfig, head_dim: int, head_dim_v: int, itemsize: int,
@@ -299,7 +297,8 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
             del step
             for t in range(tiles):
                 plgpu.barrier_wait(corr_full.at[t])
-                factor = plgpu.layout_cast(scale_smem[t], common100.row_layout())
+                factor = compat.mosaic_load(scale_smem.at[t], common100.row_layout(),
+                                            interpret=s.interpret)
                 plgpu.barrier_arrive(corr_empty.at[t])
                 plgpu.barrier_wait(o_full.at[t])
 
@@ -313,10 +312,13 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
 
                 plgpu.barrier_arrive(o_ready.at[t])
 
+        # The epilogue takes O in the MMA layout, which stores to swizzled shared memory
+        # without bank conflicts (a row per thread would not).
+        out_layout = plgpu.Layout.TCGEN05
         for t in range(tiles):
             plgpu.barrier_wait(corr_full.at[t])
-            row_max = plgpu.layout_cast(stats_smem[t, 0], common100.row_layout())
-            row_sum = plgpu.layout_cast(stats_smem[t, 1], common100.row_layout())
+            row_max, row_sum = (compat.mosaic_load(stats_smem.at[t, i], out_layout.reduce(1),
+                                                   interpret=s.interpret) for i in range(2))
             seen = row_sum > 0
             safe_sum = jnp.where(seen, row_sum, 1.0)
             inverse = jnp.where(seen, 1.0 / safe_sum, 0.0)
@@ -325,13 +327,14 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
 
             def normalized(t=t, inverse=inverse):
                 plgpu.barrier_wait(o_full.at[t])
-                o = plgpu.async_load_tmem(o_tmem.at[t], layout=layout)
+                o = plgpu.async_load_tmem(o_tmem.at[t], layout=out_layout)
                 plgpu.wait_load_tmem()
                 return o * lax.broadcast_in_dim(inverse, o.shape, [0])
 
             out = lax.cond(count > 0, normalized,
                            lambda: plgpu.layout_cast(
-                               jnp.zeros((cfg.block_q, s.head_dim_v), jnp.float32), layout))
+                               jnp.zeros((cfg.block_q, s.head_dim_v), jnp.float32),
+                               out_layout))
 
             @pl.when(valid(t))
             def _store(t=t, out=out):
@@ -525,7 +528,10 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
         grid=(batch * num_q_heads, _num_groups(statics)),
         grid_names=("batch_head", "q_blocks"),
         num_threads=config.q_tiles + 2, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        # Lane semantics (jax 0.11's default, 0.12 switched): warpgroup semantics lowers
+        # no implicit broadcast in selects.
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret_params,
     )(*operands)
     return out[:, :q_len, :, :head_dim_v], lse[..., :q_len]

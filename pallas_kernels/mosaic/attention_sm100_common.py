@@ -65,11 +65,15 @@ def exp2_polynomial(x: Array) -> Array:
     """2^x by a cubic on the fractional part and an integer add into the exponent bits
     (FMA and ALU pipes only; no MUFU); 0 below 2^-126 and for -inf."""
     clamped = jnp.maximum(x, _EXP2_FLOOR)
-    whole = jnp.floor(clamped)
-    fraction = clamped - whole
+    # floor(x) from a conversion toward zero (Mosaic lowers no floor).
+    whole = clamped.astype(jnp.int32)
+    fraction = clamped - whole.astype(jnp.float32)
+    below = fraction < 0
+    whole = jnp.where(below, whole - 1, whole)
+    fraction = jnp.where(below, fraction + 1.0, fraction)
     c1, c2, c3 = _EXP2_COEFFICIENTS
     mantissa = 1.0 + fraction * (c1 + fraction * (c2 + fraction * c3))
-    bits = lax.bitcast_convert_type(mantissa, jnp.int32) + (whole.astype(jnp.int32) << 23)
+    bits = lax.bitcast_convert_type(mantissa, jnp.int32) + (whole << 23)
     return jnp.where(x < _EXP2_FLOOR, 0.0, lax.bitcast_convert_type(bits, jnp.float32))
 
 

@@ -293,8 +293,10 @@ def masked_scores(scores: Array, layout: MaskLayout, flags, indices, leaf_values
             def _():
                 plgpu.barrier_wait(loaded)
 
+        # A row per thread (the sm100 tensor-memory layout) reads int8 rows that share
+        # banks in any swizzle: that load is planned with conflicts.
         partial_tile = compat.mosaic_load(tile_ref, tile_layout or plgpu.Layout.WGMMA,
-                                          interpret=interpret)
+                                          interpret=interpret, optimized=tile_layout is None)
     visible = tile_visibility(layout, flags, *indices(visibility_reads(layout)), leaf_values,
                               partial_tile)
     return scores if visible is None else jnp.where(visible, scores, -jnp.inf)

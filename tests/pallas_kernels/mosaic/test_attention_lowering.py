@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 import omni_jax
 from omni_jax.flax.cache import decode_mask
 from pallas_kernels import runtime
-from tests.forced_configs import force_config_fields
+from tests.forced_configs import force_config_fields, record_configs
+from tests.jax_releases import skip_unless_blackwell_interpreter
 
 _MASK_CACHE = {}
 _SLOPES = 2.0 ** -jnp.arange(1, 5, dtype=jnp.float32)
@@ -122,6 +123,30 @@ def _arguments(name):
 def _compiled_mosaic(monkeypatch):
     monkeypatch.delenv(runtime.INTERPRET_ENV_VAR, raising=False)
     monkeypatch.setattr(runtime, "can_run_mosaic_hopper", lambda: True)
+
+
+@pytest.fixture
+def _compiled_mosaic_sm100(monkeypatch):
+    skip_unless_blackwell_interpreter()
+    monkeypatch.delenv(runtime.INTERPRET_ENV_VAR, raising=False)
+    monkeypatch.setattr(runtime, "can_run_mosaic_hopper", lambda: False)
+    monkeypatch.setattr(runtime, "can_run_mosaic_blackwell", lambda: True)
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_sm100_forward_lowers_for_cuda(name, _compiled_mosaic_sm100, monkeypatch):
+    """The sm100 forward (tcgen05, tensor memory) lowers for every variant (checked with
+    jax 0.12, whose Pallas lowers the tcgen05 primitives without a GPU)."""
+    from pallas_kernels.mosaic import attention_fwd_sm100 as fwd100
+
+    configs = record_configs(monkeypatch, fwd100, "attention_forward")
+    (q, k, v), kwargs = _arguments(name)
+
+    def run(q, k, v):
+        return omni_jax.attention(q, k, v, implementation="mosaic", return_lse=True, **kwargs)
+
+    text = jax.jit(run).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and configs
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
