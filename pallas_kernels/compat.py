@@ -10,6 +10,7 @@ Append new wrappers; keep existing signatures stable.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -514,16 +515,29 @@ def inputs_read(jaxpr: Any) -> tuple[bool, ...]:
     return tuple(used)
 
 
+@contextlib.contextmanager
+def mosaic_lowering_arch(major: int, minor: int):
+    """Mosaic-GPU lowerings in this block target compute capability ``major.minor``.
+
+    Mosaic stamps the architecture on the module it lowers and picks arch-specific
+    code paths from it; it takes it from the default device, and without a GPU
+    assumes Hopper (9.0). Tests that lower Blackwell kernels for CUDA on a CPU
+    machine set it here (the inference lived in ``mosaic.gpu.core`` up to jax 0.10,
+    in ``mosaic.gpu.utils`` after).
+    """
+    from jax.experimental.mosaic.gpu import core, utils
+
+    owner = core if hasattr(core, "_infer_arch") else utils
+    inferred = owner._infer_arch
+    owner._infer_arch = lambda: (major, minor)
+    try:
+        yield
+    finally:
+        owner._infer_arch = inferred
+
+
 def reduced_layout(layout: Any, axis: int) -> Any:
     """The layout of a reduction along ``axis`` of a 2-D array in ``layout`` (None: WGMMA)."""
     if layout is None:
         return wgmma_row_layout() if axis == 1 else wgmma_col_layout()
     return layout.reduce(axis)
-
-
-def interprets_blackwell() -> bool:
-    """The Mosaic-GPU interpreter simulates tcgen05 MMAs and tensor memory far enough for
-    the sm100 kernels (jax 0.12; 0.11's fails a barrier-phase check at deallocation)."""
-    import jax
-
-    return jax.__version_info__ >= (0, 12)

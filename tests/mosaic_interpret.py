@@ -13,8 +13,8 @@ from pallas_kernels import runtime
 
 
 def interpreted_mosaic(monkeypatch: pytest.MonkeyPatch, architecture: str = "sm90"):
-    """Generator for a fixture: interpret mode as ``architecture`` ("sm90" or "sm100"), and
-    no race in any interpreted kernel."""
+    """Generator for a fixture: interpret mode (standing in for ``architecture``, "sm90"
+    or "sm100"), and no race in any interpreted kernel."""
     from jax._src.pallas.mosaic.interpret import race_detection_state
 
     races: list[str] = []

@@ -457,12 +457,15 @@ def _softmax_tile(s: _Statics, t: int, count, num_full, batch, head, q_block, wa
             plgpu.barrier_arrive(corr_full)
 
         shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)
-        probs = common100.split_exp2(
-            to_log2(scores) - lax.broadcast_in_dim(shift, tile, [0]), cfg.emulated_columns)
-        plgpu.async_store_tmem(p_tmem, probs.astype(s.dtype))
+        row_sum = row_sum * factor
+        for start, probs in common100.split_exp2(
+                to_log2(scores) - lax.broadcast_in_dim(shift, tile, [0]), cfg.emulated_columns):
+            plgpu.async_store_tmem(p_tmem.at[:, pl.ds(start, probs.shape[1])],
+                                   probs.astype(s.dtype))
+            row_sum = row_sum + probs.sum(axis=1)
         plgpu.commit_tmem()
         plgpu.barrier_arrive(p_full)
-        return new_max, row_sum * factor + probs.sum(axis=1)
+        return new_max, row_sum
 
     carry = (common100.row_vector(-jnp.inf), common100.row_vector(0.0))
     carry = lax.fori_loop(0, num_full, functools.partial(step_fn, full=True), carry)

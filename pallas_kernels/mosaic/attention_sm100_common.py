@@ -77,15 +77,17 @@ def exp2_polynomial(x: Array) -> Array:
     return jnp.where(x < _EXP2_FLOOR, 0.0, lax.bitcast_convert_type(bits, jnp.float32))
 
 
-def split_exp2(x: Array, emulated_columns: int) -> Array:
-    """2^x of a ``[rows, cols]`` tile: its first ``emulated_columns`` columns by
-    `exp2_polynomial`, the rest by the hardware's exp2."""
-    if emulated_columns <= 0:
-        return jnp.exp2(x)
-    if emulated_columns >= x.shape[1]:
-        return exp2_polynomial(x)
-    return jnp.concatenate([exp2_polynomial(x[:, :emulated_columns]),
-                            jnp.exp2(x[:, emulated_columns:])], axis=1)
+def split_exp2(x: Array, emulated_columns: int) -> list[tuple[int, Array]]:
+    """2^x of a ``[rows, cols]`` tile as (first column, values) parts: the first
+    ``emulated_columns`` columns by `exp2_polynomial`, the rest by the hardware's exp2.
+    Parts, not one array: jax 0.10's Mosaic lowering has no concatenation."""
+    columns = x.shape[1]
+    parts = []
+    if emulated_columns > 0:
+        parts.append((0, exp2_polynomial(x[:, :min(emulated_columns, columns)])))
+    if emulated_columns < columns:
+        parts.append((max(emulated_columns, 0), jnp.exp2(x[:, max(emulated_columns, 0):])))
+    return parts
 
 
 def paired_walk(kmask: KernelMask, layout: MaskLayout, tiles: int) -> Array:

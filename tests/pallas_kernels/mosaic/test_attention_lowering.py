@@ -15,9 +15,8 @@ from hypothesis import strategies as st
 
 import omni_jax
 from omni_jax.flax.cache import decode_mask
-from pallas_kernels import runtime
+from pallas_kernels import compat, runtime
 from tests.forced_configs import force_config_fields, record_configs
-from tests.jax_releases import skip_unless_blackwell_interpreter
 
 _MASK_CACHE = {}
 _SLOPES = 2.0 ** -jnp.arange(1, 5, dtype=jnp.float32)
@@ -127,16 +126,19 @@ def _compiled_mosaic(monkeypatch):
 
 @pytest.fixture
 def _compiled_mosaic_sm100(monkeypatch):
-    skip_unless_blackwell_interpreter()
+    """Lowering as on a Blackwell GPU: the backend picks the sm100 forward, and Mosaic
+    stamps sm100 on the module and takes its arch-specific paths."""
     monkeypatch.delenv(runtime.INTERPRET_ENV_VAR, raising=False)
     monkeypatch.setattr(runtime, "can_run_mosaic_hopper", lambda: False)
     monkeypatch.setattr(runtime, "can_run_mosaic_blackwell", lambda: True)
+    with compat.mosaic_lowering_arch(10, 0):
+        yield
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_sm100_forward_lowers_for_cuda(name, _compiled_mosaic_sm100, monkeypatch):
-    """The sm100 forward (tcgen05, tensor memory) lowers for every variant (checked with
-    jax 0.12, whose Pallas lowers the tcgen05 primitives without a GPU)."""
+    """The sm100 forward (tcgen05, tensor memory) lowers for every variant: layout
+    inference and every op's lowering, which the interpreter skips."""
     from pallas_kernels.mosaic import attention_fwd_sm100 as fwd100
 
     configs = record_configs(monkeypatch, fwd100, "attention_forward")
