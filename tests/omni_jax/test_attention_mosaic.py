@@ -5,7 +5,7 @@ Mosaic-GPU interpreter on any machine (races fail the test);
 `TestMosaicAttentionGpu` runs the full suite compiled on an sm90 GPU. Both
 check that every call took its backward from the Mosaic kernels (not from
 the Triton fallback). `TestMosaicSm100AttentionInterpreted` runs every case's
-forward interpreted as sm100 (jax 0.12 and later): the Blackwell forward, whose
+forward interpreted as sm100 (jax 0.11 and later): the Blackwell forward, whose
 backward is not built yet.
 """
 

@@ -1,4 +1,4 @@
-"""The Mosaic-GPU Blackwell (sm100) attention forward, interpreted as sm100 (jax 0.12).
+"""The Mosaic-GPU Blackwell (sm100) attention forward, interpreted as sm100 (jax 0.11+).
 
 Through the Mosaic-GPU interpreter with race detection on (a race fails the test) and
 uninitialized memory poisoned with NaN (an unwritten output row fails), against the
