@@ -423,15 +423,16 @@ def _clip_range(rnge, shape):
     return tuple(clipped), tuple(keep)
 
 
-def mosaic_load(ref: Any, layout: Any, *, interpret: bool) -> Array:
-    """``plgpu.load(ref, (), layout=layout)``: a whole smem ref into registers of ``layout``.
+def mosaic_load(ref: Any, layout: Any, *, interpret: bool, optimized: bool = True) -> Array:
+    """``plgpu.load(ref, (), layout=layout)``: a whole smem ref into registers of ``layout``
+    (``optimized=False``: with bank conflicts where no conflict-free plan exists).
 
     The interpreter cannot evaluate ``plgpu.load``; there a plain read is the same.
     """
     if interpret:
         return ref[...]
     load = _mosaic_module().load
-    return load(ref, *_load_index_argument(), layout=layout)
+    return load(ref, *_load_index_argument(), layout=layout, optimized=optimized)
 
 
 @functools.cache
@@ -533,3 +534,10 @@ def mosaic_lowering_arch(major: int, minor: int):
         yield
     finally:
         owner._infer_arch = inferred
+
+
+def reduced_layout(layout: Any, axis: int) -> Any:
+    """The layout of a reduction along ``axis`` of a 2-D array in ``layout`` (None: WGMMA)."""
+    if layout is None:
+        return wgmma_row_layout() if axis == 1 else wgmma_col_layout()
+    return layout.reduce(axis)

@@ -1,7 +1,11 @@
-"""The Pallas Mosaic-GPU backend: warp-specialized, TMA-pipelined kernels for Hopper.
+"""The Pallas Mosaic-GPU backend: warp-specialized, TMA-pipelined kernels for Hopper and
+Blackwell.
 
-Runs on sm90 GPUs, or anywhere under ``OMNI_JAX_PALLAS_INTERPRET=1`` through
-the Mosaic-GPU interpreter (race detection on; TMA bounds as on hardware).
+Runs on sm90 GPUs (wgmma kernels) and sm100 GPUs (the tcgen05/tensor-memory forward,
+`attention_fwd_sm100`), or anywhere under ``OMNI_JAX_PALLAS_INTERPRET=1`` (``=sm100``)
+through the Mosaic-GPU interpreter (race detection on; TMA bounds as on hardware).
+On sm100 the forward serves BlockMasks with ``block_kv`` 64 or 128, without kv splits;
+its backward is not built yet, so gradients come from the next backend.
 
 Serves bf16/fp16 inputs with head dims up to 256 (zero-padded to 64, 96, 128, 192 or 256), any
 lengths, GQA/MQA, every BlockMask with ``block_q = 128`` (the kernel's q tile),
@@ -37,6 +41,7 @@ from pallas_kernels.block_sparse import kernel_mask, mean_walk
 from pallas_kernels.captured import PackedCaptured, scalar_reads_reason, score_mod_on_packed
 from pallas_kernels.mosaic import attention_bwd_sm90 as bwd
 from pallas_kernels.mosaic import attention_fwd_sm90 as fwd
+from pallas_kernels.mosaic import attention_fwd_sm100 as fwd100
 from pallas_kernels.mosaic.attention_sm90_common import SMEM_LIMIT
 from pallas_kernels.softmax import fold_sinks, sinks_cotangent
 
@@ -91,15 +96,15 @@ class _StandInRef:
 
 
 class MosaicBackend(AttentionBackend):
-    """Pallas Mosaic-GPU kernels for Hopper (sm90)."""
+    """Pallas Mosaic-GPU kernels for Hopper (sm90) and Blackwell (sm100, forward only)."""
 
     name = "mosaic"
 
     def unavailable_reason(self) -> str | None:
-        if runtime.can_run_mosaic_hopper():
+        if runtime.mosaic_architecture() is not None:
             return None
-        return ("the Mosaic-GPU kernels need an sm90 (Hopper) GPU, or "
-                f"{runtime.INTERPRET_ENV_VAR}=1 for the interpreter")
+        return ("the Mosaic-GPU kernels need an sm90 (Hopper) or sm100 (Blackwell) GPU, or "
+                f"{runtime.INTERPRET_ENV_VAR}=1 (=sm100) for the interpreter")
 
     def unsupported_reason(self, problem: AttentionProblem) -> str | None:
         if np.dtype(problem.dtype) not in _DTYPES:
@@ -109,6 +114,10 @@ class MosaicBackend(AttentionBackend):
                 return f"{name}={dim} (at most {fwd.SUPPORTED_HEAD_DIMS[-1]})"
         if problem.block_size is not None:
             block_q, block_kv = problem.block_size
+            if _blackwell() and (block_q, block_kv) not in ((fwd.BLOCK_Q, 64),
+                                                            (fwd.BLOCK_Q, 128)):
+                return (f"BlockMask block_size {problem.block_size}: the sm100 forward "
+                        f"needs block_q={fwd.BLOCK_Q} and block_kv 64 or 128")
             if block_q != fwd.BLOCK_Q or block_kv % 64 or not 64 <= block_kv <= 256:
                 return (f"BlockMask block_size {problem.block_size}: the kernels need "
                         f"block_q={fwd.BLOCK_Q} and block_kv a multiple of 64 up to 256")
@@ -124,6 +133,8 @@ class MosaicBackend(AttentionBackend):
         return score_mod_unsupported_reason(problem)
 
     def backward_unsupported_reason(self, problem: AttentionProblem) -> str | None:
+        if _blackwell():
+            return "the sm100 backward is not built yet (the sm90 one needs wgmma)"
         reason = self.unsupported_reason(problem)
         if reason is None:
             config = self._backward_config(problem)
@@ -135,7 +146,8 @@ class MosaicBackend(AttentionBackend):
         # long enough for the fused dQ or not (the backward).
         forward = tuple(self._config(problem, causal, mean_walk)
                         for causal in (False, True) for mean_walk in (None, 0.0))
-        return forward, self._backward_config(problem), runtime.interpret_requested()
+        return (forward, self._backward_config(problem), runtime.interpret_requested(),
+                runtime.mosaic_architecture())
 
     def block_size(self, problem: AttentionProblem) -> tuple[int, int]:
         config = self._config(problem, causal=False)
@@ -144,7 +156,7 @@ class MosaicBackend(AttentionBackend):
     def forward(self, problem, q, k, v, block_mask: BlockMask, sinks, captured):
         kmask, layout = kernel_mask(block_mask)
         causal = includes_causal(block_mask.mask_mod)
-        out, lse = fwd.attention_forward(
+        out, lse = _forward_module().attention_forward(
             q, k, v, kmask, layout, scale=problem.scale, softcap=problem.softcap,
             score_mod=problem.score_mod, has_partial=problem.has_user_mask,
             config=self._config(problem, causal, mean_walk(kmask.kv_num_blocks)),
@@ -188,12 +200,16 @@ class MosaicBackend(AttentionBackend):
 
     @staticmethod
     def _config(problem: AttentionProblem, causal: bool,
-                mean_walk: float | None = None) -> fwd.ForwardConfig:
-        """The forward's config, with the kv splits of ``problem``'s size."""
-        config = fwd.forward_config(max(problem.head_dim, problem.head_dim_v), problem.dtype,
-                                    causal, mean_walk)
+                mean_walk: float | None = None) -> fwd.ForwardConfig | fwd100.ForwardConfig:
+        """The forward's config, with the kv splits of ``problem``'s size (sm90)."""
+        config = _forward_module().forward_config(max(problem.head_dim, problem.head_dim_v),
+                                                  problem.dtype, causal, mean_walk)
         if problem.block_size is not None and problem.block_size[1] != config.block_kv:
             config = dataclasses.replace(config, block_kv=problem.block_size[1])
+        if _blackwell():
+            return fwd100.fit_config(config, SMEM_LIMIT, *fwd.padded_head_dims(
+                problem.head_dim, problem.head_dim_v), np.dtype(problem.dtype).itemsize,
+                problem.has_user_mask)
         num_q_blocks = -(-problem.q_len // config.block_q)
         walk = (-(-problem.kv_len // config.block_kv) if mean_walk is None
                 else mean_walk)  # a traced mask: at most every kv-block
@@ -204,10 +220,21 @@ class MosaicBackend(AttentionBackend):
         return config
 
     @staticmethod
-    def _smem(problem: AttentionProblem, config: fwd.ForwardConfig) -> int:
-        return fwd.smem_bytes(config, *fwd.padded_head_dims(problem.head_dim,
+    def _smem(problem: AttentionProblem,
+              config: fwd.ForwardConfig | fwd100.ForwardConfig) -> int:
+        return _forward_module().smem_bytes(config, *fwd.padded_head_dims(problem.head_dim,
                                                             problem.head_dim_v),
                               np.dtype(problem.dtype).itemsize, problem.has_user_mask)
+
+
+def _blackwell() -> bool:
+    """Whether the Mosaic kernels run (or are interpreted) as sm100."""
+    return runtime.mosaic_architecture() == "sm100"
+
+
+def _forward_module():
+    """The forward kernel's module for the GPU the kernels run on."""
+    return fwd100 if _blackwell() else fwd
 
 
 def interpret_params():

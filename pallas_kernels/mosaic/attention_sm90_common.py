@@ -66,9 +66,13 @@ def padded_head_dims(head_dim: int, head_dim_v: int) -> tuple[int | None, int | 
 def packed_walk(mask: KernelMask, over: str) -> Array:
     """`block_sparse.packed_walk` as ``[Bm, Hm, n, R, WALK_LINE]``: one walked block's row
     is one 2-D TMA box per CTA."""
-    rows = block_sparse.packed_walk(mask, over)
-    rows = jnp.pad(rows, ((0, 0),) * 3 + ((0, -rows.shape[-1] % WALK_LINE),))
-    return rows.reshape(*rows.shape[:3], -1, WALK_LINE)
+    return walk_lines(block_sparse.packed_walk(mask, over))
+
+
+def walk_lines(rows: Array) -> Array:
+    """Walk rows ``[..., n]`` as ``[..., R, WALK_LINE]`` (zero-padded): one TMA box each."""
+    rows = jnp.pad(rows, ((0, 0),) * (rows.ndim - 1) + ((0, -rows.shape[-1] % WALK_LINE),))
+    return rows.reshape(*rows.shape[:-1], -1, WALK_LINE)
 
 
 def has_masked_tiles(layout: MaskLayout, has_partial: bool) -> bool:
@@ -224,7 +228,7 @@ def load_kv_leaf_columns(statics, ring, ready, slot) -> list:
 
 
 def tile_indices(tile: tuple[int, int], q_start, kv_start, *, q_axis: int,
-                 read: tuple[bool, bool]) -> tuple[Array, Array]:
+                 read: tuple[bool, bool], layout: Any = None) -> tuple[Array, Array]:
     """Global (q_idx, kv_idx) over a WGMMA-layout score tile whose q positions run along
     ``q_axis`` (0 for q-major tiles, 1 for the dK/dV kernel's kv-major ones).
 
@@ -233,13 +237,15 @@ def tile_indices(tile: tuple[int, int], q_start, kv_start, *, q_axis: int,
     a causal mask the 2-D form spilled up to 636 bytes a thread in the backward). Only
     the indices the caller reads (``read``: q, kv; `visibility_reads`,
     `ScoreSpec.reads_indices`) are built, the others left as their scalar start: jax
-    0.11's Mosaic layout inference fails on a broadcast that nothing reads.
+    0.11's Mosaic layout inference fails on a broadcast that nothing reads. ``layout``:
+    the tile's register layout when not WGMMA (the sm100 kernels' tensor-memory one).
     """
     def positions(axis, start, needed):
         if not needed:
             return start
-        layout = compat.wgmma_row_layout() if axis == 0 else compat.wgmma_col_layout()
-        vector = start + plgpu.broadcasted_iota(jnp.int32, (tile[axis],), 0, layout=layout)
+        vector_layout = compat.reduced_layout(layout, 1 - axis)
+        vector = start + plgpu.broadcasted_iota(jnp.int32, (tile[axis],), 0,
+                                                layout=vector_layout)
         return lax.broadcast_in_dim(vector, tile, [axis])
 
     return (positions(q_axis, q_start, read[0]),
@@ -257,34 +263,40 @@ def visibility_reads(layout: MaskLayout) -> tuple[bool, bool]:
 
 
 def masked_q_major_scores(statics, scores: Array, flags, indices, q_leaf_rows,
-                          kv_leaf_columns, partial=None) -> Array:
+                          kv_leaf_columns, partial=None, tile_layout: Any = None) -> Array:
     """`masked_scores` of a q-major tile (the forward's and the dQ kernel's) from its
     mask leaves: q leaves as rows, kv leaves as columns."""
     leaves = tile_leaves(statics.leaf_slots, q_leaf_rows, kv_leaf_columns, scores.shape,
                          q_axis=0)
     return masked_scores(scores, statics.layout, flags, indices, leaves, partial,
-                         interpret=statics.interpret)
+                         interpret=statics.interpret, tile_layout=tile_layout)
 
 
 def masked_scores(scores: Array, layout: MaskLayout, flags, indices, leaf_values,
-                  partial=None, *, interpret: bool) -> Array:
+                  partial=None, *, interpret: bool, tile_layout: Any = None) -> Array:
     """``scores`` of a tile that is not FULL, with its invisible elements at -inf.
 
     ``indices(read)`` builds the tile's (q_idx, kv_idx) (`tile_indices`).
 
     ``partial`` is (this consumer's slice of the stored-tile slot, its "loaded"
     barrier) when the mask can hold PARTIAL tiles: the producer loads a stored
-    tile only for PARTIAL tiles, so only those wait for it.
+    tile only for PARTIAL tiles, so only those wait for it; its barrier is None where
+    the caller already waited for the tile. ``tile_layout``: the scores' register
+    layout when not WGMMA.
     """
     partial_tile = None
     if partial is not None:
         tile_ref, loaded = partial
 
-        @pl.when((flags & PARTIAL) != 0)
-        def _():
-            plgpu.barrier_wait(loaded)
+        if loaded is not None:
+            @pl.when((flags & PARTIAL) != 0)
+            def _():
+                plgpu.barrier_wait(loaded)
 
-        partial_tile = compat.mosaic_load(tile_ref, plgpu.Layout.WGMMA, interpret=interpret)
+        # A row per thread (the sm100 tensor-memory layout) reads int8 rows that share
+        # banks in any swizzle: that load is planned with conflicts.
+        partial_tile = compat.mosaic_load(tile_ref, tile_layout or plgpu.Layout.WGMMA,
+                                          interpret=interpret, optimized=tile_layout is None)
     visible = tile_visibility(layout, flags, *indices(visibility_reads(layout)), leaf_values,
                               partial_tile)
     return scores if visible is None else jnp.where(visible, scores, -jnp.inf)

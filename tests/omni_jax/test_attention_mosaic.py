@@ -4,7 +4,9 @@
 Mosaic-GPU interpreter on any machine (races fail the test);
 `TestMosaicAttentionGpu` runs the full suite compiled on an sm90 GPU. Both
 check that every call took its backward from the Mosaic kernels (not from
-the Triton fallback).
+the Triton fallback). `TestMosaicSm100AttentionInterpreted` runs every case's
+forward interpreted as sm100 (jax 0.11 and later): the Blackwell forward, whose
+backward is not built yet.
 """
 
 import dataclasses
@@ -17,7 +19,9 @@ import omni_jax
 from pallas_kernels import compat, runtime
 from pallas_kernels.mosaic import attention_bwd_sm90 as bwd
 from pallas_kernels.mosaic import attention_fwd_sm90 as fwd
-from tests.forced_configs import force_config_fields, record_plans
+from pallas_kernels.mosaic import attention_fwd_sm100 as fwd100
+from tests.forced_configs import force_config_fields, record_configs, record_plans
+from tests.jax_releases import skip_unless_blackwell_interpreter
 from tests.mosaic_interpret import interpreted_mosaic
 from tests.omni_jax.attention_suite import CASES, AttentionSuite, Case, check_case
 
@@ -76,6 +80,40 @@ class TestMosaicAttentionInterpreted(_MosaicSuite):
     @pytest.fixture(autouse=True)
     def _interpreted(self, monkeypatch):
         yield from interpreted_mosaic(monkeypatch)
+
+
+_SM100_BACKWARD = "the sm100 backward is not built yet: gradients come from the next backend"
+
+
+@pytest.mark.interpreted
+class TestMosaicSm100AttentionInterpreted(AttentionSuite):
+    """Every case's forward (output, lse, blind rows) against float64, interpreted as sm100."""
+
+    implementation = "mosaic"
+    dtypes = ("bfloat16",)
+    cases = GPU_CASES
+    mask_block_size = (128, 64)
+    check_gradients = False
+
+    @pytest.fixture(autouse=True)
+    def _interpreted(self, monkeypatch):
+        skip_unless_blackwell_interpreter()
+        yield from interpreted_mosaic(monkeypatch, "sm100")
+
+    def test_case(self, case, dtype, monkeypatch):
+        """The case's forward, run by the sm100 kernel."""
+        configs = record_configs(monkeypatch, fwd100, "attention_forward")
+        super().test_case(case, dtype)
+        assert configs and all(isinstance(c, fwd100.ForwardConfig) for c in configs)
+
+    def test_vmap_of_grad_matches_float64(self):
+        pytest.skip(_SM100_BACKWARD)
+
+    def test_second_order_derivatives_match_float64(self):
+        pytest.skip(_SM100_BACKWARD)
+
+    def test_no_nan_gradient_for_blind_rows(self):
+        pytest.skip(_SM100_BACKWARD)
 
 
 @pytest.mark.gpu
@@ -141,9 +179,11 @@ def test_score_mod_captures_beyond_element_reads_are_declined(captured, score_mo
 _SLOPES = jnp.ones((2,), jnp.float32)
 
 
-def _backward_backends(head_dim, block_kv, score_mod, monkeypatch) -> list[str]:
-    """The backward backends planned for a default-dispatch call on interpreted kernels."""
-    monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
+def _backward_backends(head_dim, block_kv, score_mod, monkeypatch,
+                       interpret: str = "1") -> list[str]:
+    """The backward backends planned for a default-dispatch call on interpreted kernels
+    (``interpret``: the setting of ``OMNI_JAX_PALLAS_INTERPRET``)."""
+    monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, interpret)
     plans = record_plans(monkeypatch)
     q = jax.ShapeDtypeStruct((1, 256, 2, head_dim), jnp.bfloat16)
     mask = None if block_kv is None else omni_jax.create_block_mask(
@@ -171,6 +211,27 @@ def test_backward_falls_back_without_a_config(monkeypatch):
     monkeypatch.setattr(bwd, "backward_config", lambda *args, **kwargs: None)
     names = _backward_backends(128, None, None, monkeypatch)
     assert len(names) == 1 and names[0] != "mosaic", names
+
+
+def test_sm100_backward_goes_to_the_next_backend(monkeypatch):
+    """On sm100 the Mosaic backend serves the forward only (the sm90 backward needs
+    wgmma): gradients plan the next backend's backward."""
+    skip_unless_blackwell_interpreter()
+    names = _backward_backends(128, None, None, monkeypatch, interpret="sm100")
+    assert len(names) == 1 and names[0] != "mosaic", names
+
+
+def test_sm100_retiles_a_block_kv_it_lacks(monkeypatch):
+    """The sm100 forward takes kv tiles of 64 or 128: a concrete mask of 192 is re-tiled."""
+    skip_unless_blackwell_interpreter()
+    monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "sm100")
+    configs = record_configs(monkeypatch, fwd100, "attention_forward")
+    q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+    mask = omni_jax.create_block_mask(lambda b, h, i, j: i >= j, None, None, 256, 256,
+                                      (128, 192))
+    jax.eval_shape(lambda q: omni_jax.attention(q, q, q, mask=mask, implementation="mosaic"),
+                   q)
+    assert [config.block_kv for config in configs] == [128]
 
 
 @pytest.fixture

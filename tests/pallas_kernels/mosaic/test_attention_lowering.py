@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 import omni_jax
 from omni_jax.flax.cache import decode_mask
-from pallas_kernels import runtime
-from tests.forced_configs import force_config_fields
+from pallas_kernels import compat, runtime
+from tests.forced_configs import force_config_fields, record_configs
 
 _MASK_CACHE = {}
 _SLOPES = 2.0 ** -jnp.arange(1, 5, dtype=jnp.float32)
@@ -122,6 +122,33 @@ def _arguments(name):
 def _compiled_mosaic(monkeypatch):
     monkeypatch.delenv(runtime.INTERPRET_ENV_VAR, raising=False)
     monkeypatch.setattr(runtime, "can_run_mosaic_hopper", lambda: True)
+
+
+@pytest.fixture
+def _compiled_mosaic_sm100(monkeypatch):
+    """Lowering as on a Blackwell GPU: the backend picks the sm100 forward, and Mosaic
+    stamps sm100 on the module and takes its arch-specific paths."""
+    monkeypatch.delenv(runtime.INTERPRET_ENV_VAR, raising=False)
+    monkeypatch.setattr(runtime, "can_run_mosaic_hopper", lambda: False)
+    monkeypatch.setattr(runtime, "can_run_mosaic_blackwell", lambda: True)
+    with compat.mosaic_lowering_arch(10, 0):
+        yield
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_sm100_forward_lowers_for_cuda(name, _compiled_mosaic_sm100, monkeypatch):
+    """The sm100 forward (tcgen05, tensor memory) lowers for every variant: layout
+    inference and every op's lowering, which the interpreter skips."""
+    from pallas_kernels.mosaic import attention_fwd_sm100 as fwd100
+
+    configs = record_configs(monkeypatch, fwd100, "attention_forward")
+    (q, k, v), kwargs = _arguments(name)
+
+    def run(q, k, v):
+        return omni_jax.attention(q, k, v, implementation="mosaic", return_lse=True, **kwargs)
+
+    text = jax.jit(run).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and configs
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
