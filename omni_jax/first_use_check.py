@@ -9,6 +9,7 @@ configuration is declined from then on, so dispatch routes it to the next backen
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 from collections.abc import Callable, Hashable
@@ -89,9 +90,11 @@ def verified(key: Hashable, what: str, kernel: Callable[[], Any],
 def _compare(what: str, kernel: Callable[[], Any], reference: Callable[[], Any],
              tolerance: float) -> str | None:
     try:
-        with jax.ensure_compile_time_eval():
-            got = jax.block_until_ready(kernel())
-            want = jax.block_until_ready(reference())
+        # Run now even while a caller is being traced: JAX's trace state is per thread,
+        # so in a thread of its own the check executes instead of being staged out.
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            got, want = pool.submit(lambda: jax.block_until_ready(
+                (jax.jit(kernel)(), jax.jit(reference)()))).result()
         error = relative_error(got, want)
     except Exception as failure:  # noqa: BLE001 - any failure declines the configuration
         return (f"its first-use check on this GPU raised {type(failure).__name__}: "

@@ -23,6 +23,7 @@ backward from the next backend that can (Triton on GPUs, else XLA).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Hashable
 
 import jax
@@ -30,9 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from omni_jax import first_use_check
 from omni_jax.backends import xla
 from omni_jax.backends.base import AttentionBackend
-from omni_jax.masks import BlockMask
+from omni_jax.masks import BlockMask, causal_mask, create_block_mask
 from omni_jax.masks.mask_mods import includes_causal
 from omni_jax.problem import AttentionProblem
 from omni_jax.scores import primitive_names
@@ -130,7 +132,23 @@ class MosaicBackend(AttentionBackend):
                 return (f"BlockMask block_kv={block_kv} with head_dim={problem.head_dim}, "
                         f"head_dim_v={problem.head_dim_v} needs {smem} bytes of shared "
                         f"memory, over the {SMEM_LIMIT} the kernels may use{hint}")
-        return score_mod_unsupported_reason(problem)
+        return score_mod_unsupported_reason(problem) or self._first_use_reason(problem)
+
+    def _first_use_reason(self, problem: AttentionProblem) -> str | None:
+        """On a Blackwell GPU, where the sm100 forward was never executed before this
+        process, why its configuration for ``problem`` is declined: checked once per
+        configuration on a small causal problem of the same head dims, dtype, GQA group
+        and softcap against the xla backend (`omni_jax.first_use_check`)."""
+        if not (_blackwell() and first_use_check.unverified_hardware()):
+            return None
+        config = self._config(problem, causal=True)
+        key = ("attention forward", config, problem.head_dim, problem.head_dim_v,
+               np.dtype(problem.dtype).name, problem.group_size, problem.softcap)
+        check = functools.partial(_small_causal_forward, problem, config)
+        return first_use_check.verified(
+            key, f"the sm100 attention forward ({np.dtype(problem.dtype).name}, head dims "
+                 f"{problem.head_dim}/{problem.head_dim_v}, {config})",
+            functools.partial(check, kernel=True), functools.partial(check, kernel=False))
 
     def backward_unsupported_reason(self, problem: AttentionProblem) -> str | None:
         if _blackwell():
@@ -225,6 +243,34 @@ class MosaicBackend(AttentionBackend):
         return _forward_module().smem_bytes(config, *fwd.padded_head_dims(problem.head_dim,
                                                             problem.head_dim_v),
                               np.dtype(problem.dtype).itemsize, problem.has_user_mask)
+
+
+# The first-use check's problem: two q-blocks of causal attention, one kv head.
+_CHECK_LENGTH = 256
+
+
+def _small_causal_forward(problem: AttentionProblem, config, *, kernel: bool):
+    """(out, lse) of a small causal problem like ``problem``: by the sm100 forward with
+    ``config`` (``kernel``), else by the xla backend in float32."""
+    rng = np.random.default_rng(0)
+    heads = problem.group_size
+    shape = lambda dim, count: (1, _CHECK_LENGTH, count, dim)
+    q, k, v = (jnp.asarray(rng.standard_normal(shape(dim, count)), jnp.float32)
+               for dim, count in ((problem.head_dim, heads), (problem.head_dim, 1),
+                                  (problem.head_dim_v, 1)))
+    if not kernel:
+        from omni_jax.attention import attention  # the public call imports the backends
+
+        return attention(q, k, v, is_causal=True, scale=problem.scale,
+                         softcap=problem.softcap, return_lse=True, implementation="xla")
+    block_mask = create_block_mask(causal_mask, None, None, _CHECK_LENGTH, _CHECK_LENGTH,
+                                   (config.block_q, config.block_kv))
+    kmask, layout = kernel_mask(block_mask)
+    cast = lambda x: x.astype(problem.dtype)
+    return fwd100.attention_forward(
+        cast(q), cast(k), cast(v), kmask, layout, scale=problem.scale,
+        softcap=problem.softcap, score_mod=None, has_partial=False, config=config,
+        captured=(), interpret_params=interpret_params())
 
 
 def _blackwell() -> bool:
