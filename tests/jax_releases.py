@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import pytest
 
 from pallas_kernels import compat, runtime
@@ -12,3 +13,9 @@ def skip_unless_triton_lowers_here() -> None:
     if not compat.triton_lowers_without_gpu() and runtime.gpu_compute_capability() is None:
         pytest.skip("this jax lowers Triton kernels for CUDA only on a GPU")
 
+
+def skip_unless_blackwell_interpreter() -> None:
+    """The Mosaic-GPU interpreter simulates tcgen05 MMAs and tensor memory from jax 0.12."""
+    if jax.__version_info__ < (0, 12):
+        pytest.skip(f"jax {jax.__version__}: the Mosaic-GPU interpreter simulates tcgen05 "
+                    "and TMEM from jax 0.12")

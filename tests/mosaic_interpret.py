@@ -12,8 +12,9 @@ import pytest
 from pallas_kernels import runtime
 
 
-def interpreted_mosaic(monkeypatch: pytest.MonkeyPatch):
-    """Generator for a fixture: interpret mode, and no race in any interpreted kernel."""
+def interpreted_mosaic(monkeypatch: pytest.MonkeyPatch, architecture: str = "sm90"):
+    """Generator for a fixture: interpret mode (as the ``architecture`` GPU, "sm90" or
+    "sm100"), and no race in any interpreted kernel."""
     from jax._src.pallas.mosaic.interpret import race_detection_state
 
     races: list[str] = []
@@ -27,7 +28,7 @@ def interpreted_mosaic(monkeypatch: pytest.MonkeyPatch):
             races.append("race")
         base_setattr(self, name, value)
 
-    monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
+    monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1" if architecture == "sm90" else architecture)
     monkeypatch.setattr(state, "__setattr__", recording_setattr)
     try:
         yield

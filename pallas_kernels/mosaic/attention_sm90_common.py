@@ -224,13 +224,16 @@ def load_kv_leaf_columns(statics, ring, ready, slot) -> list:
 
 
 def tile_indices(tile: tuple[int, int], q_start, kv_start, *, q_axis: int,
-                 read: tuple[bool, bool]) -> tuple[Array, Array]:
+                 read: tuple[bool, bool], vector_layouts: tuple[Any, Any] | None = None,
+                 ) -> tuple[Array, Array]:
     """Global (q_idx, kv_idx) over a WGMMA-layout score tile whose q positions run along
     ``q_axis`` (0 for q-major tiles, 1 for the dK/dV kernel's kv-major ones).
 
     Built as one vector per axis broadcast over the tile: a thread then holds 2 row and
     ``tile[1] / 4`` column indices, where a 2-D iota holds ``tile[1] / 2`` of each (under
-    a causal mask the 2-D form spilled up to 636 bytes a thread in the backward). Only
+    a causal mask the 2-D form spilled up to 636 bytes a thread in the backward).
+    ``vector_layouts`` are the (row, column) layouts of a tile of another register layout
+    (the sm100 kernels' TMEM loads), by default the WGMMA one's. Only
     the indices the caller reads (``read``: q, kv; `visibility_reads`,
     `ScoreSpec.reads_indices`) are built, the others left as their scalar start: jax
     0.11's Mosaic layout inference fails on a broadcast that nothing reads.
@@ -238,7 +241,8 @@ def tile_indices(tile: tuple[int, int], q_start, kv_start, *, q_axis: int,
     def positions(axis, start, needed):
         if not needed:
             return start
-        layout = compat.wgmma_row_layout() if axis == 0 else compat.wgmma_col_layout()
+        layouts = vector_layouts or (compat.wgmma_row_layout(), compat.wgmma_col_layout())
+        layout = layouts[axis]
         vector = start + plgpu.broadcasted_iota(jnp.int32, (tile[axis],), 0, layout=layout)
         return lax.broadcast_in_dim(vector, tile, [axis])
 
@@ -267,14 +271,15 @@ def masked_q_major_scores(statics, scores: Array, flags, indices, q_leaf_rows,
 
 
 def masked_scores(scores: Array, layout: MaskLayout, flags, indices, leaf_values,
-                  partial=None, *, interpret: bool) -> Array:
+                  partial=None, *, interpret: bool, tile_layout: Any = None) -> Array:
     """``scores`` of a tile that is not FULL, with its invisible elements at -inf.
 
     ``indices(read)`` builds the tile's (q_idx, kv_idx) (`tile_indices`).
 
     ``partial`` is (this consumer's slice of the stored-tile slot, its "loaded"
     barrier) when the mask can hold PARTIAL tiles: the producer loads a stored
-    tile only for PARTIAL tiles, so only those wait for it.
+    tile only for PARTIAL tiles, so only those wait for it. ``tile_layout`` is the
+    register layout of ``scores`` (default WGMMA).
     """
     partial_tile = None
     if partial is not None:
@@ -284,7 +289,8 @@ def masked_scores(scores: Array, layout: MaskLayout, flags, indices, leaf_values
         def _():
             plgpu.barrier_wait(loaded)
 
-        partial_tile = compat.mosaic_load(tile_ref, plgpu.Layout.WGMMA, interpret=interpret)
+        partial_tile = compat.mosaic_load(tile_ref, tile_layout or plgpu.Layout.WGMMA,
+                                          interpret=interpret)
     visible = tile_visibility(layout, flags, *indices(visibility_reads(layout)), leaf_values,
                               partial_tile)
     return scores if visible is None else jnp.where(visible, scores, -jnp.inf)

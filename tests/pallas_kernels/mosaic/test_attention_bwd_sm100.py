@@ -1,0 +1,92 @@
+"""The Mosaic-GPU sm100 (Blackwell) attention backward against float64.
+
+Run through the Mosaic-GPU interpreter as an sm100 GPU (tcgen05 MMAs and tensor memory,
+simulated from jax 0.12; a race found fails the test). The forward's out and lse come
+from the float64 reference, so only the backward kernel runs. Poisoned cases fill
+memory the kernel never writes with NaN: every gradient row must be written, those of
+blocks with nothing to walk included (zeros).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import omni_jax
+from pallas_kernels import compat, runtime
+from pallas_kernels.block_sparse import kernel_mask
+from pallas_kernels.mosaic import attention_bwd_sm100 as bwd
+from tests.jax_releases import skip_unless_blackwell_interpreter
+from tests.mosaic_interpret import interpreted_mosaic
+from tests.pallas_kernels.mosaic.test_attention_bwd_sm90 import (
+    TOLERANCE,
+    Case,
+    _converted,
+    _dense_block_mask,
+    _mask,
+    _score_mod,
+)
+from tests.reference import dense_mask, reference_attention, relative_error
+
+
+@pytest.fixture
+def _interpreted(monkeypatch):
+    skip_unless_blackwell_interpreter()
+    yield from interpreted_mosaic(monkeypatch, "sm100")
+
+
+CASES = (
+    Case("dense_d64", "bfloat16", 1, 128, 128, 1, 1, 64, 64, 128, True, "dense"),
+)
+
+
+@pytest.mark.interpreted
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_gradients_match_float64(case: Case, _interpreted):
+    seed = int(np.random.default_rng().integers(2**31))
+    rng = np.random.default_rng(seed)
+    shapes = ((case.batch, case.q_len, case.heads, case.head_dim),
+              (case.batch, case.kv_len, case.kv_heads, case.head_dim),
+              (case.batch, case.kv_len, case.kv_heads, case.head_dim_v))
+    q, k, v = (jnp.asarray(rng.standard_normal(s), case.dtype) for s in shapes)
+    mask_mod, mask_heads, fn = _mask(case, rng)
+    mask_batch = case.batch if case.mask == "documents" else None
+    block_mask = (_dense_block_mask(case.q_len, case.kv_len, (128, case.block_kv))
+                  if mask_mod is None else
+                  omni_jax.create_block_mask(mask_mod, mask_batch, mask_heads, case.q_len,
+                                             case.kv_len, (128, case.block_kv)))
+    visible = dense_mask(case.batch, case.heads, case.q_len, case.kv_len, mask_fn=fn)
+    score_mod = _score_mod if case.score_mod else None
+    dout = rng.standard_normal((case.batch, case.q_len, case.heads, case.head_dim_v))
+    dlse = rng.standard_normal((case.batch, case.heads, case.q_len))
+    with jax.enable_x64(True):
+        def reference(q, k, v):
+            return reference_attention(q, k, v, visible, scale=case.scale,
+                                       softcap=case.softcap, score_mod=score_mod)
+
+        as64 = lambda x: jnp.asarray(np.asarray(x, np.float64))
+        (out, lse), vjp = jax.vjp(reference, as64(q), as64(k), as64(v))
+        expected = [np.asarray(g) for g in vjp((jnp.asarray(dout), jnp.asarray(dlse)))]
+        out, lse = np.asarray(out), np.asarray(lse)
+
+    kmask, layout = kernel_mask(block_mask)
+    params = compat.tma_faithful_interpret_params(runtime.mosaic_interpret_params())
+    if case.poisoned:
+        params = dataclasses.replace(params, uninitialized_memory="nan")
+    config = bwd.backward_config(case.head_dim, case.head_dim_v, case.dtype, causal=False)
+    config = dataclasses.replace(config, stages=bwd.MIN_STAGES)
+    scale = case.scale if case.scale is not None else 1.0 / np.sqrt(case.head_dim)
+    grads = bwd.attention_backward(
+        q, k, v, kmask, layout, jnp.asarray(out, case.dtype), jnp.asarray(lse, jnp.float32),
+        jnp.asarray(dout, case.dtype), jnp.asarray(dlse, jnp.float32), scale=scale,
+        softcap=case.softcap, score_mod=None if score_mod is None else _converted(score_mod),
+        has_partial=case.mask == "partial", config=config, interpret_params=params)[:3]
+    for name, grad, ref in zip(("dq", "dk", "dv"), grads, expected, strict=True):
+        grad = np.asarray(grad, np.float64)
+        context = (case.name, name, seed)
+        assert grad.shape == ref.shape, context
+        assert not np.isnan(grad).any(), context
+        assert relative_error(grad, ref) < TOLERANCE[case.dtype], (context,
+                                                                  relative_error(grad, ref))
