@@ -38,7 +38,26 @@ def _interpreted(monkeypatch):
 
 
 CASES = (
-    Case("dense_d64", "bfloat16", 1, 128, 128, 1, 1, 64, 64, 128, True, "dense"),
+    # Dense (FULL tiles only), GQA at head dim 128: each CTA sums dK and dV over two
+    # query heads' walks, more steps than ring slots.
+    Case("dense_gqa_d128", "bfloat16", 1, 256, 256, 4, 2, 128, 128, 128, True, "dense"),
+    # Per-head stored tiles under GQA, a q-block that sees nothing and a kv-block nobody
+    # sees (dK, dV and dQ rows of zeros).
+    Case("partial_gqa_blind_blocks", "bfloat16", 1, 256, 256, 4, 2, 64, 64, 128, True,
+         "partial"),
+    # Documents (q and kv mask leaves) and causal; ragged q and kv, q_len != kv_len,
+    # head dim 96 (run at 128) with a value head dim of 40 (run at 64).
+    Case("documents_causal_ragged", "bfloat16", 2, 100, 150, 2, 1, 96, 40, 128, False,
+         "documents"),
+    # Softcap and score_mod chain rule, fp16, causal (COMPUTED diagonal tiles).
+    Case("softcap_score_mod_fp16", "float16", 1, 128, 128, 2, 2, 64, 64, 128, True,
+         "causal", softcap=5.0, score_mod=True, scale=0.2),
+    # Head dim 256: 32 query rows a step, dK (with dQ) and dV in launches of their own.
+    Case("causal_d256", "bfloat16", 1, 256, 256, 2, 1, 256, 256, 128, True, "causal"),
+    # DeepSeek's query-key 192 with value 128 under GQA, ragged and causal: dQ^T in a
+    # 128-row and a 64-row MMA, split launches (576 TMEM columns together).
+    Case("causal_ragged_gqa_d192_v128", "float16", 1, 150, 200, 4, 2, 192, 128, 128, False,
+         "causal"),
 )
 
 
@@ -90,3 +109,7 @@ def test_gradients_match_float64(case: Case, _interpreted):
         assert not np.isnan(grad).any(), context
         assert relative_error(grad, ref) < TOLERANCE[case.dtype], (context,
                                                                   relative_error(grad, ref))
+    if case.mask == "partial":  # Blocks with nothing to walk still write zeros.
+        assert (np.asarray(grads[0], np.float32)[:, :128] == 0).all()
+        assert (np.asarray(grads[1], np.float32)[:, 128:] == 0).all()
+        assert (np.asarray(grads[2], np.float32)[:, 128:] == 0).all()
