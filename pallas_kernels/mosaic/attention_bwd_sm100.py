@@ -85,9 +85,11 @@ Array = Any
 BLOCK_KV = 128  # One TMEM lane (one compute thread) per kv row: a 128-row tcgen05 MMA.
 SUPPORTED_Q_STEPS = (32, 64)
 TMEM_COLUMNS = 512
-# Head dims the kernel runs at (zero-padded): multiples of 64, so that dQ^T's MMAs take
-# 128 (and for a remainder 64) head-dim rows.
+# Head dims the kernel runs at (zero-padded). K's smem tile is zero-padded further to a
+# multiple of 128 columns (`k_width`): dQ^T's MMAs take 128 of its head-dim rows each
+# (TMEM cannot be sliced along rows, which a 64-row MMA would need).
 KERNEL_HEAD_DIMS = (64, 128, 192, 256)
+DQ_PIECE = 16  # dQ^T columns (query rows) a TMA reduce-add takes from its smem stage
 # 227 KiB of shared memory per CTA less what `smem_bytes` does not count (walks,
 # barriers, 1 KiB alignment of swizzled buffers).
 SMEM_LIMIT = common.SMEM_LIMIT
@@ -130,9 +132,20 @@ def kernel_head_dim(head_dim: int) -> int | None:
     return next((d for d in KERNEL_HEAD_DIMS if head_dim <= d), None)
 
 
-def _dq_chunks(head_dim: int) -> list[tuple[int, int]]:
-    """(first row, rows) of dQ^T's MMAs: 128 head-dim rows each, the last maybe 64."""
-    return [(start, min(128, head_dim - start)) for start in range(0, head_dim, 128)]
+def k_width(head_dim: int) -> int:
+    """Columns of K's tile (zero-padded): whole 128-row MMAs of dQ^T = K^T dS^T."""
+    return -(-head_dim // 128) * 128
+
+
+def _dq_chunks(head_dim: int) -> range:
+    """First rows of dQ^T's MMAs, 128 (padded) head-dim rows each."""
+    return range(0, k_width(head_dim), 128)
+
+
+def operand_swizzle(q_step: int, dtype: Any) -> int:
+    """The swizzle of every MMA operand tile: P^T and dS^T rows are ``q_step`` long, and
+    an MMA's two operands must agree."""
+    return common.swizzle_bytes(q_step, dtype)
 
 
 def tmem_columns(head_dim: int, head_dim_v: int, q_step: int,
@@ -153,8 +166,8 @@ def backward_config(head_dim: int, head_dim_v: int, dtype: Any,
     dim, dim_v = kernel_head_dim(head_dim), kernel_head_dim(head_dim_v)
     if dim is None or dim_v is None:
         return None
-    # Wide heads take 32 query rows a step: K, V and a slot of Q and dO fit smem.
-    q_step = 32 if dim + dim_v > 320 else 64
+    # Wide heads take 32 query rows a step: K, V and two slots of Q and dO fit smem.
+    q_step = 32 if dim + dim_v > 256 else 64
     split = tmem_columns(dim, dim_v, q_step) > TMEM_COLUMNS
     return BackwardConfig(stages=3, q_step=q_step, split_dkdv=split)
 
@@ -167,10 +180,10 @@ def smem_bytes(config: BackwardConfig, head_dim: int, head_dim_v: int, itemsize:
     slot = step * (head_dim + head_dim_v) * itemsize + 2 * step * 4 + num_q_leaves * step * 4
     if has_partial:
         slot += config.block_kv * step
-    common_bytes = (config.block_kv * ((head_dim + head_dim_v) * itemsize + num_kv_leaves * 4)
-                    + config.stages * slot)
+    kv_row = (k_width(head_dim) + head_dim_v) * itemsize + num_kv_leaves * 4
+    common_bytes = config.block_kv * kv_row + config.stages * slot
     tile = config.block_kv * step * itemsize  # P^T or dS^T
-    dq_stage = 128 * step * 4  # One dQ^T chunk staged for its TMA.
+    dq_stage = 128 * DQ_PIECE * 4
     if config.split_dkdv:  # dS^T and dQ's stage; P^T alone
         return common_bytes + max(tile + dq_stage, tile)
     return common_bytes + 2 * tile + dq_stage
@@ -224,11 +237,6 @@ class _Statics(common.LeafCounts):
         return self.config.deterministic or self.interpret
 
 
-def _tmem_vector_layouts() -> tuple[Any, Any]:
-    """(row, column) layouts of vectors broadcast over a tile loaded from TMEM."""
-    return plgpu.Layout.TCGEN05.reduce(1), plgpu.Layout.TCGEN05.reduce(0)
-
-
 def _transposed(ref):
     return ref.transpose((1, 0))
 
@@ -275,6 +283,8 @@ def _kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *refs
         i, part = lax.div(j, s.steps_per_block), lax.rem(j, s.steps_per_block)
         q_block = entry(g, index_offset + i)
         return entry(g, flags_offset + i), q_block * BLOCK_Q + part * step_rows, part, i
+
+    head_cols = pl.ds(0, s.head_dim)  # K's columns without its padding (`k_width`)
 
     def total_steps():
         return sum(s.steps_per_block * entry(g, 0) for g in range(s.walk_heads)) * (
@@ -349,7 +359,8 @@ def _kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *refs
             def _():
                 plgpu.barrier_wait(scores_free)
 
-            plgpu.tcgen05_mma(s_tmem, k_smem, _transposed(q_ring.at[slot]), accumulate=False)
+            plgpu.tcgen05_mma(s_tmem, k_smem.at[:, head_cols], _transposed(q_ring.at[slot]),
+                              accumulate=False)
             plgpu.barrier_wait(do_ready.at[slot])
             if sums_dk:
                 plgpu.tcgen05_mma(dp_tmem, v_smem, _transposed(do_ring.at[slot]),
@@ -375,11 +386,10 @@ def _kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *refs
                 def _():
                     plgpu.barrier_wait(dq_free)
 
-                for c, (row, rows) in enumerate(_dq_chunks(s.head_dim)):
-                    plgpu.tcgen05_mma(
-                        dqt_tmem.at[pl.ds(0, rows), pl.ds(c * step_rows, step_rows)],
-                        _transposed(k_smem.at[:, pl.ds(row, rows)]), ds_smem,
-                        accumulate=False)
+                for c, row in enumerate(_dq_chunks(s.head_dim)):
+                    plgpu.tcgen05_mma(dqt_tmem.at[:, pl.ds(c * step_rows, step_rows)],
+                                      _transposed(k_smem.at[:, pl.ds(row, 128)]), ds_smem,
+                                      accumulate=False)
                 plgpu.tcgen05_commit_arrive(ds_free)
                 plgpu.tcgen05_commit_arrive(dq_ready)
 
@@ -387,14 +397,17 @@ def _kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *refs
 
     @pl.when(wg == COMPUTE_WG)
     def _compute():
-        row_layout, col_layout = _tmem_vector_layouts()
+        tile_layout = plgpu.Layout.TCGEN05
+        row_layout, col_layout = tile_layout.reduce(1), tile_layout.reduce(0)
         tile = (BLOCK_KV, step_rows)  # Transposed scores: kv rows x q columns.
         kv_start = kv_block * BLOCK_KV
-        load_tmem = functools.partial(plgpu.async_load_tmem, layout=plgpu.Layout.TCGEN05)
+        load_tmem = functools.partial(plgpu.async_load_tmem, layout=tile_layout)
+        per_q = functools.partial(common.broadcast_over_tile, tile=tile, axis=1,
+                                  tile_layout=tile_layout)
 
         def indices(q_start, read):
             return common.tile_indices(tile, q_start, kv_start, q_axis=1, read=read,
-                                       vector_layouts=(row_layout, col_layout))
+                                       tile_layout=tile_layout)
 
         kv_leaf_rows = []
         if s.num_kv_leaves:
@@ -406,25 +419,28 @@ def _kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *refs
         common.wait_captured(s, captured_barrier)
 
         def add_dq(head, q_start):
-            """Step's dQ^T from TMEM into the float32 sum (`_dq_sum_shape`)."""
+            """Step's dQ^T from TMEM into the float32 sum (`_dq_sum_shape`): compiled, in
+            pieces of `DQ_PIECE` query rows through the smem stage."""
             plgpu.barrier_wait(dq_ready)
-            chunks = [load_tmem(dqt_tmem.at[pl.ds(0, rows), pl.ds(c * step_rows, step_rows)])
-                      for c, (_, rows) in enumerate(_dq_chunks(s.head_dim))]
+            adder = kv_block if s.per_block_dq else 0
+            pieces = 1 if s.interpret else step_rows // DQ_PIECE
+            width = step_rows // pieces
+            for c, row in enumerate(_dq_chunks(s.head_dim)):
+                for piece in range(pieces):
+                    cols = pl.ds(c * step_rows + piece * width, width)
+                    value = load_tmem(dqt_tmem.at[:, cols])
+                    dst = dq_sum_ref.at[adder, batch, head, pl.ds(row, 128),
+                                        pl.ds(q_start + piece * width, width)]
+                    if s.interpret:  # A per-block sum: each element written once.
+                        dst[...] = value
+                        continue
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    dq_stage[...] = value
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(dq_stage, dst,
+                                            reduction_op=None if s.per_block_dq else "add")
             plgpu.wait_load_tmem()
             plgpu.barrier_arrive(dq_free)
-            adder = kv_block if s.per_block_dq else 0
-            for (row, rows), chunk in zip(_dq_chunks(s.head_dim), chunks, strict=True):
-                dst = dq_sum_ref.at[adder, batch, head, pl.ds(row, rows),
-                                    pl.ds(q_start, step_rows)]
-                if s.interpret:  # A per-block sum: each element written once.
-                    dst[...] = chunk
-                    continue
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                stage = dq_stage.at[pl.ds(0, rows)]
-                stage[...] = chunk
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(stage, dst,
-                                        reduction_op=None if s.per_block_dq else "add")
 
         def head_steps(g, step):
             head = first_head + g
@@ -449,20 +465,20 @@ def _kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *refs
                                                       interpret=s.interpret)
                                    for i in range(s.num_q_leaves)]
                     leaves = common.tile_leaves(s.leaf_slots, q_leaf_cols, kv_leaf_rows,
-                                                tile, q_axis=1)
+                                                tile, q_axis=1, tile_layout=tile_layout)
                     partial = ((mask_ring.at[slot], mask_ready.at[slot])
                                if s.has_partial else None)
                     scores = common.masked_scores(
                         scores, s.layout, flags, functools.partial(indices, q_start),
                         leaves, partial, interpret=s.interpret,
-                        tile_layout=plgpu.Layout.TCGEN05)
+                        tile_layout=tile_layout)
                 plgpu.barrier_wait(stats_ready.at[slot])
                 lse2 = compat.mosaic_load(stats_ring.at[slot, 0], col_layout,
                                           interpret=s.interpret)
                 delta = compat.mosaic_load(stats_ring.at[slot, 1], col_layout,
                                            interpret=s.interpret)
                 plgpu.barrier_arrive(compute_consumed.at[slot])
-                probs = jnp.exp2(scores - lax.broadcast_in_dim(lse2, tile, [1]))
+                probs = jnp.exp2(scores - per_q(lse2))
 
                 def write_tile(smem_tile, free, ready, value):
                     @pl.when(step >= 1)  # The last step's MMA has read the tile.
@@ -476,7 +492,7 @@ def _kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *refs
                 if sums_dv:
                     write_tile(p_smem, p_free, p_ready, probs)
                 if sums_dk:
-                    dscores = probs * (dprobs - lax.broadcast_in_dim(delta, tile, [1]))
+                    dscores = probs * (dprobs - per_q(delta))
                     if slope is not None:
                         dscores = dscores * slope
                     write_tile(ds_smem, ds_free, ds_ready, dscores * s.scores.scale)
@@ -513,19 +529,22 @@ def _scratch(s: _Statics):
     stages, step_rows = cfg.stages, cfg.q_step
     sums_dk = "dk" in s.gradients
     captured_smem, captured_barrier = common.captured_scratch(s)
+    operand = functools.partial(common.swizzled, dtype=s.dtype,
+                                swizzle=operand_swizzle(step_rows, s.dtype))
     smem = (
-        common.swizzled((BLOCK_KV, s.head_dim), s.dtype),
-        common.swizzled((BLOCK_KV, s.head_dim_v), s.dtype),
+        operand((BLOCK_KV, k_width(s.head_dim))),
+        operand((BLOCK_KV, s.head_dim_v)),
         plgpu.SMEM((s.walk_heads, s.walk_lines, common.WALK_LINE), jnp.int32),
-        common.swizzled((stages, step_rows, s.head_dim), s.dtype),
-        common.swizzled((stages, step_rows, s.head_dim_v), s.dtype),
+        operand((stages, step_rows, s.head_dim)),
+        operand((stages, step_rows, s.head_dim_v)),
         plgpu.SMEM((stages, 2, step_rows), jnp.float32),
         common.swizzled((stages, BLOCK_KV, step_rows), jnp.int8) if s.has_partial else None,
         plgpu.SMEM((stages, s.num_q_leaves, step_rows), jnp.int32) if s.num_q_leaves else None,
         plgpu.SMEM((s.num_kv_leaves, BLOCK_KV), jnp.int32) if s.num_kv_leaves else None,
-        common.swizzled((BLOCK_KV, step_rows), s.dtype) if "dv" in s.gradients else None,
-        common.swizzled((BLOCK_KV, step_rows), s.dtype) if sums_dk else None,
-        (plgpu.SMEM((128, step_rows), jnp.float32) if sums_dk and not s.interpret else None),
+        operand((BLOCK_KV, step_rows)) if "dv" in s.gradients else None,
+        operand((BLOCK_KV, step_rows)) if sums_dk else None,
+        (common.swizzled((128, DQ_PIECE), jnp.float32) if sums_dk and not s.interpret
+         else None),
         captured_smem,
     )
     tmem = (
@@ -557,7 +576,7 @@ def _scratch(s: _Statics):
 def _dq_sum_shape(s: _Statics, batch: int) -> tuple[int, ...]:
     """The float32 dQ sum(s), transposed as dQ^T: ``[sums, B, Hq, head_dim, q]``."""
     sums = s.layout.num_kv_blocks if s.per_block_dq else 1
-    return sums, batch, s.num_q_heads, s.head_dim, s.layout.padded_q_len
+    return sums, batch, s.num_q_heads, k_width(s.head_dim), s.layout.padded_q_len
 
 
 def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: MaskLayout,
@@ -602,7 +621,8 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
     stats = jnp.stack([pad_q(lse2, jnp.inf), pad_q(delta, 0.0)], axis=2)  # [B, Hq, 2, Sq]
 
     pad = lambda x, d: common.pad_sequence(common.pad_last(x, d))
-    q, k, v, do = pad(q, dim), pad(k, dim), pad(v, dim_v), pad(dout.astype(q.dtype), dim_v)
+    q, k, v, do = (pad(q, dim), pad(k, k_width(dim)), pad(v, dim_v),
+                   pad(dout.astype(q.dtype), dim_v))
     with trace_time_eval(layout, kmask):  # constants when the mask is concrete
         walk = common.packed_walk(kmask, "q")
         q_leaves, kv_leaves, leaf_slots = common.stacked_leaves(kmask, layout, batch)
@@ -620,7 +640,8 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
               "dv": jax.ShapeDtypeStruct(v.shape, v.dtype)}
     launch = dict(grid=(batch * num_kv_heads, layout.num_kv_blocks),
                   grid_names=("batch_head", "kv_block"), num_threads=3, thread_name="wg",
-                  compiler_params=plgpu.CompilerParams(approx_math=True),
+                  compiler_params=plgpu.CompilerParams(
+                      approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
                   interpret=interpret_params)
 
     grads, dq = {}, None

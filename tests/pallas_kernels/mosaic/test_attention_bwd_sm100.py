@@ -113,3 +113,59 @@ def test_gradients_match_float64(case: Case, _interpreted):
         assert (np.asarray(grads[0], np.float32)[:, :128] == 0).all()
         assert (np.asarray(grads[1], np.float32)[:, 128:] == 0).all()
         assert (np.asarray(grads[2], np.float32)[:, 128:] == 0).all()
+
+
+@pytest.mark.parametrize("head_dim,head_dim_v,mask", [
+    (128, 128, "causal"), (64, 64, "partial"), (256, 256, "partial"), (192, 128, "partial"),
+    (96, 40, "causal")])
+def test_lowers_for_cuda(head_dim, head_dim_v, mask):
+    """The compiled kernel lowers to Mosaic-GPU on any machine (layouts, swizzles, TMEM,
+    the shared-memory limit), at the tuned configs fitted to `SMEM_LIMIT`."""
+    skip_unless_blackwell_interpreter()
+    seq, heads = 256, 2
+    q = jnp.zeros((1, seq, heads, head_dim), jnp.bfloat16)
+    k = jnp.zeros((1, seq, 1, head_dim), jnp.bfloat16)
+    v = jnp.zeros((1, seq, 1, head_dim_v), jnp.bfloat16)
+    out = jnp.zeros((1, seq, heads, head_dim_v), jnp.bfloat16)
+    mask_mod = (omni_jax.causal_mask if mask == "causal"
+                else lambda b, h, i, j: (i * 7 + j * 3) % 5 != 0)
+    kmask, layout = kernel_mask(
+        omni_jax.create_block_mask(mask_mod, None, None, seq, seq, (128, 128)))
+    dims = bwd.kernel_head_dim(head_dim), bwd.kernel_head_dim(head_dim_v)
+    config = bwd.fit_config(bwd.backward_config(head_dim, head_dim_v, jnp.bfloat16, True),
+                            bwd.SMEM_LIMIT, *dims, 2, mask == "partial")
+    assert config is not None
+
+    def grads(q, k, v, out, lse):
+        return bwd.attention_backward(q, k, v, kmask, layout, out, lse, out,
+                                      jnp.zeros_like(lse), scale=0.1, softcap=None,
+                                      score_mod=None, has_partial=mask == "partial",
+                                      config=config)
+
+    lse = jnp.zeros((1, heads, seq), jnp.float32)
+    text = jax.jit(grads).trace(q, k, v, out, lse).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("head_dim", (64, 96, 128, 192, 256))
+@pytest.mark.parametrize("head_dim_v", (40, 64, 128, 256))
+@pytest.mark.parametrize("has_partial", (False, True))
+def test_every_head_dim_pair_has_a_config_that_fits(head_dim, head_dim_v, has_partial):
+    """Tensor memory (each launch's accumulators) and shared memory (two ring slots)."""
+    config = bwd.backward_config(head_dim, head_dim_v, jnp.bfloat16, causal=False)
+    dims = bwd.kernel_head_dim(head_dim), bwd.kernel_head_dim(head_dim_v)
+    launches = (("dk",), ("dv",)) if config.split_dkdv else (("dk", "dv"),)
+    for names in launches:
+        assert bwd.tmem_columns(*dims, config.q_step, names) <= bwd.TMEM_COLUMNS
+    assert not config.split_dkdv or bwd.tmem_columns(*dims, config.q_step) > bwd.TMEM_COLUMNS
+    assert bwd.fit_config(config, bwd.SMEM_LIMIT, *dims, 2, has_partial) is not None
+
+
+def test_configs_reject_bad_fields():
+    assert bwd.backward_config(320, 128, jnp.bfloat16, causal=False) is None
+    with pytest.raises(ValueError, match="block_kv"):
+        bwd.BackwardConfig(stages=2, block_kv=64)
+    with pytest.raises(ValueError, match="q_step"):
+        bwd.BackwardConfig(stages=2, q_step=128)
+    with pytest.raises(ValueError, match="stages"):
+        bwd.BackwardConfig(stages=1)
