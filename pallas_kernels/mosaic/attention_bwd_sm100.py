@@ -27,17 +27,23 @@ included, so GQA needs no atomics. Tensor memory holds ``S^T`` and ``dP^T``
 columns per 128 head-dim rows) in its 512 columns; where that does not fit (head dims
 above 128 beside each other, `tmem_columns`) ``BackwardConfig.split_dkdv`` sums dK
 (with dQ) and dV in launches of their own, as the sm90 backward splits for registers.
+Steps are 64 query rows, or 32 where the head dims sum above 256 (shared memory then
+holds K, V and two ring slots); 128 would need S^T and dP^T to share TMEM columns
+with dQ^T. Every MMA operand tile takes one swizzle (128 bytes, 64 at 32-row steps),
+as an MMA's two operands must agree.
 
 dQ route. Fused here: ``dQ^T = K^T dS^T`` is one more MMA per step on operands
 already in shared memory (K, and dS^T the dK product reads anyway), and its sum
 leaves through the TMA engine. A separate dQ kernel (sm90's default below head
 dim 128) recomputes S and dP: 7 MMAs a tile instead of 5, 40% more tensor-core
 time, while the fused route's cost is ``q_step x head_dim`` float32 a step sent to
-L2 (`docs/blackwell-backward-model.md`: 32 KiB a step at head dim 128, well within
-L2 bandwidth at the step's MMA time). dQ^T rather than dQ: its M dimension is the
-head dim (128-row MMAs at head dims 128 and 256) where dQ's would be the 64 query
-rows of a step. The sum is kept transposed ``[.., head_dim, q]`` and transposed back
-by XLA.
+L2 (`docs/blackwell-backward-model.md`: 32 KiB a step at head dim 128, 3.3 TB/s from
+the whole B200 at the step's shared-memory bound). dQ^T rather than dQ: its M dimension is the
+head dim where dQ's would be the 64 query rows of a step. TMEM cannot be sliced along
+rows, so every dQ^T MMA takes 128 head-dim rows: K's smem tile is zero-padded to a
+multiple of 128 columns (`k_width`; head dims 64 and 192 compute 64 rows of zeros).
+The compute warpgroup sends dQ^T through a float32 smem stage of `DQ_PIECE` columns.
+The sum is kept transposed ``[.., head_dim, q]`` and transposed back by XLA.
 
 Determinism (``BackwardConfig.deterministic``, on by default): each kv-block's CTA
 stores its dQ into a float32 sum of its own (its steps are distinct (head, q rows),
@@ -45,6 +51,9 @@ so plain stores), and XLA adds the sums in a fixed order: ``num_kv_blocks`` time
 dQ's size in float32 of memory. Off, one sum takes TMA reduce-adds (atomic, in no
 fixed order). Interpreted runs always keep per-block sums: the interpreter reports
 two CTAs' adds as racing.
+
+Not handled here: `jax.vmap` and `jax.shard_map` of the in-place dQ sum (``pl.kernel``
+with a ``jax.new_ref`` operand), which sm90 serves with its dQ kernel instead.
 
 ``delta = rowsum(dO * O) - dlse`` is computed in JAX beforehand (the lse cotangent
 folds into it). Rows that see no key have lse -inf, passed as ``lse2 = +inf`` so that
