@@ -23,7 +23,6 @@ from tests.mosaic_interpret import interpreted_mosaic
 from tests.pallas_kernels.mosaic.test_attention_bwd_sm90 import (
     TOLERANCE,
     Case,
-    _converted,
     _dense_block_mask,
     _mask,
     _score_mod,
@@ -64,6 +63,23 @@ CASES = (
 @pytest.mark.interpreted
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_gradients_match_float64(case: Case, _interpreted):
+    _check_gradients(case, _score_mod if case.score_mod else None)
+
+
+@pytest.mark.interpreted
+def test_captured_arrays_read_by_element(_interpreted):
+    """A score_mod capturing slopes (by head) and a table (by batch and head): the kernel
+    reads their elements from the packed smem buffer, derivative included."""
+    rng = np.random.default_rng()
+    slopes = jnp.asarray(rng.uniform(0.01, 0.1, 4), jnp.float32)
+    table = jnp.asarray(rng.standard_normal((2, 4)), jnp.float32)
+    case = Case("captured", "bfloat16", 2, 130, 130, 4, 2, 64, 64, 128, False, "causal")
+    _check_gradients(case, lambda s, b, h, i, j: s * 0.8 - slopes[h] * (i - j) + table[b, h])
+
+
+def _check_gradients(case: Case, score_mod):
+    from omni_jax.scores import convert_score_mod
+
     seed = int(np.random.default_rng().integers(2**31))
     rng = np.random.default_rng(seed)
     shapes = ((case.batch, case.q_len, case.heads, case.head_dim),
@@ -77,7 +93,6 @@ def test_gradients_match_float64(case: Case, _interpreted):
                   omni_jax.create_block_mask(mask_mod, mask_batch, mask_heads, case.q_len,
                                              case.kv_len, (128, case.block_kv)))
     visible = dense_mask(case.batch, case.heads, case.q_len, case.kv_len, mask_fn=fn)
-    score_mod = _score_mod if case.score_mod else None
     dout = rng.standard_normal((case.batch, case.q_len, case.heads, case.head_dim_v))
     dlse = rng.standard_normal((case.batch, case.heads, case.q_len))
     with jax.enable_x64(True):
@@ -97,10 +112,11 @@ def test_gradients_match_float64(case: Case, _interpreted):
     config = bwd.backward_config(case.head_dim, case.head_dim_v, case.dtype, causal=False)
     config = dataclasses.replace(config, stages=bwd.MIN_STAGES)
     scale = case.scale if case.scale is not None else 1.0 / np.sqrt(case.head_dim)
+    converted, captured = (None, ()) if score_mod is None else convert_score_mod(score_mod)
     grads = bwd.attention_backward(
         q, k, v, kmask, layout, jnp.asarray(out, case.dtype), jnp.asarray(lse, jnp.float32),
         jnp.asarray(dout, case.dtype), jnp.asarray(dlse, jnp.float32), scale=scale,
-        softcap=case.softcap, score_mod=None if score_mod is None else _converted(score_mod),
+        softcap=case.softcap, score_mod=converted, captured=captured,
         has_partial=case.mask == "partial", config=config, interpret_params=params)[:3]
     for name, grad, ref in zip(("dq", "dk", "dv"), grads, expected, strict=True):
         grad = np.asarray(grad, np.float64)
@@ -115,10 +131,13 @@ def test_gradients_match_float64(case: Case, _interpreted):
         assert (np.asarray(grads[2], np.float32)[:, 128:] == 0).all()
 
 
-@pytest.mark.parametrize("head_dim,head_dim_v,mask", [
-    (128, 128, "causal"), (64, 64, "partial"), (256, 256, "partial"), (192, 128, "partial"),
-    (96, 40, "causal")])
-def test_lowers_for_cuda(head_dim, head_dim_v, mask):
+@pytest.mark.parametrize("head_dim,head_dim_v,mask,variant", [
+    (128, 128, "causal", "plain"), (64, 64, "partial", "plain"),
+    (256, 256, "partial", "plain"), (192, 128, "partial", "plain"),
+    (96, 40, "causal", "plain"),
+    # One dQ sum by TMA reduce-adds; softcap with a score_mod (their derivative).
+    (128, 128, "causal", "reduce_add"), (64, 64, "partial", "softcap_score_mod")])
+def test_lowers_for_cuda(head_dim, head_dim_v, mask, variant):
     """The compiled kernel lowers to Mosaic-GPU on any machine (layouts, swizzles, TMEM,
     the shared-memory limit), at the tuned configs fitted to `SMEM_LIMIT`."""
     skip_unless_blackwell_interpreter()
@@ -135,12 +154,18 @@ def test_lowers_for_cuda(head_dim, head_dim_v, mask):
     config = bwd.fit_config(bwd.backward_config(head_dim, head_dim_v, jnp.bfloat16, True),
                             bwd.SMEM_LIMIT, *dims, 2, mask == "partial")
     assert config is not None
+    config = dataclasses.replace(config, deterministic=variant != "reduce_add")
+    scores = {}
+    if variant == "softcap_score_mod":
+        from omni_jax.scores import convert_score_mod
+
+        scores = dict(softcap=5.0, score_mod=convert_score_mod(_score_mod)[0])
 
     def grads(q, k, v, out, lse):
         return bwd.attention_backward(q, k, v, kmask, layout, out, lse, out,
-                                      jnp.zeros_like(lse), scale=0.1, softcap=None,
-                                      score_mod=None, has_partial=mask == "partial",
-                                      config=config)
+                                      jnp.zeros_like(lse), scale=0.1,
+                                      **{"softcap": None, "score_mod": None, **scores},
+                                      has_partial=mask == "partial", config=config)
 
     lse = jnp.zeros((1, heads, seq), jnp.float32)
     text = jax.jit(grads).trace(q, k, v, out, lse).lower(lowering_platforms=("cuda",)).as_text()
