@@ -52,8 +52,10 @@ dQ's size in float32 of memory. Off, one sum takes TMA reduce-adds (atomic, in n
 fixed order). Interpreted runs always keep per-block sums: the interpreter reports
 two CTAs' adds as racing.
 
-Not handled here: `jax.vmap` and `jax.shard_map` of the in-place dQ sum (``pl.kernel``
-with a ``jax.new_ref`` operand), which sm90 serves with its dQ kernel instead.
+The in-place dQ sum (``pl.kernel`` with a ``jax.new_ref`` operand) cannot be batched:
+under `jax.vmap` the examples run one after another. Inside a `jax.shard_map` (jax 0.11
+rejects a kernel's ref that varies along the mesh axes) it is not handled here; sm90
+serves both with its dQ kernel.
 
 ``delta = rowsum(dO * O) - dlse`` is computed in JAX beforehand (the lse cotangent
 folds into it). Rows that see no key have lse -inf, passed as ``lse2 = +inf`` so that
@@ -601,8 +603,49 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
     returned for the sink gradient; ``captured`` are ``score_mod``'s captured arrays;
     ``has_partial`` False promises no PARTIAL tile. ``mean_full_walk`` is taken for
     that interface: the fused dQ serves every walk here.
+
+    Under `jax.vmap` the examples run one after another (`lax.map`): the in-place dQ
+    sum cannot be batched.
     """
     del mean_full_walk
+    static = dict(layout=layout, scale=scale, softcap=softcap, score_mod=score_mod,
+                  has_partial=has_partial, config=config, interpret_params=interpret_params)
+    # Concrete mask arrays stay constants of the kernel (`trace_time_eval`): only the
+    # traced ones become operands of the custom_vmap function.
+    mask_leaves, mask_tree = jax.tree.flatten(kmask)
+    traced = [isinstance(x, jax.core.Tracer) for x in mask_leaves]
+
+    def backward(q, k, v, traced_leaves, out, lse, dout, dlse, captured):
+        given = iter(traced_leaves)
+        leaves = [next(given) if t else x for t, x in zip(traced, mask_leaves, strict=True)]
+        return _backward(q, k, v, jax.tree.unflatten(mask_tree, leaves), out, lse, dout,
+                         dlse, captured, **static)
+
+    def one_by_one(axis_size, in_batched, *args):
+        del axis_size
+        flat, tree = jax.tree.flatten(args)
+        batched = jax.tree.leaves(tuple(in_batched))
+
+        def example(mapped):
+            given = iter(mapped)
+            return backward(*jax.tree.unflatten(
+                tree, [next(given) if b else x for b, x in zip(batched, flat, strict=True)]))
+
+        grads = lax.map(example, [x for b, x in zip(batched, flat, strict=True) if b])
+        return grads, jax.tree.map(lambda _: True, grads)
+
+    batchable = jax.custom_batching.custom_vmap(backward)
+    batchable.def_vmap(one_by_one)
+    traced_leaves = [x for t, x in zip(traced, mask_leaves, strict=True) if t]
+    return batchable(q, k, v, traced_leaves, out, lse, dout, dlse, tuple(captured))
+
+
+def _backward(q: Array, k: Array, v: Array, kmask: KernelMask, out: Array, lse: Array,
+              dout: Array, dlse: Array, captured: Sequence[Array], *, layout: MaskLayout,
+              scale: float, softcap: float | None, score_mod: ConvertedScoreMod | None,
+              has_partial: bool, config: BackwardConfig, interpret_params: Any,
+              ) -> tuple[Array, Array, Array, Array]:
+    """`attention_backward` of one call (no `jax.vmap` around it)."""
     batch, q_len, num_q_heads, head_dim = q.shape
     kv_len, num_kv_heads, head_dim_v = k.shape[1], v.shape[2], v.shape[3]
     if (layout.block_q, layout.block_kv) != (config.block_q, config.block_kv):

@@ -194,3 +194,30 @@ def test_configs_reject_bad_fields():
         bwd.BackwardConfig(stages=2, q_step=128)
     with pytest.raises(ValueError, match="stages"):
         bwd.BackwardConfig(stages=1)
+
+
+@pytest.mark.interpreted
+def test_vmap_runs_examples_one_by_one(_interpreted):
+    """The in-place dQ sum cannot be batched: under `jax.vmap` each example's gradients
+    are those of a call of its own."""
+    rng = np.random.default_rng()
+    shape = (2, 1, 128, 2, 64)  # [vmapped, batch, seq, heads, head dim]
+    q, k, v, dout, out = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+                          for _ in range(5))
+    lse = jnp.asarray(rng.standard_normal((2, 1, 2, 128)), jnp.float32) + 5.0
+    kmask, layout = kernel_mask(_dense_block_mask(128, 128, (128, 128)))
+    config = bwd.BackwardConfig(stages=2)
+    params = compat.tma_faithful_interpret_params(runtime.mosaic_interpret_params())
+
+    def backward(q, k, v, out, lse, dout):
+        return bwd.attention_backward(q, k, v, kmask, layout, out, lse, dout,
+                                      jnp.zeros_like(lse), scale=0.1, softcap=None,
+                                      score_mod=None, has_partial=False, config=config,
+                                      interpret_params=params)[:3]
+
+    batched = jax.vmap(backward, in_axes=(0, 0, 0, 0, 0, None))(q, k, v, out, lse, dout[0])
+    for i in range(2):
+        single = backward(q[i], k[i], v[i], out[i], lse[i], dout[0])
+        for got, want in zip(batched, single, strict=True):
+            assert relative_error(np.asarray(got[i], np.float64),
+                                  np.asarray(want, np.float64)) < 1e-2
