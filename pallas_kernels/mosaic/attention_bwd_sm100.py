@@ -195,9 +195,8 @@ def smem_bytes(config: BackwardConfig, head_dim: int, head_dim_v: int, itemsize:
     common_bytes = config.block_kv * kv_row + config.stages * slot
     tile = config.block_kv * step * itemsize  # P^T or dS^T
     dq_stage = 128 * DQ_PIECE * 4
-    if config.split_dkdv:  # dS^T and dQ's stage; P^T alone
-        return common_bytes + max(tile + dq_stage, tile)
-    return common_bytes + 2 * tile + dq_stage
+    # Split, the dK launch holds dS^T and dQ's stage, the dV launch P^T alone.
+    return common_bytes + tile + dq_stage + (0 if config.split_dkdv else tile)
 
 
 def fit_config(config: BackwardConfig, limit: int, *args, **kwargs) -> BackwardConfig | None:
