@@ -17,14 +17,16 @@ sm100 backward. Its three warpgroups:
   from TMEM, applies softcap/score_mod and the mask (FULL steps, listed first in every
   walk, run in a loop without mask code; COMPUTED ones evaluate it from indices and
   leaves; PARTIAL ones read the stored tile, transposed), writes ``P^T = exp2(S^T -
-  lse)`` and ``dS^T = P^T (dP^T - delta)`` (times the score derivative and the scale)
-  to shared memory for the MMAs, then adds the step's dQ to a float32 sum in global
-  memory; at the end it stores dK and dV from TMEM through the K and V buffers.
+  lse)`` to TMEM (16-bit, the A operand of dV's MMA, as FlashAttention-4 keeps it: no
+  shared-memory traffic) and ``dS^T = P^T (dP^T - delta)`` (times the score derivative
+  and the scale) to shared memory (dQ^T's B operand, and dK's A), then adds the step's
+  dQ to a float32 sum in global memory; at the end it stores dK and dV from TMEM
+  through the K and V buffers.
 
 dK and dV accumulate in TMEM across the whole walk, every query head of the group
 included, so GQA needs no atomics. Tensor memory holds ``S^T`` and ``dP^T``
-(``q_step`` columns each), dK and dV (a head dim each) and ``dQ^T`` (``q_step``
-columns per 128 head-dim rows) in its 512 columns; where that does not fit (head dims
+(``q_step`` columns each), P^T (half that), dK and dV (a head dim each) and ``dQ^T``
+(``q_step`` columns per 128 head-dim rows) in its 512 columns; where that does not fit (head dims
 above 128 beside each other, `tmem_columns`) ``BackwardConfig.split_dkdv`` sums dK
 (with dQ) and dV in launches of their own, as the sm90 backward splits for registers.
 Steps are 64 query rows, or 32 where the head dims sum above 256 (shared memory then
@@ -65,7 +67,7 @@ Barriers (those the MMA warpgroup waits on, or that tcgen05 commits arrive on, o
 the tensor core): ``q/do/stats/mask/q_leaf_ready[slot]`` loaded; ``mma_consumed``
 and ``compute_consumed[slot]`` released by both readers; ``scores_ready`` (S^T, dP^T
 in TMEM) and ``scores_free`` (read out); ``p_ready``/``p_free`` and
-``ds_ready``/``ds_free`` for the P^T and dS^T smem tiles; ``dq_ready``/``dq_free``
+``ds_ready``/``ds_free`` for the P^T (TMEM) and dS^T (smem) tiles; ``dq_ready``/``dq_free``
 for dQ^T's TMEM; ``sums_ready`` after the walk's last MMA.
 """
 
@@ -154,19 +156,20 @@ def _dq_chunks(head_dim: int) -> range:
 
 
 def operand_swizzle(q_step: int, dtype: Any) -> int:
-    """The swizzle of every MMA operand tile: P^T and dS^T rows are ``q_step`` long, and
-    an MMA's two operands must agree."""
+    """The swizzle of every MMA operand tile: dS^T rows are ``q_step`` long, and an MMA's
+    two operands must agree."""
     return common.swizzle_bytes(q_step, dtype)
 
 
 def tmem_columns(head_dim: int, head_dim_v: int, q_step: int,
                  gradients: tuple[str, ...] = ("dk", "dv")) -> int:
-    """TMEM columns of a launch summing ``gradients``: S^T, and with dK dP^T and dQ^T."""
+    """TMEM columns of a launch summing ``gradients``: S^T; with dK dP^T and dQ^T; with
+    dV P^T (16-bit, two to a 32-bit column)."""
     columns = q_step
     if "dk" in gradients:
         columns += q_step + head_dim + q_step * len(_dq_chunks(head_dim))
     if "dv" in gradients:
-        columns += head_dim_v
+        columns += head_dim_v + q_step // 2
     return columns
 
 
@@ -193,10 +196,9 @@ def smem_bytes(config: BackwardConfig, head_dim: int, head_dim_v: int, itemsize:
         slot += config.block_kv * step
     kv_row = (k_width(head_dim) + head_dim_v) * itemsize + num_kv_leaves * 4
     common_bytes = config.block_kv * kv_row + config.stages * slot
-    tile = config.block_kv * step * itemsize  # P^T or dS^T
+    ds_tile = config.block_kv * step * itemsize  # P^T is in TMEM
     dq_stage = 128 * DQ_PIECE * 4
-    # Split, the dK launch holds dS^T and dQ's stage, the dV launch P^T alone.
-    return common_bytes + tile + dq_stage + (0 if config.split_dkdv else tile)
+    return common_bytes + ds_tile + dq_stage
 
 
 def fit_config(config: BackwardConfig, limit: int, *args, **kwargs) -> BackwardConfig | None:
@@ -262,8 +264,8 @@ def _kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *refs
     grad_refs = dict(zip(s.gradients, grad_refs, strict=True))
     smem, tmem, barriers = scratch
     (k_smem, v_smem, walk_smem, q_ring, do_ring, stats_ring, mask_ring, q_leaf_ring,
-     kv_leaf_smem, p_smem, ds_smem, dq_stage, captured_smem) = smem
-    s_tmem, dp_tmem, dk_tmem, dv_tmem, dqt_tmem = tmem
+     kv_leaf_smem, ds_smem, dq_stage, captured_smem) = smem
+    s_tmem, dp_tmem, dk_tmem, dv_tmem, dqt_tmem, p_tmem = tmem
     (walk_barrier, kv_leaf_barrier, k_loaded, v_loaded, q_ready, do_ready, stats_ready,
      mask_ready, q_leaf_ready, mma_consumed, compute_consumed, scores_ready, scores_free,
      p_ready, p_free, ds_ready, ds_free, dq_ready, dq_free, sums_ready,
@@ -385,7 +387,7 @@ def _kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *refs
             pl.when(t + 1 < count)(lambda: issue_scores(t + 1))
             if sums_dv:
                 plgpu.barrier_wait(p_ready)
-                plgpu.tcgen05_mma(dv_tmem, p_smem, do_ring.at[slot], accumulate=t > 0)
+                plgpu.tcgen05_mma(dv_tmem, p_tmem, do_ring.at[slot], accumulate=t > 0)
                 plgpu.tcgen05_commit_arrive(p_free)
             if sums_dk:
                 plgpu.barrier_wait(ds_ready)
@@ -490,17 +492,21 @@ def _kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *refs
                 plgpu.barrier_arrive(compute_consumed.at[slot])
                 probs = jnp.exp2(scores - per_q(lse2))
 
-                def write_tile(smem_tile, free, ready, value):
+                def write_tile(tile_ref, free, ready, value):
                     @pl.when(step >= 1)  # The last step's MMA has read the tile.
                     def _():
                         plgpu.barrier_wait(free)
 
-                    smem_tile[...] = value.astype(s.dtype)
-                    plgpu.commit_smem()
+                    if tile_ref is p_tmem:
+                        plgpu.async_store_tmem(tile_ref, value.astype(s.dtype))
+                        plgpu.commit_tmem()
+                    else:
+                        tile_ref[...] = value.astype(s.dtype)
+                        plgpu.commit_smem()
                     plgpu.barrier_arrive(ready)
 
                 if sums_dv:
-                    write_tile(p_smem, p_free, p_ready, probs)
+                    write_tile(p_tmem, p_free, p_ready, probs)
                 if sums_dk:
                     dscores = probs * (dprobs - per_q(delta))
                     if slope is not None:
@@ -551,7 +557,6 @@ def _scratch(s: _Statics):
         common.swizzled((stages, BLOCK_KV, step_rows), jnp.int8) if s.has_partial else None,
         plgpu.SMEM((stages, s.num_q_leaves, step_rows), jnp.int32) if s.num_q_leaves else None,
         plgpu.SMEM((s.num_kv_leaves, BLOCK_KV), jnp.int32) if s.num_kv_leaves else None,
-        operand((BLOCK_KV, step_rows)) if "dv" in s.gradients else None,
         operand((BLOCK_KV, step_rows)) if sums_dk else None,
         (common.swizzled((128, DQ_PIECE), jnp.float32) if sums_dk and not s.interpret
          else None),
@@ -564,6 +569,8 @@ def _scratch(s: _Statics):
         plgpu.TMEM((BLOCK_KV, s.head_dim_v), jnp.float32) if "dv" in s.gradients else None,
         (plgpu.TMEM((BLOCK_KV, step_rows * len(_dq_chunks(s.head_dim))), jnp.float32)
          if sums_dk else None),
+        (plgpu.TMEM((BLOCK_KV, step_rows), s.dtype, packed=True)
+         if "dv" in s.gradients else None),
     )
     ring = lambda: plgpu.Barrier(num_barriers=stages)
     tensor_core = lambda n=1: plgpu.Barrier(num_barriers=n, orders_tensor_core=True)
