@@ -19,13 +19,13 @@ sm100 backward. Its three warpgroups:
   leaves; PARTIAL ones read the stored tile, transposed), writes ``P^T = exp2(S^T -
   lse)`` to TMEM (16-bit, the A operand of dV's MMA, as FlashAttention-4 keeps it: no
   shared-memory traffic) and ``dS^T = P^T (dP^T - delta)`` (times the score derivative
-  and the scale) to shared memory (dQ^T's B operand, and dK's A), then adds the step's
-  dQ to a float32 sum in global memory; at the end it stores dK and dV from TMEM
-  through the K and V buffers.
+  and the scale) to TMEM (dK's A operand) and to shared memory (dQ^T's B operand, which
+  must be there), then adds the step's dQ to a float32 sum in global memory; at the
+  end it stores dK and dV from TMEM through the K and V buffers.
 
 dK and dV accumulate in TMEM across the whole walk, every query head of the group
 included, so GQA needs no atomics. Tensor memory holds ``S^T`` and ``dP^T``
-(``q_step`` columns each), P^T (half that), dK and dV (a head dim each) and ``dQ^T``
+(``q_step`` columns each), P^T and dS^T (half that each), dK and dV (a head dim each) and ``dQ^T``
 (``q_step`` columns per 128 head-dim rows) in its 512 columns; where that does not fit (head dims
 above 128 beside each other, `tmem_columns`) ``BackwardConfig.split_dkdv`` sums dK
 (with dQ) and dV in launches of their own, as the sm90 backward splits for registers.
@@ -67,7 +67,7 @@ Barriers (those the MMA warpgroup waits on, or that tcgen05 commits arrive on, o
 the tensor core): ``q/do/stats/mask/q_leaf_ready[slot]`` loaded; ``mma_consumed``
 and ``compute_consumed[slot]`` released by both readers; ``scores_ready`` (S^T, dP^T
 in TMEM) and ``scores_free`` (read out); ``p_ready``/``p_free`` and
-``ds_ready``/``ds_free`` for the P^T (TMEM) and dS^T (smem) tiles; ``dq_ready``/``dq_free``
+``ds_ready``/``ds_free`` for the P^T and dS^T tiles; ``dq_ready``/``dq_free``
 for dQ^T's TMEM; ``sums_ready`` after the walk's last MMA.
 """
 
@@ -163,11 +163,11 @@ def operand_swizzle(q_step: int, dtype: Any) -> int:
 
 def tmem_columns(head_dim: int, head_dim_v: int, q_step: int,
                  gradients: tuple[str, ...] = ("dk", "dv")) -> int:
-    """TMEM columns of a launch summing ``gradients``: S^T; with dK dP^T and dQ^T; with
-    dV P^T (16-bit, two to a 32-bit column)."""
+    """TMEM columns of a launch summing ``gradients``: S^T; with dK dP^T, dS^T and dQ^T;
+    with dV P^T (P^T and dS^T 16-bit, two to a 32-bit column)."""
     columns = q_step
     if "dk" in gradients:
-        columns += q_step + head_dim + q_step * len(_dq_chunks(head_dim))
+        columns += q_step + q_step // 2 + head_dim + q_step * len(_dq_chunks(head_dim))
     if "dv" in gradients:
         columns += head_dim_v + q_step // 2
     return columns
@@ -265,7 +265,7 @@ def _kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *refs
     smem, tmem, barriers = scratch
     (k_smem, v_smem, walk_smem, q_ring, do_ring, stats_ring, mask_ring, q_leaf_ring,
      kv_leaf_smem, ds_smem, dq_stage, captured_smem) = smem
-    s_tmem, dp_tmem, dk_tmem, dv_tmem, dqt_tmem, p_tmem = tmem
+    s_tmem, dp_tmem, dk_tmem, dv_tmem, dqt_tmem, p_tmem, ds_tmem = tmem
     (walk_barrier, kv_leaf_barrier, k_loaded, v_loaded, q_ready, do_ready, stats_ready,
      mask_ready, q_leaf_ready, mma_consumed, compute_consumed, scores_ready, scores_free,
      p_ready, p_free, ds_ready, ds_free, dq_ready, dq_free, sums_ready,
@@ -391,7 +391,7 @@ def _kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *refs
                 plgpu.tcgen05_commit_arrive(p_free)
             if sums_dk:
                 plgpu.barrier_wait(ds_ready)
-                plgpu.tcgen05_mma(dk_tmem, ds_smem, q_ring.at[slot], accumulate=t > 0)
+                plgpu.tcgen05_mma(dk_tmem, ds_tmem, q_ring.at[slot], accumulate=t > 0)
             plgpu.tcgen05_commit_arrive(mma_consumed.at[slot])
             if sums_dk:
                 @pl.when(t >= 1)
@@ -492,26 +492,26 @@ def _kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *refs
                 plgpu.barrier_arrive(compute_consumed.at[slot])
                 probs = jnp.exp2(scores - per_q(lse2))
 
-                def write_tile(tile_ref, free, ready, value):
-                    @pl.when(step >= 1)  # The last step's MMA has read the tile.
+                def write_tile(value, free, ready, tmem_ref, smem_ref=None):
+                    @pl.when(step >= 1)  # The last step's MMAs have read the tile.
                     def _():
                         plgpu.barrier_wait(free)
 
-                    if tile_ref is p_tmem:
-                        plgpu.async_store_tmem(tile_ref, value.astype(s.dtype))
-                        plgpu.commit_tmem()
-                    else:
-                        tile_ref[...] = value.astype(s.dtype)
+                    value = value.astype(s.dtype)
+                    plgpu.async_store_tmem(tmem_ref, value)
+                    plgpu.commit_tmem()
+                    if smem_ref is not None:
+                        smem_ref[...] = value
                         plgpu.commit_smem()
                     plgpu.barrier_arrive(ready)
 
                 if sums_dv:
-                    write_tile(p_tmem, p_free, p_ready, probs)
+                    write_tile(probs, p_free, p_ready, p_tmem)
                 if sums_dk:
                     dscores = probs * (dprobs - per_q(delta))
                     if slope is not None:
                         dscores = dscores * slope
-                    write_tile(ds_smem, ds_free, ds_ready, dscores * s.scores.scale)
+                    write_tile(dscores * s.scores.scale, ds_free, ds_ready, ds_tmem, ds_smem)
                     add_dq(head, q_start)
                 return step + 1
 
@@ -571,6 +571,7 @@ def _scratch(s: _Statics):
          if sums_dk else None),
         (plgpu.TMEM((BLOCK_KV, step_rows), s.dtype, packed=True)
          if "dv" in s.gradients else None),
+        plgpu.TMEM((BLOCK_KV, step_rows), s.dtype, packed=True) if sums_dk else None,
     )
     ring = lambda: plgpu.Barrier(num_barriers=stages)
     tensor_core = lambda n=1: plgpu.Barrier(num_barriers=n, orders_tensor_core=True)
