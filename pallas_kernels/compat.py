@@ -534,10 +534,3 @@ def mosaic_lowering_arch(major: int, minor: int):
         yield
     finally:
         owner._infer_arch = inferred
-
-
-def reduced_layout(layout: Any, axis: int) -> Any:
-    """The layout of a reduction along ``axis`` of a 2-D array in ``layout`` (None: WGMMA)."""
-    if layout is None:
-        return wgmma_row_layout() if axis == 1 else wgmma_col_layout()
-    return layout.reduce(axis)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import pytest
 
 from pallas_kernels import compat, runtime
@@ -18,8 +19,6 @@ def skip_unless_blackwell_interpreter() -> None:
     """The Mosaic-GPU interpreter runs Blackwell kernels (tcgen05 MMAs, tensor memory)
     from jax 0.11 (0.10's simulates neither); the sm100 GEMM's tests pass on 0.11.2 and
     0.12.0.1."""
-    import jax
-
     if jax.__version_info__ < (0, 11):
         pytest.skip(f"the Mosaic-GPU interpreter of jax {jax.__version__} does not simulate "
                     "tcgen05/TMEM (jax 0.11 and later do)")

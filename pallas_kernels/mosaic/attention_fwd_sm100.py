@@ -418,7 +418,7 @@ def _softmax_tile(s: _Statics, t: int, count, num_full, batch, head, q_block, wa
 
     def indices(kv_block, read):
         return common.tile_indices(tile, q_start, kv_block * block_kv, q_axis=0, read=read,
-                                   layout=layout)
+                                   tile_layout=layout)
 
     def step_fn(step, carry, full: bool):
         row_max, row_sum = carry

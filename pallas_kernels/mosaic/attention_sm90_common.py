@@ -203,12 +203,13 @@ def stacked_leaves(kmask: KernelMask, layout: MaskLayout, batch: int):
 
 
 def tile_leaves(leaf_slots, q_values, kv_values, tile: tuple[int, int],
-                q_axis: int) -> list:
+                q_axis: int, tile_layout: Any = None) -> list:
     """Mask leaf values in leaf order, broadcast over a score tile whose q rows run along
-    ``q_axis`` (0 for q-major tiles, 1 for the dK/dV kernel's kv-major ones)."""
+    ``q_axis`` (0 for q-major tiles, 1 for the dK/dV kernel's kv-major ones), of
+    ``tile_layout`` (`broadcast_over_tile`)."""
     kv_axis = 1 - q_axis
-    q_values = [lax.broadcast_in_dim(x, tile, [q_axis]) for x in q_values]
-    kv_values = [lax.broadcast_in_dim(x, tile, [kv_axis]) for x in kv_values]
+    q_values = [broadcast_over_tile(x, tile, q_axis, tile_layout) for x in q_values]
+    kv_values = [broadcast_over_tile(x, tile, kv_axis, tile_layout) for x in kv_values]
     return [q_values[i] if kind == "q" else kv_values[i] for kind, i in leaf_slots]
 
 
@@ -228,28 +229,39 @@ def load_kv_leaf_columns(statics, ring, ready, slot) -> list:
 
 
 def tile_indices(tile: tuple[int, int], q_start, kv_start, *, q_axis: int,
-                 read: tuple[bool, bool], layout: Any = None) -> tuple[Array, Array]:
+                 read: tuple[bool, bool], tile_layout: Any = None) -> tuple[Array, Array]:
     """Global (q_idx, kv_idx) over a WGMMA-layout score tile whose q positions run along
     ``q_axis`` (0 for q-major tiles, 1 for the dK/dV kernel's kv-major ones).
 
     Built as one vector per axis broadcast over the tile: a thread then holds 2 row and
     ``tile[1] / 4`` column indices, where a 2-D iota holds ``tile[1] / 2`` of each (under
-    a causal mask the 2-D form spilled up to 636 bytes a thread in the backward). Only
-    the indices the caller reads (``read``: q, kv; `visibility_reads`,
-    `ScoreSpec.reads_indices`) are built, the others left as their scalar start: jax
-    0.11's Mosaic layout inference fails on a broadcast that nothing reads. ``layout``:
-    the tile's register layout when not WGMMA (the sm100 kernels' tensor-memory one).
+    a causal mask the 2-D form spilled up to 636 bytes a thread in the backward).
+    ``tile_layout`` is the register layout of a tile other than WGMMA's (the sm100
+    kernels' TMEM loads). Only the indices the caller reads (``read``: q, kv;
+    `visibility_reads`, `ScoreSpec.reads_indices`) are built, the others left as their
+    scalar start: jax 0.11's Mosaic layout inference fails on a broadcast that nothing
+    reads.
     """
     def positions(axis, start, needed):
         if not needed:
             return start
-        vector_layout = compat.reduced_layout(layout, 1 - axis)
-        vector = start + plgpu.broadcasted_iota(jnp.int32, (tile[axis],), 0,
-                                                layout=vector_layout)
-        return lax.broadcast_in_dim(vector, tile, [axis])
+        if tile_layout is None:
+            layout = compat.wgmma_row_layout() if axis == 0 else compat.wgmma_col_layout()
+        else:
+            layout = tile_layout.reduce(1 - axis)
+        vector = start + plgpu.broadcasted_iota(jnp.int32, (tile[axis],), 0, layout=layout)
+        return broadcast_over_tile(vector, tile, axis, tile_layout)
 
     return (positions(q_axis, q_start, read[0]),
             positions(1 - q_axis, kv_start, read[1]))
+
+
+def broadcast_over_tile(vector: Array, tile: tuple[int, int], axis: int,
+                        tile_layout: Any = None) -> Array:
+    """``vector`` broadcast along ``axis`` of ``tile``; into ``tile_layout`` when given
+    (a broadcast's layout is otherwise inferred, WGMMA's where TCGEN05's would fit too)."""
+    value = lax.broadcast_in_dim(vector, tile, [axis])
+    return value if tile_layout is None else plgpu.layout_cast(value, tile_layout)
 
 
 @functools.cache
