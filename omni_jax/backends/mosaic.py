@@ -1,11 +1,13 @@
 """The Pallas Mosaic-GPU backend: warp-specialized, TMA-pipelined kernels for Hopper and
 Blackwell.
 
-Runs on sm90 GPUs (wgmma kernels) and sm100 GPUs (the tcgen05/tensor-memory forward,
-`attention_fwd_sm100`), or anywhere under ``OMNI_JAX_PALLAS_INTERPRET=1`` (``=sm100``)
-through the Mosaic-GPU interpreter (race detection on; TMA bounds as on hardware).
-On sm100 the forward serves BlockMasks with ``block_kv`` 64 or 128, without kv splits;
-its backward is not built yet, so gradients come from the next backend.
+Runs on sm90 GPUs (wgmma kernels) and sm100 GPUs (the tcgen05/tensor-memory kernels,
+`attention_fwd_sm100`, `attention_bwd_sm100`), or anywhere under
+``OMNI_JAX_PALLAS_INTERPRET=1`` (``=sm100``) through the Mosaic-GPU interpreter (race
+detection on; TMA bounds as on hardware). On sm100 the forward serves BlockMasks with
+``block_kv`` 64 or 128, without kv splits; the backward ``block_kv`` 128 (the forward's
+tile up to head dim 128); each configuration checks itself on first use on a real sm100
+GPU (`omni_jax.first_use_check`), where no kernel of ours had run before.
 
 Serves bf16/fp16 inputs with head dims up to 256 (zero-padded to 64, 96, 128, 192 or 256), any
 lengths, GQA/MQA, every BlockMask with ``block_q = 128`` (the kernel's q tile),
@@ -34,6 +36,7 @@ from jax import lax
 from omni_jax import first_use_check
 from omni_jax.backends import xla
 from omni_jax.backends.base import AttentionBackend
+from omni_jax.dispatch_log import warn_slow_fallback
 from omni_jax.masks import BlockMask, causal_mask, create_block_mask
 from omni_jax.masks.mask_mods import includes_causal
 from omni_jax.problem import AttentionProblem
@@ -42,6 +45,7 @@ from pallas_kernels import compat, kv_splits, runtime
 from pallas_kernels.block_sparse import kernel_mask, mean_walk
 from pallas_kernels.captured import PackedCaptured, scalar_reads_reason, score_mod_on_packed
 from pallas_kernels.mosaic import attention_bwd_sm90 as bwd
+from pallas_kernels.mosaic import attention_bwd_sm100 as bwd100
 from pallas_kernels.mosaic import attention_fwd_sm90 as fwd
 from pallas_kernels.mosaic import attention_fwd_sm100 as fwd100
 from pallas_kernels.mosaic.attention_sm90_common import SMEM_LIMIT
@@ -151,13 +155,27 @@ class MosaicBackend(AttentionBackend):
             functools.partial(check, kernel=True), functools.partial(check, kernel=False))
 
     def backward_unsupported_reason(self, problem: AttentionProblem) -> str | None:
-        if _blackwell():
-            return "the sm100 backward is not built yet (the sm90 one needs wgmma)"
         reason = self.unsupported_reason(problem)
         if reason is None:
             config = self._backward_config(problem)
             reason = config if isinstance(config, str) else None
+        if reason is None and _blackwell():
+            reason = self._first_use_backward_reason(problem, config)
         return reason
+
+    def _first_use_backward_reason(self, problem: AttentionProblem,
+                                   config: bwd100.BackwardConfig) -> str | None:
+        """`_first_use_reason` for the sm100 backward: its gradients of a small causal
+        problem against the xla backend's."""
+        if not first_use_check.unverified_hardware():
+            return None
+        key = ("attention backward", config, problem.head_dim, problem.head_dim_v,
+               np.dtype(problem.dtype).name, problem.group_size, problem.softcap)
+        check = functools.partial(_small_causal_backward, problem, config)
+        return first_use_check.verified(
+            key, f"the sm100 attention backward ({np.dtype(problem.dtype).name}, head dims "
+                 f"{problem.head_dim}/{problem.head_dim_v}, {config})",
+            functools.partial(check, kernel=True), functools.partial(check, kernel=False))
 
     def trace_key(self, problem: AttentionProblem) -> Hashable:
         # The configs also depend on the mask's walk lengths: short or not (the forward),
@@ -187,8 +205,17 @@ class MosaicBackend(AttentionBackend):
         config = self._backward_config(problem)
         if isinstance(config, str):
             raise NotImplementedError(config)
+        if _blackwell() and compat.varying_axes(q, k, v, out, dout):
+            # Inside a shard_map the sm100 kernel's in-place dQ sum cannot vary along the
+            # mesh axes (sm90 has its dQ kernel for that; sm100 has none yet).
+            warn_slow_fallback(
+                "omni_jax.attention runs its backward on the XLA backend inside "
+                "jax.shard_map on a Blackwell GPU: the sm100 backward's in-place dQ sum "
+                "cannot vary along mesh axes. Outside a shard_map it runs the kernel.")
+            return xla.XlaBackend().backward(problem, q, k, v, block_mask, sinks, captured,
+                                             out, lse, dout, dlse)
         kmask, layout = kernel_mask(block_mask)
-        dq, dk, dv, delta = bwd.attention_backward(
+        dq, dk, dv, delta = _backward_module().attention_backward(
             q, k, v, kmask, layout, out, lse, dout, dlse, scale=problem.scale,
             softcap=problem.softcap, score_mod=problem.score_mod,
             has_partial=problem.has_user_mask, config=config, captured=captured,
@@ -197,8 +224,11 @@ class MosaicBackend(AttentionBackend):
         return dq, dk, dv, dsinks, xla.captured_cotangents(
             problem, q, k, v, block_mask, sinks, captured, out, lse, dout, dlse)
 
-    def _backward_config(self, problem: AttentionProblem) -> bwd.BackwardConfig | str:
+    def _backward_config(self, problem: AttentionProblem
+                         ) -> bwd.BackwardConfig | bwd100.BackwardConfig | str:
         """The backward kernels' config for ``problem``, or why they cannot serve it."""
+        if _blackwell():
+            return self._sm100_backward_config(problem)
         dims = fwd.padded_head_dims(problem.head_dim, problem.head_dim_v)
         config = bwd.backward_config(*dims, problem.dtype, causal=False)
         if config is None:
@@ -214,6 +244,27 @@ class MosaicBackend(AttentionBackend):
                                 problem.has_user_mask)
         if config is None:
             return f"block_kv={block_kv} with head dims {dims} exceeds shared memory"
+        return score_mod_unsupported_reason(problem, derivative=True) or config
+
+    def _sm100_backward_config(self, problem: AttentionProblem
+                               ) -> bwd100.BackwardConfig | str:
+        dims = tuple(map(bwd100.kernel_head_dim, (problem.head_dim, problem.head_dim_v)))
+        config = bwd100.backward_config(problem.head_dim, problem.head_dim_v, problem.dtype,
+                                        causal=False)
+        if config is None:
+            return (f"head_dim={problem.head_dim}, head_dim_v={problem.head_dim_v}: the sm100 "
+                    f"backward takes head dims up to {bwd100.KERNEL_HEAD_DIMS[-1]}")
+        block_kv = (problem.block_size or self.block_size(problem))[1]
+        if block_kv != bwd100.BLOCK_KV:
+            return (f"BlockMask block_kv={block_kv}: the sm100 backward takes "
+                    f"{bwd100.BLOCK_KV} (a kv row per tensor-memory lane)")
+        # One float32 dQ sum added to by TMA reduce-adds (not per kv-block sums, whose
+        # memory grows with the kv length), as the sm90 fused dQ adds.
+        config = bwd100.fit_config(dataclasses.replace(config, deterministic=False),
+                                   SMEM_LIMIT, *dims, np.dtype(problem.dtype).itemsize,
+                                   problem.has_user_mask)
+        if config is None:
+            return f"head dims {dims} exceed the sm100 backward's shared memory"
         return score_mod_unsupported_reason(problem, derivative=True) or config
 
     @staticmethod
@@ -273,6 +324,34 @@ def _small_causal_forward(problem: AttentionProblem, config, *, kernel: bool):
         captured=(), interpret_params=interpret_params())
 
 
+def _small_causal_backward(problem: AttentionProblem, config, *, kernel: bool):
+    """(dq, dk, dv) of a small causal problem like ``problem`` (`_small_causal_forward`'s),
+    by the sm100 backward with ``config`` (``kernel``), else by the xla backend in
+    float32; the forward's results and the output cotangent from the xla backend."""
+    from omni_jax.attention import attention  # the public call imports the backends
+
+    rng = np.random.default_rng(1)
+    heads = problem.group_size
+    shape = lambda dim, count: (1, _CHECK_LENGTH, count, dim)
+    q, k, v, dout = (jnp.asarray(rng.standard_normal(shape(dim, count)), jnp.float32)
+                     for dim, count in ((problem.head_dim, heads), (problem.head_dim, 1),
+                                        (problem.head_dim_v, 1), (problem.head_dim_v, heads)))
+    forward = functools.partial(attention, is_causal=True, scale=problem.scale,
+                                softcap=problem.softcap, implementation="xla")
+    if not kernel:
+        return jax.vjp(forward, q, k, v)[1](dout)
+    out, lse = forward(q, k, v, return_lse=True)
+    block_mask = create_block_mask(causal_mask, None, None, _CHECK_LENGTH, _CHECK_LENGTH,
+                                   (config.block_q, config.block_kv))
+    kmask, layout = kernel_mask(block_mask)
+    cast = lambda x: x.astype(problem.dtype)
+    dq, dk, dv, _ = bwd100.attention_backward(
+        cast(q), cast(k), cast(v), kmask, layout, cast(out), lse, cast(dout),
+        jnp.zeros_like(lse), scale=problem.scale, softcap=problem.softcap, score_mod=None,
+        has_partial=False, config=config, interpret_params=interpret_params())
+    return dq, dk, dv
+
+
 def _blackwell() -> bool:
     """Whether the Mosaic kernels run (or are interpreted) as sm100."""
     return runtime.mosaic_architecture() == "sm100"
@@ -281,6 +360,11 @@ def _blackwell() -> bool:
 def _forward_module():
     """The forward kernel's module for the GPU the kernels run on."""
     return fwd100 if _blackwell() else fwd
+
+
+def _backward_module():
+    """The backward kernels' module for the GPU the kernels run on."""
+    return bwd100 if _blackwell() else bwd
 
 
 def interpret_params():

@@ -4,9 +4,8 @@
 Mosaic-GPU interpreter on any machine (races fail the test);
 `TestMosaicAttentionGpu` runs the full suite compiled on an sm90 GPU. Both
 check that every call took its backward from the Mosaic kernels (not from
-the Triton fallback). `TestMosaicSm100AttentionInterpreted` runs every case's
-forward interpreted as sm100 (jax 0.11 and later): the Blackwell forward, whose
-backward is not built yet.
+the Triton fallback). `TestMosaicSm100AttentionInterpreted` runs every case
+interpreted as sm100 (jax 0.11 and later): the Blackwell forward and backward.
 """
 
 import dataclasses
@@ -18,6 +17,7 @@ import pytest
 import omni_jax
 from pallas_kernels import compat, runtime
 from pallas_kernels.mosaic import attention_bwd_sm90 as bwd
+from pallas_kernels.mosaic import attention_bwd_sm100 as bwd100
 from pallas_kernels.mosaic import attention_fwd_sm90 as fwd
 from pallas_kernels.mosaic import attention_fwd_sm100 as fwd100
 from tests.forced_configs import force_config_fields, record_configs, record_plans
@@ -82,18 +82,15 @@ class TestMosaicAttentionInterpreted(_MosaicSuite):
         yield from interpreted_mosaic(monkeypatch)
 
 
-_SM100_BACKWARD = "the sm100 backward is not built yet: gradients come from the next backend"
-
-
 @pytest.mark.interpreted
 class TestMosaicSm100AttentionInterpreted(AttentionSuite):
-    """Every case's forward (output, lse, blind rows) against float64, interpreted as sm100."""
+    """Every case (output, lse, gradients, blind rows) against float64, interpreted as
+    sm100."""
 
     implementation = "mosaic"
     dtypes = ("bfloat16",)
     cases = GPU_CASES
-    mask_block_size = (128, 64)
-    check_gradients = False
+    mask_block_size = (128, 128)  # the sm100 backward's kv tile
 
     @pytest.fixture(autouse=True)
     def _interpreted(self, monkeypatch):
@@ -101,19 +98,14 @@ class TestMosaicSm100AttentionInterpreted(AttentionSuite):
         yield from interpreted_mosaic(monkeypatch, "sm100")
 
     def test_case(self, case, dtype, monkeypatch):
-        """The case's forward, run by the sm100 kernel."""
+        """The case, run by the sm100 kernels: the backward's up to head dim 128 (above,
+        the forward takes 64-row kv tiles, which the backward declines)."""
         configs = record_configs(monkeypatch, fwd100, "attention_forward")
+        backward_configs = record_configs(monkeypatch, bwd100, "attention_backward")
         super().test_case(case, dtype)
         assert configs and all(isinstance(c, fwd100.ForwardConfig) for c in configs)
-
-    def test_vmap_of_grad_matches_float64(self):
-        pytest.skip(_SM100_BACKWARD)
-
-    def test_second_order_derivatives_match_float64(self):
-        pytest.skip(_SM100_BACKWARD)
-
-    def test_no_nan_gradient_for_blind_rows(self):
-        pytest.skip(_SM100_BACKWARD)
+        if max(case.head_dim, case.head_dim_v or 0) <= 128:
+            assert backward_configs
 
 
 @pytest.mark.gpu
@@ -213,11 +205,12 @@ def test_backward_falls_back_without_a_config(monkeypatch):
     assert len(names) == 1 and names[0] != "mosaic", names
 
 
-def test_sm100_backward_goes_to_the_next_backend(monkeypatch):
-    """On sm100 the Mosaic backend serves the forward only (the sm90 backward needs
-    wgmma): gradients plan the next backend's backward."""
+def test_sm100_backward_serves_its_kv_tile_and_declines_others(monkeypatch):
+    """On sm100 the Mosaic backward takes 128-row kv tiles (the forward's up to head dim
+    128); above, the forward's 64-row tiles send gradients to the next backend."""
     skip_unless_blackwell_interpreter()
-    names = _backward_backends(128, None, None, monkeypatch, interpret="sm100")
+    assert _backward_backends(128, None, None, monkeypatch, interpret="sm100") == ["mosaic"]
+    names = _backward_backends(256, None, None, monkeypatch, interpret="sm100")
     assert len(names) == 1 and names[0] != "mosaic", names
 
 
