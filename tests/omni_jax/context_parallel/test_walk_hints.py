@@ -17,14 +17,18 @@ from pallas_kernels import runtime
 from pallas_kernels.block_sparse import WalkStatistics
 from pallas_kernels.mosaic import attention_bwd_sm90 as bwd
 from pallas_kernels.mosaic import attention_fwd_sm90 as fwd
+from tests.forced_configs import record_configs
 from tests.omni_jax.context_parallel import checks
+from tests.reference import dense_mask, reference_attention, relative_error
 
 
 def _call(num_shards: int, shard_len: int, *, is_causal: bool, window, layout: str,
-          rotate: bool, block_size=(16, 16)) -> ContextCall:
+          rotate: bool, block_size=(16, 16), head_dim: int = 8, dtype=np.float32,
+          ) -> ContextCall:
     kv_len = shard_len if rotate else num_shards * shard_len
     problem = AttentionProblem(batch=1, q_len=shard_len, kv_len=kv_len, num_q_heads=2,
-                               num_kv_heads=2, head_dim=8, head_dim_v=8, dtype=np.float32,
+                               num_kv_heads=2, head_dim=head_dim, head_dim_v=head_dim,
+                               dtype=np.dtype(dtype),
                                scale=1.0, softcap=None, score_mod=None, has_sinks=False,
                                has_user_mask=False, block_size=block_size)
     return ContextCall(plan=plan_attention("xla", problem), is_causal=is_causal,
@@ -144,3 +148,29 @@ def test_ring_steps_pass_their_hints_to_the_mosaic_kernels(monkeypatch):
     for (call, step), walk in zip(steps[2:], full_walks, strict=True):
         want = np.mean([s.mean_full_q_blocks for s in _concrete_statistics(call, step)])
         assert walk == pytest.approx(want) and walk > 0
+
+
+@pytest.mark.interpreted
+def test_traced_short_walk_step_runs_the_short_walk_forward(seed, monkeypatch,
+                                                            interpret_pallas_without_gpu):
+    """A window step's hint gives its traced mask the short-walk config (two q-blocks per
+    CTA), once only concrete masks': the kernel computes the same attention with it."""
+    configs = record_configs(monkeypatch, fwd, "attention_forward")
+    call = _call(2, 512, is_causal=True, window=(100, 0), layout="contiguous", rotate=True,
+                 block_size=(128, 128), head_dim=128, dtype=jnp.bfloat16)
+    rng = np.random.default_rng(seed)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 512, 2, 128)), jnp.bfloat16)
+               for _ in range(3))
+
+    @jax.jit
+    def step(q_positions, q, k, v):  # device 1's own block: positions 512...1023
+        mask = step_mask(call, 0, q_positions, call.kv_positions(1), None, None)
+        return MosaicBackend().forward(call.plan.problem, q, k, v, mask, None, ())
+
+    out, lse = step(call.q_positions(1), q, k, v)
+    assert configs[0].q_blocks_per_cta == 2, configs
+    with jax.enable_x64(True):
+        want_out, want_lse = reference_attention(
+            q, k, v, dense_mask(1, 2, 512, 512, is_causal=True, window=(100, 0)),
+            scale=call.plan.problem.scale)
+    assert relative_error(out, want_out) < 2e-2 and relative_error(lse, want_lse) < 1e-3
