@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 
 import omni_jax
-from omni_jax.masks import BlockMask
+from omni_jax.masks import BlockMask, WalkStatistics
 from omni_jax.masks.regroup import regroup
-from pallas_kernels.block_sparse import WalkStatistics
 
 
 def _documents_mask(seed: int, q_len: int, kv_len: int, block_size=(16, 16)) -> BlockMask:
