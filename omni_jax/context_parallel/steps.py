@@ -101,14 +101,13 @@ def step_mask(call: ContextCall, step: int, q_positions: Array, kv_positions: Ar
     mask_mod = _mask_mod(call, q_positions, kv_positions, q_ids, kv_ids)
     problem = call.plan.problem
     grid = BlockGrid(problem.q_len, problem.kv_len, *problem.block_size)
-    return BlockMask.from_tile_flags(structured_tile_flags(mask_mod, grid), mask_mod=mask_mod,
+    mask = BlockMask.from_tile_flags(structured_tile_flags(mask_mod, grid), mask_mod=mask_mod,
                                      q_len=grid.q_len, kv_len=grid.kv_len,
-                                     block_size=problem.block_size, contiguous_full=False,
-                                     ).with_walk_hint(None if q_ids is not None
-                                                      else step_walk_hint(call, step))
+                                     block_size=problem.block_size, contiguous_full=False)
+    return mask if q_ids is not None else mask.with_walk_hint(step_walk_hint(call, step))
 
 
-def device_walk_statistics(call: ContextCall, step: int, device: int) -> WalkStatistics:
+def _device_walk_statistics(call: ContextCall, step: int, device: int) -> WalkStatistics:
     """The walk lengths of ``step``'s mask on ``device`` (documents aside), in numpy."""
     source = (device - step) % call.num_shards if call.rotate else None
     problem = call.plan.problem
@@ -122,11 +121,11 @@ def device_walk_statistics(call: ContextCall, step: int, device: int) -> WalkSta
 
 @functools.lru_cache(maxsize=256)
 def step_walk_hint(call: ContextCall, step: int) -> WalkStatistics:
-    """The walk hint of ``step``'s masks: the mean of `device_walk_statistics` over the
+    """The walk hint of ``step``'s masks: the mean of `_device_walk_statistics` over the
     devices that run the step (those with an active tile; the others skip it, see
     `any_visible`). A config choice, so one hint for all devices suffices: exact on each
     where the statistics agree (a causal zigzag ring), a mean where they differ."""
-    per_device = [device_walk_statistics(call, step, device)
+    per_device = [_device_walk_statistics(call, step, device)
                   for device in range(call.num_shards)]
     running = [s for s in per_device if s.mean_kv_blocks > 0]
     return WalkStatistics.mean(running or per_device)
