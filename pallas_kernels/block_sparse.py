@@ -16,6 +16,10 @@ through these two functions, so the walk and the tile semantics exist once:
 * COMPUTED tiles evaluate the structured mask_mod from indices and the
   kv bound; PARTIAL tiles read ``partial_masks[partial_id]``.
 
+Kernel configs depend on the walks' mean lengths (`WalkStatistics`): read from the
+arrays where the mask is concrete at trace time, else from the mask's ``walk_hint``
+(`walk_statistics`).
+
 Structured mask_mods carry arrays (segment ids, prefix lengths). Each leaf has
 a kind: ``"q"`` leaves are padded to ``[Bm, num_q_blocks * block_q]`` and a
 kernel loads the slice of its q-block; ``"kv"`` leaves are padded to
@@ -46,12 +50,14 @@ class BlockSparseMask(Protocol):
     ``grid`` has the lengths, block sizes and block counts; ``mask_mod`` is None or a
     pytree whose ``leaf_kinds()`` name its leaves' kinds and whose
     ``predicate(q_idx, kv_idx)`` evaluates it at global positions. The walks' arrays
-    are those `KernelMask` documents, in ascending block order.
+    are those `KernelMask` documents, in ascending block order. ``walk_hint`` is None or
+    the `WalkStatistics` of the arrays, for when they are traced.
     """
 
     grid: Any
     mask_mod: Any
     contiguous_full: bool
+    walk_hint: WalkStatistics | None
     kv_num_blocks: Array
     kv_indices: Array
     kv_tile_flags: Array
@@ -61,6 +67,45 @@ class BlockSparseMask(Protocol):
     q_tile_flags: Array
     q_partial_ids: Array
     partial_masks: Array
+
+
+@dataclasses.dataclass(frozen=True)
+class WalkStatistics:
+    """Mean walk lengths of a block-sparse mask, over its batch, heads and blocks: what
+    the kernels' configs are chosen by (kv splits, short-walk tiles, the fused dQ).
+
+    ``mean_kv_blocks``: active kv-blocks per q-block (the forward's and dQ's walk);
+    ``mean_full_q_blocks``: FULL q-blocks per kv-block (the dK/dV walk's FULL steps).
+    """
+
+    mean_kv_blocks: float
+    mean_full_q_blocks: float
+
+    def __post_init__(self):
+        for name in ("mean_kv_blocks", "mean_full_q_blocks"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float, np.number)) or not 0 <= value < np.inf:
+                raise ValueError(f"WalkStatistics.{name} must be a finite number >= 0, "
+                                 f"got {value!r}")
+            object.__setattr__(self, name, float(value))
+
+    @classmethod
+    def of_tile_flags(cls, tile_flags: Array) -> WalkStatistics:
+        """The statistics of concrete dense ``tile_flags [Bm, Hm, nq, nkv]`` (MASKED -1),
+        as `BlockMask.tile_flags` returns them (ragged kv tail marked)."""
+        flags = np.asarray(tile_flags)
+        num_q_blocks, num_kv_blocks = flags.shape[-2:]
+        lead = int(np.prod(flags.shape[:-2]))
+        return cls(float(np.sum(flags >= 0)) / (lead * num_q_blocks),
+                   float(np.sum(flags == FULL)) / (lead * num_kv_blocks))
+
+    @classmethod
+    def mean(cls, statistics: Sequence[WalkStatistics]) -> WalkStatistics:
+        """The mean of several masks' statistics (of equal grids)."""
+        if not statistics:
+            raise ValueError("WalkStatistics.mean needs at least one WalkStatistics")
+        return cls(float(np.mean([s.mean_kv_blocks for s in statistics])),
+                   float(np.mean([s.mean_full_q_blocks for s in statistics])))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +160,9 @@ class KernelMask:
     q_partial_ids: Array
     partial_masks: Array  # [P, block_q, block_kv] int8
     leaves: tuple[Array, ...]  # mask_mod leaves, padded (module docstring)
+    # The mask's `WalkStatistics` for when the arrays are traced (static; None: unknown).
+    walk_hint: WalkStatistics | None = dataclasses.field(default=None,
+                                                         metadata=dict(static=True))
 
 
 def kernel_mask(mask: BlockSparseMask) -> tuple[KernelMask, MaskLayout]:
@@ -148,7 +196,8 @@ def _kernel_mask(mask: BlockSparseMask) -> tuple[KernelMask, MaskLayout]:
         kv_tile_flags=kv_walk[2], kv_partial_ids=kv_walk[3],
         q_num_blocks=mask.q_num_blocks, q_num_full=q_walk[0], q_indices=q_walk[1],
         q_tile_flags=q_walk[2], q_partial_ids=q_walk[3],
-        partial_masks=mask.partial_masks.astype(jnp.int8), leaves=tuple(padded))
+        partial_masks=mask.partial_masks.astype(jnp.int8), leaves=tuple(padded),
+        walk_hint=mask.walk_hint)
     layout = MaskLayout(q_len=grid.q_len, kv_len=grid.kv_len, block_q=grid.block_q,
                         block_kv=grid.block_kv, num_q_blocks=grid.num_q_blocks,
                         num_kv_blocks=grid.num_kv_blocks, mask_mod_treedef=treedef,
@@ -172,12 +221,14 @@ def _full_tiles_first(count: Array, indices: Array, flags: Array, partial_ids: A
             reorder(partial_ids))
 
 
-def mean_walk(num_blocks: Array) -> float | None:
-    """Mean walk length of a mask built at trace time (``kv_num_blocks``: active
-    kv-blocks per q-block; ``q_num_full``: FULL q-blocks per kv-block), else None."""
-    if isinstance(num_blocks, jax.core.Tracer):
-        return None
-    return float(np.mean(np.asarray(num_blocks)))
+def walk_statistics(mask: KernelMask) -> WalkStatistics | None:
+    """The mask's `WalkStatistics`: from its arrays where they are known at trace time,
+    else its ``walk_hint`` (None: unknown)."""
+    if isinstance(mask.kv_num_blocks, jax.core.Tracer) or isinstance(mask.q_num_full,
+                                                                     jax.core.Tracer):
+        return mask.walk_hint
+    return WalkStatistics(float(np.mean(np.asarray(mask.kv_num_blocks))),
+                          float(np.mean(np.asarray(mask.q_num_full))))
 
 
 def walk_offsets(num_blocks: int) -> tuple[int, int, int]:

@@ -42,7 +42,7 @@ from omni_jax.masks.mask_mods import includes_causal
 from omni_jax.problem import AttentionProblem
 from omni_jax.scores import primitive_names
 from pallas_kernels import compat, kv_splits, runtime
-from pallas_kernels.block_sparse import kernel_mask, mean_walk
+from pallas_kernels.block_sparse import kernel_mask, walk_statistics
 from pallas_kernels.captured import PackedCaptured, scalar_reads_reason, score_mod_on_packed
 from pallas_kernels.mosaic import attention_bwd_sm90 as bwd
 from pallas_kernels.mosaic import attention_bwd_sm100 as bwd100
@@ -179,7 +179,9 @@ class MosaicBackend(AttentionBackend):
 
     def trace_key(self, problem: AttentionProblem) -> Hashable:
         # The configs also depend on the mask's walk lengths: short or not (the forward),
-        # long enough for the fused dQ or not (the backward).
+        # long enough for the fused dQ or not (the backward). Those are the mask's: of its
+        # arrays (a static mask is a static argument) or its walk_hint (aux data of a
+        # traced one), so they are part of the jit's key already.
         forward = tuple(self._config(problem, causal, mean_walk)
                         for causal in (False, True) for mean_walk in (None, 0.0))
         return (forward, self._backward_config(problem), runtime.interpret_requested(),
@@ -192,10 +194,11 @@ class MosaicBackend(AttentionBackend):
     def forward(self, problem, q, k, v, block_mask: BlockMask, sinks, captured):
         kmask, layout = kernel_mask(block_mask)
         causal = includes_causal(block_mask.mask_mod)
+        walk = walk_statistics(kmask)
         out, lse = _forward_module().attention_forward(
             q, k, v, kmask, layout, scale=problem.scale, softcap=problem.softcap,
             score_mod=problem.score_mod, has_partial=problem.has_user_mask,
-            config=self._config(problem, causal, mean_walk(kmask.kv_num_blocks)),
+            config=self._config(problem, causal, None if walk is None else walk.mean_kv_blocks),
             captured=captured, interpret_params=interpret_params())
         if sinks is None:
             return out, lse
@@ -215,11 +218,13 @@ class MosaicBackend(AttentionBackend):
             return xla.XlaBackend().backward(problem, q, k, v, block_mask, sinks, captured,
                                              out, lse, dout, dlse)
         kmask, layout = kernel_mask(block_mask)
+        walk = walk_statistics(kmask)
         dq, dk, dv, delta = _backward_module().attention_backward(
             q, k, v, kmask, layout, out, lse, dout, dlse, scale=problem.scale,
             softcap=problem.softcap, score_mod=problem.score_mod,
             has_partial=problem.has_user_mask, config=config, captured=captured,
-            mean_full_walk=mean_walk(kmask.q_num_full), interpret_params=interpret_params())
+            mean_full_walk=None if walk is None else walk.mean_full_q_blocks,
+            interpret_params=interpret_params())
         dsinks = None if sinks is None else sinks_cotangent(sinks, lse, delta)
         return dq, dk, dv, dsinks, xla.captured_cotangents(
             problem, q, k, v, block_mask, sinks, captured, out, lse, dout, dlse)

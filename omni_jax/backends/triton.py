@@ -21,7 +21,7 @@ from omni_jax.backends.base import AttentionBackend
 from omni_jax.problem import AttentionProblem
 from omni_jax.scores import primitive_names
 from pallas_kernels import compat, kv_splits, runtime
-from pallas_kernels.block_sparse import MaskLayout, kernel_mask, mean_walk
+from pallas_kernels.block_sparse import MaskLayout, kernel_mask, walk_statistics
 from pallas_kernels.captured import score_mod_on_refs
 from pallas_kernels.score_pipeline import transform_scores
 from pallas_kernels.softmax import sinks_cotangent
@@ -185,7 +185,8 @@ class TritonBackend(AttentionBackend):
 
     def forward(self, problem, q, k, v, block_mask, sinks, captured):
         mask, layout = kernel_mask(block_mask)
-        config = _forward_config(problem, layout, mean_walk(mask.kv_num_blocks))
+        walk = walk_statistics(mask)
+        config = _forward_config(problem, layout, None if walk is None else walk.mean_kv_blocks)
         return attention_forward(q, k, v, mask, layout, sinks, captured, scale=problem.scale,
                                  softcap=problem.softcap, score_mod=problem.score_mod,
                                  config=config, interpret=runtime.interpret_requested(),

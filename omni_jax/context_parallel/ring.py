@@ -81,7 +81,7 @@ def _forward(call, q, k, v, q_ids, kv_ids, sinks):
             next_block = _to_next_device(call, block)
         if visible.any():
             k_s, v_s, ids_s = block
-            mask = step_mask(call, q_positions, call.kv_positions(_source(call, step)),
+            mask = step_mask(call, step, q_positions, call.kv_positions(_source(call, step)),
                              q_ids, ids_s)
             part = step_forward(call, q, k_s, v_s, mask, guarded=not visible.all())
             out, lse = part if out is None else merge(out, lse, *part)
@@ -107,7 +107,7 @@ def _backward(call, residuals, cotangents):
             next_block = _to_next_device(call, block)
         if visible.any():
             k_s, v_s, ids_s = block
-            mask = step_mask(call, q_positions, call.kv_positions(_source(call, step)),
+            mask = step_mask(call, step, q_positions, call.kv_positions(_source(call, step)),
                              q_ids, ids_s)
             dq_s, dk_s, dv_s = step_backward(call, q, k_s, v_s, mask, out, lse, dout, dlse,
                                              guarded=not visible.all())

@@ -4,11 +4,16 @@ A step is the backend's own forward or backward on local arrays, with a `BlockMa
 that puts rows and keys at their global positions (`AtPositions`), so causal and window
 masks keep their global meaning and the kernels skip the tiles the mask leaves empty.
 Partial results of steps combine by their log-sum-exp (`merge`).
+
+The step masks are traced (positions depend on `lax.axis_index`), so the kernels cannot
+read their walk lengths while choosing configs; `step_walk_hint` computes them at trace
+time for every device and the mask carries their mean as its ``walk_hint``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -19,6 +24,7 @@ import numpy as np
 from omni_jax.backends import AttentionPlan
 from omni_jax.context_parallel.layout import shard_positions, shard_ranges
 from omni_jax.masks import BlockGrid, BlockMask
+from omni_jax.masks.block_mask import mark_kv_tail
 from omni_jax.masks.construct import structured_tile_flags
 from omni_jax.masks.mask_mods import (
     And,
@@ -29,6 +35,7 @@ from omni_jax.masks.mask_mods import (
     document_mask,
 )
 from pallas_kernels import compat
+from pallas_kernels.block_sparse import WalkStatistics
 
 Array = Any
 
@@ -87,9 +94,46 @@ class ContextCall:
         return visible
 
 
-def step_mask(call: ContextCall, q_positions: Array, kv_positions: Array,
+def step_mask(call: ContextCall, step: int, q_positions: Array, kv_positions: Array,
               q_ids: Array | None, kv_ids: Array | None) -> BlockMask:
-    """The BlockMask of one step: the call's mask arguments at these global positions."""
+    """The BlockMask of one step: the call's mask arguments at these global positions,
+    with the step's `step_walk_hint` unless segment ids (data) shape it too."""
+    mask_mod = _mask_mod(call, q_positions, kv_positions, q_ids, kv_ids)
+    problem = call.plan.problem
+    grid = BlockGrid(problem.q_len, problem.kv_len, *problem.block_size)
+    mask = BlockMask.from_tile_flags(structured_tile_flags(mask_mod, grid), mask_mod=mask_mod,
+                                     q_len=grid.q_len, kv_len=grid.kv_len,
+                                     block_size=problem.block_size, contiguous_full=False)
+    return mask if q_ids is not None else mask.with_walk_hint(step_walk_hint(call, step))
+
+
+def _device_walk_statistics(call: ContextCall, step: int, device: int) -> WalkStatistics:
+    """The walk lengths of ``step``'s mask on ``device`` (documents aside), in numpy."""
+    source = (device - step) % call.num_shards if call.rotate else None
+    problem = call.plan.problem
+    grid = BlockGrid(problem.q_len, problem.kv_len, *problem.block_size)
+    with jax.ensure_compile_time_eval():
+        mask_mod = _mask_mod(call, call.q_positions(device), call.kv_positions(source),
+                             None, None)
+        flags = mark_kv_tail(structured_tile_flags(mask_mod, grid), grid)
+        return WalkStatistics.of_tile_flags(np.asarray(flags))
+
+
+@functools.lru_cache(maxsize=256)
+def step_walk_hint(call: ContextCall, step: int) -> WalkStatistics:
+    """The walk hint of ``step``'s masks: the mean of `_device_walk_statistics` over the
+    devices that run the step (those with an active tile; the others skip it, see
+    `any_visible`). A config choice, so one hint for all devices suffices: exact on each
+    where the statistics agree (a causal zigzag ring), a mean where they differ."""
+    per_device = [_device_walk_statistics(call, step, device)
+                  for device in range(call.num_shards)]
+    running = [s for s in per_device if s.mean_kv_blocks > 0]
+    return WalkStatistics.mean(running or per_device)
+
+
+def _mask_mod(call: ContextCall, q_positions: Array, kv_positions: Array,
+              q_ids: Array | None, kv_ids: Array | None) -> MaskMod | None:
+    """The step's structured mask: causal/window at these positions AND documents."""
     parts: list[MaskMod] = []
     positional = [Causal()] if call.is_causal else []
     if call.window is not None:
@@ -99,12 +143,7 @@ def step_mask(call: ContextCall, q_positions: Array, kv_positions: Array,
         parts.append(AtPositions(inner, q_positions[None], kv_positions[None]))
     if q_ids is not None:
         parts.append(document_mask(q_ids, kv_ids))
-    mask_mod = None if not parts else parts[0] if len(parts) == 1 else And(*parts)
-    problem = call.plan.problem
-    grid = BlockGrid(problem.q_len, problem.kv_len, *problem.block_size)
-    return BlockMask.from_tile_flags(structured_tile_flags(mask_mod, grid), mask_mod=mask_mod,
-                                     q_len=grid.q_len, kv_len=grid.kv_len,
-                                     block_size=problem.block_size, contiguous_full=False)
+    return None if not parts else parts[0] if len(parts) == 1 else And(*parts)
 
 
 def any_visible(mask: BlockMask) -> Array:

@@ -34,6 +34,7 @@ from omni_jax.masks.mask_mods import (
     RepeatedQueries,
     has_contiguous_full_tiles,
 )
+from pallas_kernels.block_sparse import WalkStatistics
 from pallas_kernels.tile_classes import COMPUTED, FULL, MASKED, PARTIAL
 
 Array = Any
@@ -89,12 +90,22 @@ class BlockMask:
     * ``contiguous_full`` (static): every walk's FULL tiles are consecutive blocks, so a
       kernel can step through them without reading their indices. Set for dense masks
       and those built from a mask_mod with `MaskMod.row_intervals`; False otherwise.
+    * ``walk_hint`` (static): None or the mask's `WalkStatistics` (mean walk lengths),
+      for a mask whose arrays are traced (built inside `jax.jit` or a `jax.shard_map`
+      from traced positions), where the kernels cannot read them while choosing their
+      configs (kv splits, short-walk tiles, the fused dQ). It affects only that choice,
+      never results; concrete arrays take precedence. Attach it with `with_walk_hint`;
+      methods that make a new mask keep it only where it stays exact, else drop it.
     """
 
     def __init__(self, *, kv_num_blocks, kv_indices, kv_tile_flags, kv_partial_ids,
                  q_num_blocks, q_indices, q_tile_flags, q_partial_ids, partial_masks,
                  mask_mod: MaskMod | None, q_len: int, kv_len: int,
-                 block_size: tuple[int, int], contiguous_full: bool = False):
+                 block_size: tuple[int, int], contiguous_full: bool = False,
+                 walk_hint: WalkStatistics | None = None):
+        if walk_hint is not None and not isinstance(walk_hint, WalkStatistics):
+            raise ValueError(f"walk_hint must be None or a WalkStatistics, got "
+                             f"{type(walk_hint).__name__}")
         self.kv_num_blocks = kv_num_blocks
         self.kv_indices = kv_indices
         self.kv_tile_flags = kv_tile_flags
@@ -109,6 +120,7 @@ class BlockMask:
         self.kv_len = kv_len
         self.block_size = block_size
         self.contiguous_full = contiguous_full
+        self.walk_hint = walk_hint
 
     _ARRAYS = ("kv_num_blocks", "kv_indices", "kv_tile_flags", "kv_partial_ids",
                "q_num_blocks", "q_indices", "q_tile_flags", "q_partial_ids", "partial_masks",
@@ -116,13 +128,28 @@ class BlockMask:
 
     def tree_flatten(self):
         children = tuple(getattr(self, name) for name in self._ARRAYS)
-        return children, (self.q_len, self.kv_len, self.block_size, self.contiguous_full)
+        return children, (self.q_len, self.kv_len, self.block_size, self.contiguous_full,
+                          self.walk_hint)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        q_len, kv_len, block_size, contiguous_full = aux
+        q_len, kv_len, block_size, contiguous_full, walk_hint = aux
         return cls(**dict(zip(cls._ARRAYS, children, strict=True)), q_len=q_len,
-                   kv_len=kv_len, block_size=block_size, contiguous_full=contiguous_full)
+                   kv_len=kv_len, block_size=block_size, contiguous_full=contiguous_full,
+                   walk_hint=walk_hint)
+
+    def with_walk_hint(self, walk_hint: WalkStatistics | None) -> BlockMask:
+        """This mask with ``walk_hint`` (the caller's promise that it is this mask's
+        `WalkStatistics`, or near them: see the class docstring)."""
+        children, aux = self.tree_flatten()
+        return BlockMask.tree_unflatten((*aux[:-1], walk_hint), children)
+
+    def walk_statistics(self) -> WalkStatistics:
+        """The mean walk lengths of this mask's arrays (concrete: use outside `jax.jit`)."""
+        if isinstance(self.kv_num_blocks, jax.core.Tracer):
+            raise TypeError("BlockMask.walk_statistics() reads the mask's arrays, so the "
+                            "mask must be concrete: this one is traced; see walk_hint")
+        return WalkStatistics.of_tile_flags(self.tile_flags())
 
     # -- construction ---------------------------------------------------------------------
 
@@ -250,9 +277,16 @@ class BlockMask:
                                              return_inverse=True)
             ids = jnp.where(ids >= 0, jnp.asarray(first.ravel(), jnp.int32)[ids], -1)
         mask_mod = None if self.mask_mod is None else RepeatedQueries.of(self.mask_mod, group)
-        return BlockMask.from_tile_flags(flags, ids, partial_masks, mask_mod, q_len=q_len,
-                                         kv_len=self.kv_len, block_size=self.block_size,
-                                         contiguous_full=self.contiguous_full)
+        repeated = BlockMask.from_tile_flags(flags, ids, partial_masks, mask_mod, q_len=q_len,
+                                             kv_len=self.kv_len, block_size=self.block_size,
+                                             contiguous_full=self.contiguous_full)
+        hint = self.walk_hint
+        if hint is None or num_q_blocks != group * self.grid.num_q_blocks:
+            return repeated  # a ragged last q-block is repeated fewer times: not exact
+        # Every q-block's walk repeated ``group`` times: as long on average, and each
+        # kv-block walks ``group`` times as many FULL q-blocks.
+        return repeated.with_walk_hint(WalkStatistics(
+            hint.mean_kv_blocks, hint.mean_full_q_blocks * group))
 
     def to_dense(self) -> Array:
         """The element mask ``[Bm, Hm, q_len, kv_len]`` bool (O(q_len * kv_len): debugging)."""

@@ -1,13 +1,22 @@
-"""The kernels' view of a BlockMask: walks list FULL tiles first, nothing lost or added."""
+"""The kernels' view of a BlockMask: walks list FULL tiles first, nothing lost or added;
+walk statistics from concrete arrays, or the hint of traced ones."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from omni_jax.masks import FULL, BlockMask
-from pallas_kernels.block_sparse import kernel_mask, packed_walk, walk_offsets
+from pallas_kernels.block_sparse import (
+    WalkStatistics,
+    kernel_mask,
+    packed_walk,
+    walk_offsets,
+    walk_statistics,
+)
 
 
 @st.composite
@@ -65,3 +74,38 @@ def _check_packed(kmask, over):
     np.testing.assert_array_equal(packed[..., index_at:index_at + m], indices)
     np.testing.assert_array_equal(packed[..., flags_at:flags_at + m], flags)
     np.testing.assert_array_equal(packed[..., ids_at:ids_at + m], ids)
+
+
+@settings(max_examples=15, deadline=None)
+@given(random_tile_flags(), st.integers(0, 15))
+def test_walk_hint_of_tile_flags_equals_the_kernels_statistics(tile_flags, kv_short):
+    """`WalkStatistics.of_tile_flags` (how hints are computed) against the walks' own
+    counts; a ragged kv tail (``kv_short``) makes its FULL tiles COMPUTED."""
+    nq, nkv = tile_flags.shape[2:]
+    mask = BlockMask.from_tile_flags(tile_flags, q_len=16 * nq, kv_len=16 * nkv - kv_short,
+                                     block_size=(16, 16))
+    hint = mask.walk_statistics()
+    concrete = walk_statistics(kernel_mask(mask)[0])
+    np.testing.assert_allclose(
+        (hint.mean_kv_blocks, hint.mean_full_q_blocks),
+        (concrete.mean_kv_blocks, concrete.mean_full_q_blocks), rtol=1e-12)
+    np.testing.assert_allclose(concrete.mean_kv_blocks, np.mean(mask.kv_num_blocks))
+
+    seen = []
+    traced = jax.jit(lambda mask: seen.append(walk_statistics(kernel_mask(mask)[0])))
+    traced(mask.with_walk_hint(hint))
+    traced(mask)
+    assert seen == [hint, None]
+    # Concrete arrays win over a hint that disagrees with them.
+    wrong = WalkStatistics(hint.mean_kv_blocks + 1, hint.mean_full_q_blocks)
+    assert walk_statistics(kernel_mask(mask.with_walk_hint(wrong))[0]) == concrete
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ((-1.0, 0.0), "mean_kv_blocks must be a finite number >= 0, got -1.0"),
+    ((1.0, float("nan")), "mean_full_q_blocks must be a finite number >= 0, got nan"),
+    ((1.0, "2"), "mean_full_q_blocks must be a finite number >= 0, got '2'"),
+])
+def test_walk_statistics_reject_bad_values(fields, message):
+    with pytest.raises(ValueError, match=message):
+        WalkStatistics(*fields)
