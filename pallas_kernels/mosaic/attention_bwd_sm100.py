@@ -39,7 +39,7 @@ already in shared memory (K, and dS^T the dK product reads anyway), and its sum
 leaves through the TMA engine. A separate dQ kernel (sm90's default below head
 dim 128) recomputes S and dP: 7 MMAs a tile instead of 5, 40% more tensor-core
 time, while the fused route's cost is ``q_step x head_dim`` float32 a step sent to
-L2 (`docs/blackwell-backward-model.md`: 32 KiB a step at head dim 128, 3.3 TB/s from
+L2 (`docs/blackwell.md`: 32 KiB a step at head dim 128, 3.3 TB/s from
 the whole B200 at the step's shared-memory bound). dQ^T rather than dQ: its M dimension is the
 head dim where dQ's would be the 64 query rows of a step. TMEM cannot be sliced along
 rows, so every dQ^T MMA takes 128 head-dim rows: K's smem tile is zero-padded to a

@@ -116,7 +116,7 @@ class ForwardConfig:
 def forward_config(head_dim: int, dtype: Any, causal: bool,
                    mean_walk: float | None = None) -> ForwardConfig:
     """The config for the larger of the (padded) head dims; bf16 and fp16, causal or not,
-    share it. Not tuned on hardware: it follows FA4 and docs/blackwell-attention-model.md.
+    share it. Not tuned on hardware: it follows FA4 and docs/blackwell.md.
 
     Up to 128, two q tiles: at 128 their S (128 x 128) and O (128 x 128) fill the 512
     tensor-memory columns, and a quarter of the exp2 runs on the FMA pipes (MUFU would
