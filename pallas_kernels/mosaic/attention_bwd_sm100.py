@@ -87,11 +87,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import compat
 from pallas_kernels.block_sparse import KernelMask, MaskLayout, batch_head_index, walk_offsets
 from pallas_kernels.mosaic import attention_sm90_common as common
-from pallas_kernels.mosaic.attention_bwd_sm90 import _walk_loops
+from pallas_kernels.mosaic.attention_bwd_sm90 import walk_loops
 from pallas_kernels.mosaic.attention_sm90_common import BLOCK_Q, LOG2E
 from pallas_kernels.score_pipeline import ConvertedScoreMod
 from pallas_kernels.softmax import softmax_delta
-from pallas_kernels.tile_classes import PARTIAL, trace_time_eval
+from pallas_kernels.tile_classes import trace_time_eval
 
 Array = Any
 
@@ -228,7 +228,7 @@ class _Statics(common.LeafCounts):
     leaf_slots: tuple[tuple[str, int], ...]
     interpret: bool
     gradients: tuple[str, ...] = ("dk", "dv")  # dQ comes with dK
-    walk_part: str = "all"  # `_walk_loops`: every step of each walk
+    walk_part: str = "all"  # `walk_loops`: every step of each walk
 
     @property
     def group_size(self) -> int:
@@ -286,8 +286,8 @@ def _kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *refs
         return walk_smem[row, lax.div(i, common.WALK_LINE), lax.rem(i, common.WALK_LINE)]
 
     def head_loops(g):
-        """`_walk_loops` of head ``g``'s steps (``steps_per_block`` per active q-block)."""
-        return _walk_loops(s, s.steps_per_block * entry(g, 1),
+        """`walk_loops` of head ``g``'s steps (``steps_per_block`` per active q-block)."""
+        return walk_loops(s, s.steps_per_block * entry(g, 1),
                            s.steps_per_block * entry(g, 0))
 
     def step_position(g, j):
@@ -328,23 +328,12 @@ def _kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *refs
                     common.wait_released(compute_consumed.at[slot], interpret=s.interpret)
 
                 flags, q_start, part, i = step_position(g, j)
-                q_rows = pl.ds(q_start, step_rows)
-                plgpu.copy_gmem_to_smem(q_ref.at[batch, q_rows, head], q_ring.at[slot],
-                                        q_ready.at[slot])
-                plgpu.copy_gmem_to_smem(stats_ref.at[batch, head, :, q_rows],
-                                        stats_ring.at[slot], stats_ready.at[slot])
-                if s.num_q_leaves:
-                    plgpu.copy_gmem_to_smem(q_leaf_ref.at[batch, :, q_rows],
-                                            q_leaf_ring.at[slot], q_leaf_ready.at[slot])
-                if s.has_partial:
-                    @pl.when((flags & PARTIAL) != 0)
-                    def _():
-                        partial_id = entry(g, partial_offset + i)
-                        plgpu.copy_gmem_to_smem(
-                            partial_ref.at[partial_id, :, pl.ds(part * step_rows, step_rows)],
-                            mask_ring.at[slot], mask_ready.at[slot])
-                plgpu.copy_gmem_to_smem(do_ref.at[batch, q_rows, head], do_ring.at[slot],
-                                        do_ready.at[slot])
+                common.load_q_step(
+                    s, (q_ref, stats_ref, q_leaf_ref, partial_ref, do_ref),
+                    (q_ring, stats_ring, q_leaf_ring, mask_ring, do_ring),
+                    (q_ready, stats_ready, q_leaf_ready, mask_ready, do_ready), slot=slot,
+                    batch=batch, head=head, q_start=q_start, rows=step_rows, part=part,
+                    flags=flags, partial_id=lambda: entry(g, partial_offset + i))
                 return step + 1
 
             for start, stop, _ in head_loops(g):

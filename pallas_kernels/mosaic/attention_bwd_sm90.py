@@ -76,7 +76,7 @@ from pallas_kernels.mosaic.attention_sm90_common import (
 )
 from pallas_kernels.score_pipeline import ConvertedScoreMod
 from pallas_kernels.softmax import softmax_delta
-from pallas_kernels.tile_classes import PARTIAL, trace_time_eval
+from pallas_kernels.tile_classes import trace_time_eval
 
 Array = Any
 
@@ -257,7 +257,7 @@ class _Statics(common.LeafCounts):
         return self.group_size if self.mask_heads > 1 else 1
 
 
-def _walk_loops(s: _Statics, num_full, count) -> list[tuple[Any, Any, bool]]:
+def walk_loops(s: _Statics, num_full, count) -> list[tuple[Any, Any, bool]]:
     """``(start, stop, full)`` of a launch's loops over a walk of ``count`` steps whose
     ``num_full`` FULL steps come first: FULL steps run in a loop without mask code."""
     loops = []
@@ -367,26 +367,15 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                     common.wait_released(consumed.at[slot], interpret=s.interpret)
 
                 flags, q_start, half, i = step_position(g, j)
-                q_rows = pl.ds(q_start, Q_STEP)
-                plgpu.copy_gmem_to_smem(q_ref.at[batch, q_rows, head], q_ring.at[slot],
-                                        q_ready.at[slot])
-                plgpu.copy_gmem_to_smem(stats_ref.at[batch, head, :, q_rows],
-                                        stats_ring.at[slot], stats_ready.at[slot])
-                if s.num_q_leaves:
-                    plgpu.copy_gmem_to_smem(q_leaf_ref.at[batch, :, q_rows],
-                                            q_leaf_ring.at[slot], q_leaf_ready.at[slot])
-                if s.has_partial:
-                    @pl.when((flags & PARTIAL) != 0)
-                    def _():
-                        partial_id = entry(g, partial_offset + i)
-                        plgpu.copy_gmem_to_smem(
-                            partial_ref.at[partial_id, :, pl.ds(half * Q_STEP, Q_STEP)],
-                            mask_ring.at[slot], mask_ready.at[slot])
-                plgpu.copy_gmem_to_smem(do_ref.at[batch, q_rows, head], do_ring.at[slot],
-                                        do_ready.at[slot])
+                common.load_q_step(
+                    s, (q_ref, stats_ref, q_leaf_ref, partial_ref, do_ref),
+                    (q_ring, stats_ring, q_leaf_ring, mask_ring, do_ring),
+                    (q_ready, stats_ready, q_leaf_ready, mask_ready, do_ready), slot=slot,
+                    batch=batch, head=head, q_start=q_start, rows=Q_STEP, part=half,
+                    flags=flags, partial_id=lambda: entry(g, partial_offset + i))
                 return step + 1
 
-            for start, stop, _ in _walk_loops(s, 2 * entry(g, 1), num_steps(g)):
+            for start, stop, _ in walk_loops(s, 2 * entry(g, 1), num_steps(g)):
                 step = lax.fori_loop(start, stop, fetch, step)
             return step
 
@@ -562,7 +551,7 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                 pl.when(step >= 1)(lambda: add_dq(dq, *previous))
                 return dk, dv, step + 1, (head, q_start)
 
-            for start, stop, full in _walk_loops(s, 2 * entry(g, 1), num_steps(g)):
+            for start, stop, full in walk_loops(s, 2 * entry(g, 1), num_steps(g)):
                 carry = lax.fori_loop(start, stop, functools.partial(step_fn, full=full),
                                       carry)
             return carry
@@ -719,7 +708,7 @@ def _dq_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *r
             return dq
 
         dq = plgpu.layout_cast(jnp.zeros((rows, s.head_dim), jnp.float32), plgpu.Layout.WGMMA)
-        for start, stop, full in _walk_loops(s, walk_smem[0, 1], count):
+        for start, stop, full in walk_loops(s, walk_smem[0, 1], count):
             dq = lax.fori_loop(start, stop, functools.partial(step_fn, full=full), dq)
         # Q is no longer read: its buffer stages dQ for the TMA store (clipped at q_len).
         q_tile[...] = dq.astype(s.dtype)

@@ -492,6 +492,34 @@ def produce_kv_blocks(walk_smem, count, *, stages: int, block_kv: int, batch, kv
             load_k()
 
 
+def load_q_step(statics, sources, rings, ready, *, slot, batch, head, q_start, rows: int,
+                part, flags, partial_id) -> None:
+    """The TMA loads of one step of a kv-major walk (the dK/dV kernels') into ring slot
+    ``slot``: ``rows`` query rows from ``q_start`` of Q, their (lse, delta) stats and q
+    mask leaves, the stored tile if the step's tile is PARTIAL (``partial_id()`` names
+    it; its ``part``-th ``rows`` q columns) and dO, which the first products need last.
+
+    ``sources``, ``rings`` and ``ready`` are the gmem refs, smem rings and "loaded"
+    barriers of (Q, stats, q leaves, stored tiles, dO), None where the kernel has none.
+    """
+    q_ref, stats_ref, q_leaf_ref, partial_ref, do_ref = sources
+    q_ring, stats_ring, q_leaf_ring, mask_ring, do_ring = rings
+    q_ready, stats_ready, q_leaf_ready, mask_ready, do_ready = ready
+    q_rows = pl.ds(q_start, rows)
+    plgpu.copy_gmem_to_smem(q_ref.at[batch, q_rows, head], q_ring.at[slot], q_ready.at[slot])
+    plgpu.copy_gmem_to_smem(stats_ref.at[batch, head, :, q_rows], stats_ring.at[slot],
+                            stats_ready.at[slot])
+    if statics.num_q_leaves:
+        plgpu.copy_gmem_to_smem(q_leaf_ref.at[batch, :, q_rows], q_leaf_ring.at[slot],
+                                q_leaf_ready.at[slot])
+    if statics.has_partial:
+        @pl.when((flags & PARTIAL) != 0)
+        def _():
+            plgpu.copy_gmem_to_smem(partial_ref.at[partial_id(), :, pl.ds(part * rows, rows)],
+                                    mask_ring.at[slot], mask_ready.at[slot])
+    plgpu.copy_gmem_to_smem(do_ref.at[batch, q_rows, head], do_ring.at[slot], do_ready.at[slot])
+
+
 def drain_ring(num_steps, stages: int, *consumed) -> None:
     """Waits until the consumers released the ring's last ``stages`` loads.
 
