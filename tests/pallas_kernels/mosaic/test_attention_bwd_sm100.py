@@ -21,13 +21,12 @@ from pallas_kernels.mosaic import attention_bwd_sm100 as bwd
 from tests.jax_releases import skip_unless_blackwell_interpreter
 from tests.mosaic_interpret import interpreted_mosaic
 from tests.pallas_kernels.mosaic.test_attention_bwd_sm90 import (
-    TOLERANCE,
     Case,
     _dense_block_mask,
-    _mask,
     _score_mod,
+    check_kernel_gradients,
 )
-from tests.reference import dense_mask, reference_attention, relative_error
+from tests.reference import relative_error
 
 
 @pytest.fixture
@@ -80,55 +79,16 @@ def test_captured_arrays_read_by_element(_interpreted):
 def _check_gradients(case: Case, score_mod):
     from omni_jax.scores import convert_score_mod
 
-    seed = int(np.random.default_rng().integers(2**31))
-    rng = np.random.default_rng(seed)
-    shapes = ((case.batch, case.q_len, case.heads, case.head_dim),
-              (case.batch, case.kv_len, case.kv_heads, case.head_dim),
-              (case.batch, case.kv_len, case.kv_heads, case.head_dim_v))
-    q, k, v = (jnp.asarray(rng.standard_normal(s), case.dtype) for s in shapes)
-    mask_mod, mask_heads, fn = _mask(case, rng)
-    mask_batch = case.batch if case.mask == "documents" else None
-    block_mask = (_dense_block_mask(case.q_len, case.kv_len, (128, case.block_kv))
-                  if mask_mod is None else
-                  omni_jax.create_block_mask(mask_mod, mask_batch, mask_heads, case.q_len,
-                                             case.kv_len, (128, case.block_kv)))
-    visible = dense_mask(case.batch, case.heads, case.q_len, case.kv_len, mask_fn=fn)
-    dout = rng.standard_normal((case.batch, case.q_len, case.heads, case.head_dim_v))
-    dlse = rng.standard_normal((case.batch, case.heads, case.q_len))
-    with jax.enable_x64(True):
-        def reference(q, k, v):
-            return reference_attention(q, k, v, visible, scale=case.scale,
-                                       softcap=case.softcap, score_mod=score_mod)
+    def run(q, k, v, kmask, layout, out, lse, dout, dlse, scale, params):
+        config = bwd.backward_config(case.head_dim, case.head_dim_v, case.dtype, causal=False)
+        config = dataclasses.replace(config, stages=bwd.MIN_STAGES)
+        converted, captured = (None, ()) if score_mod is None else convert_score_mod(score_mod)
+        return bwd.attention_backward(
+            q, k, v, kmask, layout, out, lse, dout, dlse, scale=scale, softcap=case.softcap,
+            score_mod=converted, captured=captured, has_partial=case.mask == "partial",
+            config=config, interpret_params=params)[:3]
 
-        as64 = lambda x: jnp.asarray(np.asarray(x, np.float64))
-        (out, lse), vjp = jax.vjp(reference, as64(q), as64(k), as64(v))
-        expected = [np.asarray(g) for g in vjp((jnp.asarray(dout), jnp.asarray(dlse)))]
-        out, lse = np.asarray(out), np.asarray(lse)
-
-    kmask, layout = kernel_mask(block_mask)
-    params = compat.tma_faithful_interpret_params(runtime.mosaic_interpret_params())
-    if case.poisoned:
-        params = dataclasses.replace(params, uninitialized_memory="nan")
-    config = bwd.backward_config(case.head_dim, case.head_dim_v, case.dtype, causal=False)
-    config = dataclasses.replace(config, stages=bwd.MIN_STAGES)
-    scale = case.scale if case.scale is not None else 1.0 / np.sqrt(case.head_dim)
-    converted, captured = (None, ()) if score_mod is None else convert_score_mod(score_mod)
-    grads = bwd.attention_backward(
-        q, k, v, kmask, layout, jnp.asarray(out, case.dtype), jnp.asarray(lse, jnp.float32),
-        jnp.asarray(dout, case.dtype), jnp.asarray(dlse, jnp.float32), scale=scale,
-        softcap=case.softcap, score_mod=converted, captured=captured,
-        has_partial=case.mask == "partial", config=config, interpret_params=params)[:3]
-    for name, grad, ref in zip(("dq", "dk", "dv"), grads, expected, strict=True):
-        grad = np.asarray(grad, np.float64)
-        context = (case.name, name, seed)
-        assert grad.shape == ref.shape, context
-        assert not np.isnan(grad).any(), context
-        assert relative_error(grad, ref) < TOLERANCE[case.dtype], (context,
-                                                                  relative_error(grad, ref))
-    if case.mask == "partial":  # Blocks with nothing to walk still write zeros.
-        assert (np.asarray(grads[0], np.float32)[:, :128] == 0).all()
-        assert (np.asarray(grads[1], np.float32)[:, 128:] == 0).all()
-        assert (np.asarray(grads[2], np.float32)[:, 128:] == 0).all()
+    check_kernel_gradients(case, score_mod, run)
 
 
 @pytest.mark.parametrize("head_dim,head_dim_v,mask,variant", [

@@ -122,6 +122,26 @@ def test_gradients_match_float64(case: Case, variant: str, _interpreted):
     if variant == "fused_dq" and not bwd.fused_dq_splits(
             bwd.padded_head_dim(case.head_dim), case.block_kv // bwd.ROWS_PER_CONSUMER):
         pytest.skip("the fused dQ declines this head dim (the dQ kernel serves it)")
+    score_mod = _score_mod if case.score_mod else None
+
+    def run(q, k, v, kmask, layout, out, lse, dout, dlse, scale, params):
+        # Few stages, so that the producers wait for consumed slots before refilling them.
+        config = bwd.BackwardConfig(block_kv=case.block_kv, dkv_stages=2, dq_stages=1,
+                                    **VARIANTS[variant])
+        return bwd.attention_backward(
+            q, k, v, kmask, layout, out, lse, dout, dlse, scale=scale, softcap=case.softcap,
+            score_mod=None if score_mod is None else _converted(score_mod),
+            has_partial=case.mask == "partial", config=config,
+            # Masked masks take the fused dQ however short their walks (split launches).
+            mean_full_walk=np.inf, interpret_params=params)[:3]
+
+    check_kernel_gradients(case, score_mod, run)
+
+
+def check_kernel_gradients(case: Case, score_mod, run) -> None:
+    """``run(q, k, v, kmask, layout, out, lse, dout, dlse, scale, interpret_params)``'s
+    (dq, dk, dv) for ``case`` against float64, on fresh random inputs (the seed is in
+    every failure's message); blocks that walk nothing must write zeros."""
     seed = int(np.random.default_rng().integers(2**31))
     rng = np.random.default_rng(seed)
     shapes = ((case.batch, case.q_len, case.heads, case.head_dim),
@@ -135,7 +155,6 @@ def test_gradients_match_float64(case: Case, variant: str, _interpreted):
                   omni_jax.create_block_mask(mask_mod, mask_batch, mask_heads, case.q_len,
                                              case.kv_len, (128, case.block_kv)))
     visible = dense_mask(case.batch, case.heads, case.q_len, case.kv_len, mask_fn=fn)
-    score_mod = _score_mod if case.score_mod else None
     dout = rng.standard_normal((case.batch, case.q_len, case.heads, case.head_dim_v))
     dlse = rng.standard_normal((case.batch, case.heads, case.q_len))
     with jax.enable_x64(True):
@@ -152,17 +171,10 @@ def test_gradients_match_float64(case: Case, variant: str, _interpreted):
     params = compat.tma_faithful_interpret_params(runtime.mosaic_interpret_params())
     if case.poisoned:
         params = dataclasses.replace(params, uninitialized_memory="nan")
-    # Few stages, so that the producers wait for consumed slots before refilling them.
-    config = bwd.BackwardConfig(block_kv=case.block_kv, dkv_stages=2, dq_stages=1,
-                                **VARIANTS[variant])
     scale = case.scale if case.scale is not None else 1.0 / np.sqrt(case.head_dim)
-    grads = bwd.attention_backward(
-        q, k, v, kmask, layout, jnp.asarray(out, case.dtype), jnp.asarray(lse, jnp.float32),
-        jnp.asarray(dout, case.dtype), jnp.asarray(dlse, jnp.float32), scale=scale,
-        softcap=case.softcap, score_mod=None if score_mod is None else _converted(score_mod),
-        has_partial=case.mask == "partial", config=config,
-        # Masked masks take the fused dQ however short their walks (split launches).
-        mean_full_walk=np.inf, interpret_params=params)[:3]
+    grads = run(q, k, v, kmask, layout, jnp.asarray(out, case.dtype),
+                jnp.asarray(lse, jnp.float32), jnp.asarray(dout, case.dtype),
+                jnp.asarray(dlse, jnp.float32), scale, params)
     for name, grad, ref in zip(("dq", "dk", "dv"), grads, expected, strict=True):
         grad = np.asarray(grad, np.float64)
         context = (case.name, name, seed)
@@ -174,7 +186,6 @@ def test_gradients_match_float64(case: Case, variant: str, _interpreted):
         assert (np.asarray(grads[0], np.float32)[:, :128] == 0).all()
         assert (np.asarray(grads[1], np.float32)[:, 128:] == 0).all()
         assert (np.asarray(grads[2], np.float32)[:, 128:] == 0).all()
-
 
 @pytest.mark.interpreted
 def test_fused_dq_under_vmap_takes_the_dq_kernel(_interpreted):
