@@ -13,12 +13,16 @@ Broadcasting is resolved by index arithmetic inside the kernel, never by copies.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import compat, runtime
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
@@ -343,3 +347,58 @@ def untiled_tma_arrays(problem: GemmProblem, interpreted: bool) -> dict[str, boo
     rows = {"a": p.k if p.transpose_a else p.m, "b": p.n if p.transpose_b else p.k, "out": p.m}
     tiled_only = _tma_tiled_only(p)
     return {name: not tiled_only[name] and rows[name] % TMA_TILE_ROWS != 0 for name in rows}
+
+
+def mosaic_problem(a: jax.Array, b: jax.Array, scale: jax.Array | None,
+                   bias: jax.Array | None, *, transpose_a: bool, transpose_b: bool,
+                   activation: str | None, out_dtype, mma: str,
+                   unsupported_reason: Callable[[GemmProblem], str | None],
+                   ) -> tuple[jax.Array, jax.Array, GemmProblem]:
+    """A Mosaic GEMM wrapper's operands (fp8 made K-major) and problem; ValueError if the
+    operand dtypes differ (``mma`` names the instruction) or ``unsupported_reason`` says
+    the kernel cannot run it."""
+    if jnp.dtype(a.dtype) != jnp.dtype(b.dtype):
+        raise ValueError(f"{mma} needs one operand dtype, got {a.dtype} and {b.dtype}")
+    a, b, transpose_a, transpose_b = fp8_k_major(a, b, transpose_a, transpose_b)
+    p = problem_of(a, b, scale, bias, transpose_a=transpose_a, transpose_b=transpose_b,
+                   activation=activation, out_dtype=out_dtype)
+    reason = unsupported_reason(p)
+    if reason is not None:
+        raise ValueError(reason)
+    return a, b, p
+
+
+def launch_mosaic_gemm(body: Callable, p: GemmProblem, epilogue_tile_n: int,
+                       a: jax.Array, b: jax.Array, scale: jax.Array | None,
+                       bias: jax.Array | None, *, num_programs: int, num_threads: int,
+                       cluster: dict) -> jax.Array:
+    """Runs a Mosaic GEMM kernel ``body`` (called with ``untiled_tma=``) on one program per
+    persistent CTA (or cluster), compiled or interpreted; returns ``(*batch, M, N)``."""
+    interpret = runtime.mosaic_interpret_params()
+    if interpret is not None:
+        interpret = compat.tma_faithful_interpret_params(interpret)
+    untiled_tma = untiled_tma_arrays(p, interpreted=interpret is not None)
+    if untiled_tma["out"] and epilogue_tile_n * p.out_dtype.itemsize != SWIZZLE_BYTES:
+        raise ValueError(
+            f"an output of shape {(p.m, p.n)} needs epilogue tiles one swizzle row"
+            f" ({SWIZZLE_BYTES} bytes) wide; got epilogue_tile_n={epilogue_tile_n}"
+        )
+    kernel = compat.mosaic_kernel(
+        functools.partial(body, untiled_tma=untiled_tma),
+        jax.ShapeDtypeStruct((p.batch, p.m, p.n), p.out_dtype),
+        grid=(num_programs,),
+        grid_names=("sm",),
+        **cluster,
+        num_threads=num_threads,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
+            # Hardware tanh/exp/division in the activation: their error (~2^-11)
+            # is below a 16-bit output's rounding; float32 outputs keep exact math.
+            approx_math=p.activation is not None and p.out_dtype.itemsize == 2,
+        ),
+        interpret=interpret,
+    )
+    operands = [flatten_batch(a, 2), flatten_batch(b, 2)]
+    operands += [flatten_batch(v, 1) for v in (scale, bias) if v is not None]
+    return kernel(*operands).reshape(*p.batch_shape, p.m, p.n)

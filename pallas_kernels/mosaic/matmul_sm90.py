@@ -36,21 +36,19 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import compat, runtime
+from pallas_kernels import runtime
 from pallas_kernels.matmul_common import (
     SWIZZLE_BYTES,
     GemmProblem,
     epilogue,
     epilogue_vector_count,
-    flatten_batch,
-    fp8_k_major,
     grouped_tile,
+    launch_mosaic_gemm,
+    mosaic_problem,
     operand_batch_index,
-    problem_of,
     stored_layouts,
     tma_staging,
     tma_unsupported_reason,
-    untiled_tma_arrays,
 )
 
 # Usable dynamic shared memory per CTA on H100 (227 KiB), less room for barriers.
@@ -468,18 +466,10 @@ def matmul(
     Returns ``(*batch_shape, M, N)``. Validation of user input lives in
     ``omni_jax.matmul``; this raises ValueError only for unsupported layouts or configs.
     """
-    out_dtype = jnp.dtype(out_dtype or a.dtype)
-    if jnp.dtype(a.dtype) != jnp.dtype(b.dtype):
-        raise ValueError(f"wgmma needs one operand dtype, got {a.dtype} and {b.dtype}")
-    a, b, transpose_a, transpose_b = fp8_k_major(a, b, transpose_a, transpose_b)
-    p = problem_of(
-        a, b, scale, bias,
-        transpose_a=transpose_a, transpose_b=transpose_b,
-        activation=activation, out_dtype=out_dtype,
-    )
-    reason = unsupported_reason(p)
-    if reason is not None:
-        raise ValueError(reason)
+    a, b, p = mosaic_problem(
+        a, b, scale, bias, transpose_a=transpose_a, transpose_b=transpose_b,
+        activation=activation, out_dtype=jnp.dtype(out_dtype or a.dtype), mma="wgmma",
+        unsupported_reason=unsupported_reason)
     config = config or _TUNED.get(tuning_key(p)) or default_config(
         p.m, p.n, p.k, p.in_dtype, p.out_dtype, vectors=epilogue_vector_count(p),
         batch=p.batch, num_sms=_num_sms(),
@@ -488,38 +478,12 @@ def matmul(
     n_groups = pl.cdiv(pl.cdiv(p.n, config.tile_n), config.cluster_n)
     num_tiles = p.batch * pl.cdiv(p.m, config.cta_tile_m) * n_groups
     num_programs = _num_programs(config, num_tiles)  # clusters, when cluster_n > 1
-    cluster = dict(cluster=(config.cluster_n,), cluster_names=("cluster",))
-    interpret = runtime.mosaic_interpret_params()
-    if interpret is not None:
-        interpret = compat.tma_faithful_interpret_params(interpret)
-    untiled_tma = untiled_tma_arrays(p, interpreted=interpret is not None)
-    if untiled_tma["out"] and config.epilogue_tile_n * out_dtype.itemsize != SWIZZLE_BYTES:
-        raise ValueError(
-            f"an output of shape {(p.m, p.n)} needs epilogue tiles one swizzle row"
-            f" ({SWIZZLE_BYTES} bytes) wide; got epilogue_tile_n={config.epilogue_tile_n}"
-        )
-    kernel = compat.mosaic_kernel(
-        functools.partial(
-            _kernel, p=p, config=config, num_programs=num_programs, untiled_tma=untiled_tma
-        ),
-        jax.ShapeDtypeStruct((p.batch, p.m, p.n), out_dtype),
-        grid=(num_programs,),
-        grid_names=("sm",),
-        **(cluster if config.cluster_n > 1 else {}),
-        num_threads=config.num_consumers + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
-            # Hardware tanh/exp/division in the activation: their error (~2^-11)
-            # is below a 16-bit output's rounding; float32 outputs keep exact math.
-            approx_math=p.activation is not None and out_dtype.itemsize == 2,
-        ),
-        interpret=interpret,
-    )
-    operands = [flatten_batch(a, 2), flatten_batch(b, 2)]
-    operands += [flatten_batch(v, 1) for v in (scale, bias) if v is not None]
-    out = kernel(*operands)
-    return out.reshape(*p.batch_shape, p.m, p.n)
+    cluster = (dict(cluster=(config.cluster_n,), cluster_names=("cluster",))
+               if config.cluster_n > 1 else {})
+    return launch_mosaic_gemm(
+        functools.partial(_kernel, p=p, config=config, num_programs=num_programs), p,
+        config.epilogue_tile_n, a, b, scale, bias, num_programs=num_programs,
+        num_threads=config.num_consumers + 1, cluster=cluster)
 
 
 # Autotuned winners (`set_tuned`), by `tuning_key`; `matmul` prefers them to the defaults.
