@@ -136,23 +136,10 @@ class MosaicBackend(AttentionBackend):
                 return (f"BlockMask block_kv={block_kv} with head_dim={problem.head_dim}, "
                         f"head_dim_v={problem.head_dim_v} needs {smem} bytes of shared "
                         f"memory, over the {SMEM_LIMIT} the kernels may use{hint}")
-        return score_mod_unsupported_reason(problem) or self._first_use_reason(problem)
-
-    def _first_use_reason(self, problem: AttentionProblem) -> str | None:
-        """On a Blackwell GPU, where the sm100 forward was never executed before this
-        process, why its configuration for ``problem`` is declined: checked once per
-        configuration on a small causal problem of the same head dims, dtype, GQA group
-        and softcap against the xla backend (`omni_jax.first_use_check`)."""
-        if not (_blackwell() and first_use_check.unverified_hardware()):
-            return None
-        config = self._config(problem, causal=True)
-        key = ("attention forward", config, problem.head_dim, problem.head_dim_v,
-               np.dtype(problem.dtype).name, problem.group_size, problem.softcap)
-        check = functools.partial(_small_causal_forward, problem, config)
-        return first_use_check.verified(
-            key, f"the sm100 attention forward ({np.dtype(problem.dtype).name}, head dims "
-                 f"{problem.head_dim}/{problem.head_dim_v}, {config})",
-            functools.partial(check, kernel=True), functools.partial(check, kernel=False))
+        if reason := score_mod_unsupported_reason(problem):
+            return reason
+        return (_first_use_reason("forward", problem, self._config(problem, causal=True))
+                if _blackwell() else None)
 
     def backward_unsupported_reason(self, problem: AttentionProblem) -> str | None:
         reason = self.unsupported_reason(problem)
@@ -160,22 +147,8 @@ class MosaicBackend(AttentionBackend):
             config = self._backward_config(problem)
             reason = config if isinstance(config, str) else None
         if reason is None and _blackwell():
-            reason = self._first_use_backward_reason(problem, config)
+            reason = _first_use_reason("backward", problem, config)
         return reason
-
-    def _first_use_backward_reason(self, problem: AttentionProblem,
-                                   config: bwd100.BackwardConfig) -> str | None:
-        """`_first_use_reason` for the sm100 backward: its gradients of a small causal
-        problem against the xla backend's."""
-        if not first_use_check.unverified_hardware():
-            return None
-        key = ("attention backward", config, problem.head_dim, problem.head_dim_v,
-               np.dtype(problem.dtype).name, problem.group_size, problem.softcap)
-        check = functools.partial(_small_causal_backward, problem, config)
-        return first_use_check.verified(
-            key, f"the sm100 attention backward ({np.dtype(problem.dtype).name}, head dims "
-                 f"{problem.head_dim}/{problem.head_dim_v}, {config})",
-            functools.partial(check, kernel=True), functools.partial(check, kernel=False))
 
     def trace_key(self, problem: AttentionProblem) -> Hashable:
         # The configs also depend on the mask's walk lengths: short or not (the forward),
@@ -299,6 +272,25 @@ class MosaicBackend(AttentionBackend):
         return _forward_module().smem_bytes(config, *fwd.padded_head_dims(problem.head_dim,
                                                             problem.head_dim_v),
                               np.dtype(problem.dtype).itemsize, problem.has_user_mask)
+
+
+def _first_use_reason(direction: str, problem: AttentionProblem, config) -> str | None:
+    """On a Blackwell GPU, where the sm100 kernels were never executed before this
+    process, why the ``direction`` ("forward" or "backward") kernel's ``config`` for
+    ``problem`` is declined: checked once per configuration on a small causal problem of
+    the same head dims, dtype, GQA group and softcap against the xla backend
+    (`omni_jax.first_use_check`)."""
+    if not first_use_check.unverified_hardware():
+        return None
+    key = (direction, config, problem.head_dim, problem.head_dim_v,
+           np.dtype(problem.dtype).name, problem.group_size, problem.softcap)
+    check = functools.partial(
+        _small_causal_forward if direction == "forward" else _small_causal_backward,
+        problem, config)
+    return first_use_check.verified(
+        key, f"the sm100 attention {direction} ({np.dtype(problem.dtype).name}, head dims "
+             f"{problem.head_dim}/{problem.head_dim_v}, {config})",
+        functools.partial(check, kernel=True), functools.partial(check, kernel=False))
 
 
 # The first-use check's problem: two q-blocks of causal attention, one kv head.

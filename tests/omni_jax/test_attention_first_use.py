@@ -83,8 +83,8 @@ def interpreted_sm100(monkeypatch):
 
 
 @pytest.mark.interpreted
-def test_the_interpreted_sm100_forward_passes_its_check(interpreted_sm100, monkeypatch):
-    """The real kernel, interpreted as sm100, through the check a B200 would run."""
+def test_the_interpreted_sm100_kernels_pass_their_checks(interpreted_sm100, monkeypatch):
+    """The real kernels, interpreted as sm100, through the checks a B200 would run."""
     monkeypatch.setattr(first_use_check, "unverified_hardware", lambda: True)
     first_use_check.reset()
     problem = AttentionProblem(batch=1, q_len=200, kv_len=200, num_q_heads=2,
@@ -92,6 +92,8 @@ def test_the_interpreted_sm100_forward_passes_its_check(interpreted_sm100, monke
                                dtype=np.dtype(jnp.bfloat16), scale=0.125, softcap=None,
                                score_mod=None, has_sinks=False, has_user_mask=False)
     try:
-        assert mosaic.MosaicBackend().unsupported_reason(problem) is None
+        backend = mosaic.MosaicBackend()
+        assert backend.unsupported_reason(problem) is None
+        assert backend.backward_unsupported_reason(problem) is None
     finally:
         first_use_check.reset()
