@@ -4,7 +4,8 @@ Implementations (``--impls``): ``omni_xla``, ``omni_triton``, ``omni_mosaic``
 (our backends, where available; ``omni_mosaic/FIELD=N/...`` forces fields of the Mosaic
 forward's `ForwardConfig`, e.g. ``omni_mosaic/pipelined=0/q_blocks_per_cta=2``, and
 ``bwd.FIELD=N`` those of its backward's `BackwardConfig`, e.g.
-``omni_mosaic/bwd.dkv_stages=2``, for A/B runs of its configs), ``cudnn`` and ``jax_xla``
+``omni_mosaic/bwd.dkv_stages=2``, for A/B runs of its configs; ``deterministic=0``
+passes ``deterministic=False``), ``cudnn`` and ``jax_xla``
 (`jax.nn.dot_product_attention`), ``jax_pallas_mha`` (JAX's Pallas Triton
 ``mha``), ``jax_mgpu`` (JAX's Mosaic ``attention_mgpu``: float16 only, so it
 runs on float16 copies of the inputs), ``fa3`` (FlashAttention-3 for JAX,
@@ -62,6 +63,8 @@ TOLERANCE = 3e-2
 # BackwardConfig fields, as "bwd.FIELD=N") forced.
 FORCED_MOSAIC_PREFIX = "omni_mosaic/"
 BACKWARD_FIELD_PREFIX = "bwd."
+# "omni_mosaic/deterministic=0": `omni_jax.attention(..., deterministic=False)`.
+DETERMINISTIC_FIELD = "deterministic"
 WINDOW = 1024
 NUM_DOCUMENTS = 8
 DOCUMENT_MASKS = ("documents", "causal_documents")
@@ -213,7 +216,7 @@ class Unsupported(Exception):
     """An implementation cannot run a case; the message goes into the row's note."""
 
 
-def _omni(backend: str) -> Callable[[Case], Callable]:
+def _omni(backend: str, deterministic: bool = True) -> Callable[[Case], Callable]:
     def build(case: Case):
         from omni_jax.backends import get_backend
 
@@ -221,13 +224,14 @@ def _omni(backend: str) -> Callable[[Case], Callable]:
         if reason:
             raise Unsupported(reason)
         kwargs = _omni_mask_kwargs(case)
-        return lambda q, k, v: omni_jax.attention(q, k, v, implementation=backend, **kwargs)
+        return lambda q, k, v: omni_jax.attention(q, k, v, implementation=backend,
+                                                  deterministic=deterministic, **kwargs)
 
     return build
 
 
-def _forced_mosaic(fields: dict[str, int], backward_fields: dict[str, int]
-                   ) -> Callable[[Case], Callable]:
+def _forced_mosaic(fields: dict[str, int], backward_fields: dict[str, int],
+                   deterministic: bool = True) -> Callable[[Case], Callable]:
     """``omni_mosaic`` with fields of the forward kernel's `ForwardConfig` and the backward
     kernels' `BackwardConfig` forced (the configs are read while tracing), for an A/B of
     configs inside one run."""
@@ -235,7 +239,7 @@ def _forced_mosaic(fields: dict[str, int], backward_fields: dict[str, int]
         from pallas_kernels.mosaic import attention_bwd_sm90 as bwd
         from pallas_kernels.mosaic import attention_fwd_sm90 as fwd
 
-        attention = _omni("mosaic")(case)
+        attention = _omni("mosaic", deterministic)(case)
 
         def forcing(module, name, forced_fields):
             default = getattr(module, name)
@@ -279,6 +283,7 @@ def builder(impl: str) -> Callable[[Case], Callable]:
         names = {field.name for field in dataclasses.fields(fwd.ForwardConfig)}
         backward_names = {BACKWARD_FIELD_PREFIX + field.name
                           for field in dataclasses.fields(bwd.BackwardConfig)}
+        names |= {DETERMINISTIC_FIELD}
         fields, backward_fields = {}, {}
         for item in impl[len(FORCED_MOSAIC_PREFIX):].split("/"):
             name, _, value = item.partition("=")
@@ -289,7 +294,8 @@ def builder(impl: str) -> Callable[[Case], Callable]:
                 backward_fields[name[len(BACKWARD_FIELD_PREFIX):]] = int(value)
             else:
                 fields[name] = int(value)
-        return _forced_mosaic(fields, backward_fields)
+        deterministic = bool(fields.pop(DETERMINISTIC_FIELD, 1))
+        return _forced_mosaic(fields, backward_fields, deterministic)
     raise ValueError(f"unknown implementation {impl!r}; choose from {IMPLS} or "
                      f"{FORCED_MOSAIC_PREFIX}FIELD=N/...")
 

@@ -52,8 +52,8 @@ def attention(query: Array, key: Array, value: Array, *, mask: BlockMask | None 
               score_mod: Callable | None = None, softcap: float | None = None,
               sinks: Array | None = None, scale: float | None = None, return_lse: bool = False,
               implementation: str | None = None, context_axis: str | None = None,
-              context_strategy: str | None = None,
-              context_layout: str = "contiguous") -> Array | tuple[Array, Array]:
+              context_strategy: str | None = None, context_layout: str = "contiguous",
+              deterministic: bool = True) -> Array | tuple[Array, Array]:
     """Exact, differentiable, block-sparse attention.
 
     Args:
@@ -90,6 +90,11 @@ def attention(query: Array, key: Array, value: Array, *, mask: BlockMask | None 
       context_strategy: None (chosen from the head counts), "ring" or "allgather".
       context_layout: "contiguous" (device i holds the i-th slice) or "zigzag" (chunks
         i and 2n-1-i of 2n, see `omni_jax.context_parallel.zigzag`).
+      deterministic: gradients identical bit for bit from run to run (the default).
+        False lets the Mosaic backward on Hopper and Blackwell add dQ from its dK/dV
+        kernel by atomic reduce-adds, 5 matmuls a tile instead of 7 (docs/performance.md
+        has the measured gain), whose float32 sums then vary in their last bits between
+        runs. The forward is the same either way.
 
     Returns:
       ``out [batch, q_len, num_q_heads, head_dim_v]`` in query's dtype, or
@@ -102,6 +107,7 @@ def attention(query: Array, key: Array, value: Array, *, mask: BlockMask | None 
     kv_len, num_kv_heads = key.shape[1:3]
     is_causal = validation.check_flag("is_causal", is_causal)
     return_lse = validation.check_flag("return_lse", return_lse)
+    deterministic = validation.check_flag("deterministic", deterministic)
     window = validation.check_window(local_window_size)
     segments = validation.check_segment_ids(q_segment_ids, kv_segment_ids, batch=batch,
                                             q_len=q_len, kv_len=kv_len)
@@ -118,7 +124,8 @@ def attention(query: Array, key: Array, value: Array, *, mask: BlockMask | None 
                 attention, is_causal=is_causal, local_window_size=local_window_size,
                 softcap=softcap, scale=scale, return_lse=True, implementation=implementation,
                 context_axis=context_axis, context_strategy=context_strategy,
-                context_layout=context_layout, mask=mask, score_mod=score_mod)
+                context_layout=context_layout, mask=mask, score_mod=score_mod,
+                deterministic=deterministic)
             q_ids, kv_ids = segments or (None, None)
             out, lse = context_parallel.explicit.call_per_shard(per_shard, dict(
                 query=query, key=key, value=value, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
@@ -136,7 +143,7 @@ def attention(query: Array, key: Array, value: Array, *, mask: BlockMask | None 
         dtype=jnp.dtype(query.dtype),
         scale=1.0 / math.sqrt(head_dim) if scale is None else scale, softcap=softcap,
         score_mod=converted, has_sinks=sinks is not None, has_user_mask=mask is not None,
-        block_size=None if mask is None else mask.block_size)
+        block_size=None if mask is None else mask.block_size, deterministic=deterministic)
     if context_axis is not None:
         out, lse = context_parallel.attention_over_axis(
             problem, implementation, query, key, value, is_causal=is_causal, window=window,

@@ -32,6 +32,8 @@ class AttentionProblem:
     # (block_q, block_kv) of the BlockMask the backend walks; a user's BlockMask
     # fixes it, otherwise the chosen backend's preference sets it.
     block_size: tuple[int, int] | None = None
+    # Gradients the same bit for bit in every run: no atomic sums in the backward.
+    deterministic: bool = True
 
     @property
     def group_size(self) -> int:

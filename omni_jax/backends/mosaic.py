@@ -52,6 +52,9 @@ from pallas_kernels.mosaic.attention_sm90_common import SMEM_LIMIT
 from pallas_kernels.softmax import fold_sinks, sinks_cotangent
 
 _DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+# The most memory a deterministic sm100 backward's per-kv-block dQ sums may take; above
+# it the next backend serves the backward (deterministic=False takes the kernel).
+DETERMINISTIC_DQ_BYTES = 2**30
 # Primitives a score_mod may use: elementwise math the Mosaic-GPU lowering
 # handles on register tiles (no gathers, no reductions, no control flow).
 _ELEMENTWISE_PRIMITIVES = frozenset({
@@ -217,9 +220,10 @@ class MosaicBackend(AttentionBackend):
             return (f"BlockMask block_kv={block_kv}: the Mosaic backward takes "
                     f"{' or '.join(map(str, bwd.SUPPORTED_BLOCK_KV))} (one dK/dV consumer "
                     f"warpgroup per 64 kv rows)")
-        config = bwd.fit_config(dataclasses.replace(config, block_kv=block_kv), SMEM_LIMIT,
-                                *dims, np.dtype(problem.dtype).itemsize,
-                                problem.has_user_mask)
+        # The fused dQ's reduce-adds are atomic: their sums vary in the last bits.
+        config = bwd.fit_config(dataclasses.replace(
+            config, block_kv=block_kv, fused_dq=config.fused_dq and not problem.deterministic),
+            SMEM_LIMIT, *dims, np.dtype(problem.dtype).itemsize, problem.has_user_mask)
         if config is None:
             return f"block_kv={block_kv} with head dims {dims} exceeds shared memory"
         return score_mod_unsupported_reason(problem, derivative=True) or config
@@ -236,9 +240,18 @@ class MosaicBackend(AttentionBackend):
         if block_kv != bwd100.BLOCK_KV:
             return (f"BlockMask block_kv={block_kv}: the sm100 backward takes "
                     f"{bwd100.BLOCK_KV} (a kv row per tensor-memory lane)")
-        # One float32 dQ sum added to by TMA reduce-adds (not per kv-block sums, whose
-        # memory grows with the kv length), as the sm90 fused dQ adds.
-        config = bwd100.fit_config(dataclasses.replace(config, deterministic=False),
+        # Deterministic: a float32 dQ sum per kv-block, added in a fixed order afterwards;
+        # else one sum that TMA reduce-adds (atomic) add to.
+        if problem.deterministic:
+            sums = bwd100.deterministic_dq_bytes(problem.batch, problem.q_len, problem.kv_len,
+                                                 problem.num_q_heads, problem.head_dim)
+            if sums > DETERMINISTIC_DQ_BYTES:
+                return (f"deterministic=True: the sm100 backward's per-kv-block dQ sums "
+                        f"would take {sums / 2**30:.1f} GiB (at most "
+                        f"{DETERMINISTIC_DQ_BYTES / 2**30:.0f}); deterministic=False sums "
+                        f"dQ by atomic reduce-adds")
+        config = bwd100.fit_config(dataclasses.replace(config,
+                                                       deterministic=problem.deterministic),
                                    SMEM_LIMIT, *dims, np.dtype(problem.dtype).itemsize,
                                    problem.has_user_mask)
         if config is None:

@@ -92,13 +92,16 @@ def _bias_score_mod(bias: Array) -> Callable:
 
 def make_attention_fn(*, implementation: str | None = None,
                       block_size: tuple[int, int] = (128, 128),
-                      softcap: float | None = None) -> Callable[..., Array]:
+                      softcap: float | None = None,
+                      deterministic_gradients: bool = True) -> Callable[..., Array]:
     """An ``attention_fn`` for Flax attention modules that runs `omni_jax.attention`.
 
     Args:
       implementation: the `omni_jax.attention` backend (None: best available).
       block_size: tile size of the BlockMask built from a dense ``mask``.
       softcap: logit softcap (Flax's modules have no such option).
+      deterministic_gradients: `omni_jax.attention`'s ``deterministic`` (Flax's own
+        ``deterministic`` argument is about dropout).
     """
 
     def attention_fn(query: Array, key: Array, value: Array, bias: Array | None = None,
@@ -131,7 +134,8 @@ def make_attention_fn(*, implementation: str | None = None,
             score_mod = _bias_score_mod(_to_rank4(jnp.asarray(bias), batch_dims, "bias"))
         out = omni_jax.attention(flat(query), flat(key), flat(value), mask=block_mask,
                                  is_causal=bool(is_causal), score_mod=score_mod,
-                                 softcap=softcap, implementation=implementation)
+                                 softcap=softcap, implementation=implementation,
+                                 deterministic=deterministic_gradients)
         return out.reshape(*batch_dims, q_len, heads, value.shape[-1])
 
     return attention_fn

@@ -51,6 +51,7 @@ class Attention(nn.Module):
     softcap: float | None = None
     learnable_sinks: bool = False
     implementation: str | None = None
+    deterministic_gradients: bool = True
     dtype: Any = None
     param_dtype: Any = jnp.float32
     kernel_init: Initializer = DEFAULT_KERNEL_INIT
@@ -86,7 +87,8 @@ class Attention(nn.Module):
             head_dim=self.head_dim, out_features=self.out_features, use_bias=self.use_bias,
             qk_norm=self.qk_norm, rope_base=self.rope_base, softcap=self.softcap,
             learnable_sinks=self.learnable_sinks, implementation=self.implementation,
-            dtype=self.dtype, param_dtype=self.param_dtype, kernel_init=self.kernel_init,
+            deterministic_gradients=self.deterministic_gradients, dtype=self.dtype,
+            param_dtype=self.param_dtype, kernel_init=self.kernel_init,
             bias_init=self.bias_init, axis_names=self.axis_names,
             context_axis=self.context_axis, context_strategy=self.context_strategy,
             context_layout=self.context_layout, cache_shape=cache_shape,

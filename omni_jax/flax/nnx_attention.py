@@ -25,7 +25,7 @@ from omni_jax.context_parallel.layout import shard_positions
 from omni_jax.flax.cache import decode_mask, write_cache
 from omni_jax.flax.rope import apply_rope, segment_positions
 from omni_jax.masks import BlockMask
-from omni_jax.validation import check_implementation, check_window
+from omni_jax.validation import check_flag, check_implementation, check_window
 
 Array = Any
 Initializer = Callable[..., Array]
@@ -73,6 +73,8 @@ class Attention(nnx.Module):
       kernel_init, bias_init: initialisers of the projections.
       axis_names: shard the projection kernels over these mesh axes (None: no
         sharding metadata); see `AxisNames` for the mesh this needs.
+      deterministic_gradients: `omni_jax.attention`'s ``deterministic`` (gradients the
+        same bit for bit in every run; False allows atomic sums, faster on Hopper).
       context_axis, context_strategy, context_layout: context parallelism, as
         `omni_jax.attention` (inside `jax.shard_map`, ``x`` is this device's shard of
         the sequence); default RoPE positions are then global.
@@ -84,7 +86,8 @@ class Attention(nnx.Module):
                  use_bias: bool = False, qk_norm: bool = False,
                  rope_base: float | None = 10_000.0, softcap: float | None = None,
                  learnable_sinks: bool = False, implementation: str | None = None,
-                 dtype: Any = None, param_dtype: Any = jnp.float32,
+                 deterministic_gradients: bool = True, dtype: Any = None,
+                 param_dtype: Any = jnp.float32,
                  kernel_init: Initializer = DEFAULT_KERNEL_INIT,
                  bias_init: Initializer = DEFAULT_BIAS_INIT,
                  axis_names: AxisNames | None = None, context_axis: str | None = None,
@@ -107,6 +110,8 @@ class Attention(nnx.Module):
         self.rope_base = rope_base
         self.softcap = softcap
         self.implementation = implementation
+        self.deterministic_gradients = check_flag("deterministic_gradients",
+                                                  deterministic_gradients)
         self.dtype = dtype
         self.context = {} if context_axis is None else dict(
             context_axis=context_axis, context_strategy=context_strategy,
@@ -201,7 +206,8 @@ class Attention(nnx.Module):
         query, key = self._rotate(query, key, positions)
         out = omni_jax.attention(query, key, value, mask=mask, is_causal=is_causal,
                                  local_window_size=window, q_segment_ids=segment_ids,
-                                 score_mod=score_mod, **common, **self.context)
+                                 score_mod=score_mod, deterministic=self.deterministic_gradients,
+                                 **common, **self.context)
         return _project(self.out, out, 2)
 
     def decode_paged(self, x: Array, k_pages: Array, v_pages: Array, page_table: Array,

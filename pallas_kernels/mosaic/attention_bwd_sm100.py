@@ -51,7 +51,9 @@ Determinism (``BackwardConfig.deterministic``, on by default): each kv-block's C
 stores its dQ into a float32 sum of its own (its steps are distinct (head, q rows),
 so plain stores), and XLA adds the sums in a fixed order: ``num_kv_blocks`` times
 dQ's size in float32 of memory. Off, one sum takes TMA reduce-adds (atomic, in no
-fixed order). Interpreted runs always keep per-block sums: the interpreter reports
+fixed order). The Mosaic backend follows `omni_jax.attention`'s ``deterministic``
+argument, and leaves a deterministic call whose sums would be too large to the next
+backend. Interpreted runs always keep per-block sums: the interpreter reports
 two CTAs' adds as racing.
 
 The in-place dQ sum (``pl.kernel`` with a ``jax.new_ref`` operand) cannot be batched:
@@ -584,6 +586,15 @@ def _dq_sum_shape(s: _Statics, batch: int) -> tuple[int, ...]:
     """The float32 dQ sum(s), transposed as dQ^T: ``[sums, B, Hq, head_dim, q]``."""
     sums = s.layout.num_kv_blocks if s.per_block_dq else 1
     return sums, batch, s.num_q_heads, k_width(s.head_dim), s.layout.padded_q_len
+
+
+def deterministic_dq_bytes(batch: int, q_len: int, kv_len: int, num_q_heads: int,
+                           head_dim: int) -> int:
+    """Bytes of the per-kv-block float32 dQ sums of a deterministic backward
+    (`BackwardConfig.deterministic`): they grow with the kv length."""
+    blocks = -(-kv_len // BLOCK_KV)
+    q_rows = -(-q_len // BLOCK_Q) * BLOCK_Q
+    return blocks * batch * num_q_heads * k_width(head_dim) * q_rows * 4
 
 
 def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: MaskLayout,

@@ -40,8 +40,10 @@ tile takes 7 matmuls where FlashAttention-3 takes 5. Fused, each dK/dV consumer
 also stages its dS^T tile in smem, and one step later multiplies both
 consumers' tiles of that step by its 64 columns of K and adds the product to a
 float32 dQ buffer by TMA reduce-add (``pl.kernel`` with a ``jax.new_ref``
-argument, aliased in place). The one-step delay keeps the consumers out of
-lockstep; an earlier form with a rendezvous every step (commit 0e02a52) was no
+argument, aliased in place). Those adds are atomic, in no fixed order, so the
+sum's last bits vary between runs: the Mosaic backend takes the fused dQ only for
+`omni_jax.attention`'s ``deterministic=False``. The one-step delay keeps the
+consumers out of lockstep; an earlier form with a rendezvous every step (commit 0e02a52) was no
 faster. Mask code beside the fused dQ's state spills registers, so under masks
 with masked tiles the fused launch walks only the FULL steps and compiles no mask
 code; a second fused launch walks the masked steps (its few steps a CTA bear the

@@ -43,6 +43,7 @@ class Case:
     sinks: bool = False
     score_mod: str | None = None  # "alibi" (captured float slopes), "relative_table"
     scale: float | None = None
+    deterministic: bool = True
 
 
 CASES = (
@@ -157,8 +158,9 @@ def random_case(rng: np.random.Generator, head_dims: tuple[int, ...],
         block_mask=pick((None, None, "generic", "prefix_lm", "chunked")),
         softcap=30.0 if rng.random() < 0.2 else None, sinks=bool(rng.random() < 0.2),
         score_mod=pick(score_mods),
-        scale=round(float(rng.uniform(0.02, 0.5)), 3) if rng.random() < 0.3 else None)
-    name = " ".join(f"{k}={v}" for k, v in fields.items() if v not in (None, False))
+        scale=round(float(rng.uniform(0.02, 0.5)), 3) if rng.random() < 0.3 else None,
+        deterministic=bool(rng.random() < 0.5))
+    name = " ".join(f"{k}={v}" for k, v in fields.items() if v not in (None, False, True))
     return Case(name, **fields)
 
 
@@ -190,7 +192,8 @@ def check_case(implementation: str | None, case: Case, dtype: str,
             q_segment_ids=None if q_ids is None else jnp.asarray(q_ids),
             kv_segment_ids=None if kv_ids is None else jnp.asarray(kv_ids),
             score_mod=_score_mod(case, captured), softcap=case.softcap, sinks=sinks,
-            scale=case.scale, return_lse=True, implementation=implementation)
+            scale=case.scale, return_lse=True, implementation=implementation,
+            deterministic=case.deterministic)
 
     (out, lse), vjp = jax.vjp(run, q, k, v, sinks, captured)
     assert out.dtype == q.dtype and out.shape == (*shapes[0][:3], head_dim_v), context

@@ -12,9 +12,12 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import omni_jax
+from omni_jax.backends.mosaic import MosaicBackend
+from omni_jax.problem import AttentionProblem
 from pallas_kernels import compat, runtime
 from pallas_kernels.mosaic import attention_bwd_sm90 as bwd
 from pallas_kernels.mosaic import attention_bwd_sm100 as bwd100
@@ -130,18 +133,18 @@ class TestMosaicAttentionGpu(_MosaicSuite):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("case", [
     Case("dense_head_dim_128", batch=1, q_len=256, kv_len=256, heads=4, kv_heads=2,
-         head_dim=128),
+         head_dim=128, deterministic=False),
     # Masked tiles: the FULL steps in one fused launch, the masked ones in a second
     # (taken here whatever the walk length).
     Case("causal_ragged_head_dim_128", batch=2, q_len=300, kv_len=400, heads=4, kv_heads=2,
-         head_dim=128, is_causal=True),
+         head_dim=128, is_causal=True, deterministic=False),
     Case("window_alibi_sinks_head_dim_128", batch=1, q_len=512, kv_len=512, heads=4,
          kv_heads=1, head_dim=128, is_causal=True, window=(200, 0), score_mod="alibi",
-         sinks=True),
+         sinks=True, deterministic=False),
 ], ids=lambda case: case.name)
 def test_fused_dq_backward_through_the_public_call(case, dtype, monkeypatch):
-    """Head dim 128: the dK/dV kernel also sums dQ (into a ref), a path the suite's
-    smaller head dims never take."""
+    """Head dim 128, deterministic=False: the dK/dV kernel also sums dQ (into a ref), a
+    path the suite's smaller head dims never take."""
     force_config_fields(monkeypatch, bwd, "backward_config", fused_dq_min_full_walk=0.0)
     plans = record_plans(monkeypatch)
     accumulating = []
@@ -225,6 +228,29 @@ def test_sm100_retiles_a_block_kv_it_lacks(monkeypatch):
     jax.eval_shape(lambda q: omni_jax.attention(q, q, q, mask=mask, implementation="mosaic"),
                    q)
     assert [config.block_kv for config in configs] == [128]
+
+
+@pytest.mark.parametrize("architecture", ["sm90", "sm100"])
+def test_atomic_dq_sums_only_when_not_deterministic(architecture, monkeypatch):
+    """The dQ sums that TMA reduce-adds add to (sm90's fused dQ, sm100's one sum) vary in
+    their last bits between runs: only deterministic=False takes them. A deterministic
+    sm100 backward whose per-kv-block sums would be too large is declined."""
+    if architecture == "sm100":
+        skip_unless_blackwell_interpreter()
+    monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1" if architecture == "sm90" else "sm100")
+    problem = AttentionProblem(
+        batch=1, q_len=4096, kv_len=4096, num_q_heads=4, num_kv_heads=4, head_dim=128,
+        head_dim_v=128, dtype=np.dtype(jnp.bfloat16), scale=0.1, softcap=None,
+        score_mod=None, has_sinks=False, has_user_mask=False)
+    config = MosaicBackend()._backward_config
+    atomic = (lambda c: c.fused_dq) if architecture == "sm90" else (
+        lambda c: not c.deterministic)
+    assert not atomic(config(problem))
+    assert atomic(config(dataclasses.replace(problem, deterministic=False)))
+    if architecture == "sm100":
+        long = dataclasses.replace(problem, q_len=32768, kv_len=32768)
+        assert "deterministic=True" in config(long)
+        assert atomic(config(dataclasses.replace(long, deterministic=False)))
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ GPU suite fits one device call): a larger soak on a GPU machine is one environme
 variable away.
 """
 
+import dataclasses
 import os
 
 import numpy as np
@@ -49,7 +50,8 @@ def test_random_problem(implementation, draw, monkeypatch):
         pytest.skip("needs a CUDA GPU (compiled kernels)")
     if needs_sm90 and _CAPABILITY != (9, 0):
         pytest.skip("needs an sm90 GPU")
-    if implementation == "mosaic-split":
+    split = implementation == "mosaic-split"
+    if split:
         implementation = "mosaic"
         force_config_fields(monkeypatch, bwd, "backward_config", fused_dq=True,
                             fused_dq_min_full_walk=0.0)
@@ -59,4 +61,6 @@ def test_random_problem(implementation, draw, monkeypatch):
     block_size = block_sizes[int(rng.integers(len(block_sizes)))]
     if implementation == "mosaic" and max(case.head_dim, case.head_dim_v or 0) > 128:
         block_size = (128, 64)  # K and V tiles of 128 x 256 do not fit shared memory.
+    if split:  # the fused dQ's atomic adds
+        case = dataclasses.replace(case, deterministic=False)
     check_case(implementation, case, dtype, block_size, block_rows=32)

@@ -78,6 +78,8 @@ CASES = {
                   r"is_causal must be a Python bool .*got str"),
     "array is_causal": (dict(kwargs=dict(is_causal=jnp.array(True))), TypeError,
                         r"is_causal must be a Python bool \(static"),
+    "deterministic": (dict(kwargs=dict(deterministic=None)), TypeError,
+                      r"deterministic must be a Python bool .*got NoneType"),
 }
 
 

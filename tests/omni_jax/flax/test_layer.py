@@ -287,3 +287,28 @@ def test_errors_name_the_problem():
 def test_bad_layer_arguments_are_named(build, message):
     with pytest.raises(ValueError, match=message):
         build()
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_deterministic_gradients_reach_the_attention_call(deterministic, monkeypatch):
+    """The layers' ``deterministic_gradients`` is `omni_jax.attention`'s ``deterministic``
+    (Flax's own ``deterministic`` is about dropout)."""
+    from flax import linen as nn
+
+    from omni_jax.flax import linen as omni_linen
+    from omni_jax.flax import make_attention_fn
+
+    seen = []
+    attention = omni_jax.attention
+    monkeypatch.setattr(omni_jax, "attention", lambda *args, **kwargs: seen.append(
+        kwargs["deterministic"]) or attention(*args, **kwargs))
+    x = jnp.ones((1, 8, 16), jnp.float32)
+    Attention(2, 16, deterministic_gradients=deterministic, rngs=nnx.Rngs(0))(x)
+    layer = omni_linen.Attention(2, 16, deterministic_gradients=deterministic)
+    layer.apply(layer.init(jax.random.key(0), x), x)
+    module = nn.MultiHeadDotProductAttention(
+        2, attention_fn=make_attention_fn(deterministic_gradients=deterministic))
+    module.apply(module.init(jax.random.key(0), x), x)
+    assert len(seen) == 5 and set(seen) == {deterministic}  # init and apply for linen
+    with pytest.raises(TypeError, match="deterministic_gradients"):
+        Attention(2, 16, deterministic_gradients=None, rngs=nnx.Rngs(0))
