@@ -46,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="devices along the sequence (default: all)")
     parser.add_argument("--implementation", default=None, choices=("xla", "triton", "mosaic"),
                         help="omni_jax kernels (default: the best available)")
+    parser.add_argument("--nondeterministic", action="store_true",
+                        help="omni_jax.attention(..., deterministic=False): atomic dQ sums")
     add_run_arguments(parser, impls=IMPLS, tiny=f"tiny shapes: {' '.join(TINY_SHAPES)}",
                       warmup=2, samples=5, inner=3)
 
@@ -68,16 +70,17 @@ def _grad_fn(attention):
     return run
 
 
-def _omni(implementation: str | None, **context):
+def _omni(implementation: str | None, deterministic: bool, **context):
     return lambda q, k, v: omni_jax.attention(q, k, v, is_causal=True,
-                                              implementation=implementation, **context)
+                                              implementation=implementation,
+                                              deterministic=deterministic, **context)
 
 
-def _sharded(mesh, strategy: str, implementation: str | None):
+def _sharded(mesh, strategy: str, implementation: str | None, deterministic: bool):
     """Our strategy on zigzag shards: takes and returns global arrays in zigzag order."""
     seq = P(None, AXIS)
-    attention = _omni(implementation, context_axis=AXIS, context_strategy=strategy,
-                      context_layout="zigzag")
+    attention = _omni(implementation, deterministic, context_axis=AXIS,
+                      context_strategy=strategy, context_layout="zigzag")
     return jax.jit(jax.shard_map(_grad_fn(attention), mesh=mesh, in_specs=(seq,) * 4,
                                  out_specs=(seq,) * 4))
 
@@ -109,6 +112,7 @@ def _mismatch(results, reference) -> str | None:
 def run(args: argparse.Namespace) -> list[dict]:
     shapes = [_shape(s) for s in (TINY_SHAPES if args.tiny else args.shapes)]
     timing = timing_options(args)
+    deterministic = not args.nondeterministic
     num_devices = args.devices or len(jax.devices())
     if not 1 <= num_devices <= len(jax.devices()):
         raise ValueError(f"--devices must be between 1 and {len(jax.devices())}, got "
@@ -125,13 +129,13 @@ def run(args: argparse.Namespace) -> list[dict]:
                    for key in keys[::3])
         k, v = (jax.random.normal(key, (1, length, kv_heads, dim), jnp.bfloat16)
                 for key in keys[1:3])
-        reference = jax.jit(_grad_fn(_omni(args.implementation)))(q, k, v, dout)
+        reference = jax.jit(_grad_fn(_omni(args.implementation, deterministic)))(q, k, v, dout)
         shard = tuple(x[:, :tokens] for x in (q, k, v, dout))
         case = f"{num_devices}x{tokens} tokens h={heads}/{kv_heads} d={dim}"
         functions, arguments, wrong = {}, {}, {}
         for impl in impls:
             if impl == "single":
-                functions[impl] = jax.jit(_grad_fn(_omni(args.implementation)))
+                functions[impl] = jax.jit(_grad_fn(_omni(args.implementation, deterministic)))
                 arguments[impl] = shard
                 continue
             # Inputs placed on the devices first: timing must not include scattering them.
@@ -141,7 +145,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                 arguments[impl] = jax.device_put((q, k, v, dout), sequence)
                 results = functions[impl](*arguments[impl])
             else:
-                functions[impl] = _sharded(mesh, impl, args.implementation)
+                functions[impl] = _sharded(mesh, impl, args.implementation, deterministic)
                 arguments[impl] = jax.device_put(
                     tuple(zigzag(x, num_devices) for x in (q, k, v, dout)), sequence)
                 results = [unzigzag(x, num_devices)
