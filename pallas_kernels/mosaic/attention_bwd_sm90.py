@@ -137,6 +137,10 @@ class BackwardConfig:
     # and issuing its reduction while dK runs. False: S^T and dP^T, dV and dK, then dQ,
     # each awaited whole before the next (the step of commit bc65497), kept for A/B runs.
     overlapped_step: bool = True
+    # With overlapped_step: dS^T without the softmax scale (one multiply an element
+    # fewer), which dK takes once before its store and dQ in the wrapper's conversion
+    # of the float32 sum, as FlashAttention-3 does.
+    fold_scale: bool = True
 
     def __post_init__(self):
         if self.block_q != BLOCK_Q:
@@ -261,6 +265,12 @@ class _Statics(common.LeafCounts):
     @property
     def group_size(self) -> int:
         return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def folds_scale(self) -> bool:
+        """Whether dS^T leaves out the scale, applied to the sums instead
+        (`BackwardConfig.fold_scale`)."""
+        return self.fused_dq and self.config.overlapped_step and self.config.fold_scale
 
     @property
     def dkv_walk_heads(self) -> int:
@@ -529,13 +539,16 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                 return jnp.exp2(scores - lax.broadcast_in_dim(lse2, tile, [1])), slope
 
             def score_grads(probs, dprobs, slope, slot):
-                """dS^T in the input dtype: P^T (dP^T - delta), times the slope and scale."""
+                """dS^T in the input dtype: P^T (dP^T - delta), times the slope and the
+                scale (unless the sums take it, `_Statics.folds_scale`)."""
                 delta = compat.mosaic_load(stats_ring.at[slot, 1], col_layout,
                                            interpret=s.interpret)
                 dscores = probs * (dprobs - lax.broadcast_in_dim(delta, tile, [1]))
                 if slope is not None:
                     dscores = dscores * slope
-                return (dscores * s.scores.scale).astype(s.dtype)
+                if not s.folds_scale:
+                    dscores = dscores * s.scores.scale
+                return dscores.astype(s.dtype)
 
             def step_fn(j, carry, full: bool):
                 dk, dv, step, previous = carry
@@ -671,6 +684,8 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
             @pl.loop(jnp.maximum(num_steps_done - 2, -1), num_steps_done)
             def _(t):
                 plgpu.barrier_wait(ds_free.at[lax.rem(t + 2, 2)])
+        if s.folds_scale:
+            dk = dk * s.scores.scale
         if full_sums is not None:
             # The FULL steps' dK and dV, through the K and V buffers nothing reads any more.
             for ref, tile, barrier in zip(full_sums, (k_tile, v_tile), (k_barriers, v_barriers),
@@ -990,7 +1005,7 @@ def _backward(q: Array, k: Array, v: Array, kmask: KernelMask, out: Array, lse: 
         masked = dataclasses.replace(statics, config=masked_config, fused_dq=True,
                                      walk_part="masked")
         (dk, dv), dq_sum = dkv_kernel(masked, dk, dv, dq_sum)
-    dq = dq_sum.sum(0)
+    dq = dq_sum.sum(0) * scale if fused.folds_scale else dq_sum.sum(0)
     return (unpad(dq, q_len, head_dim).astype(q.dtype), unpad(dk, kv_len, head_dim),
             unpad(dv, kv_len, head_dim_v), delta)
 

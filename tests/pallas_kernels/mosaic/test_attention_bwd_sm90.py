@@ -80,9 +80,11 @@ CASES = (
          "causal"),
 )
 # How dK, dV and dQ are summed: one dK/dV launch and the dQ kernel, dQ fused into the
-# dK/dV launch (in the overlapped step order or the serial one), or dK and dV in launches
-# of their own (with the dQ kernel's V-first order, as the wide head dims' config has it).
+# dK/dV launch (in the overlapped step order, with the scale folded into the sums or
+# not, or in the serial one), or dK and dV in launches of their own (with the dQ
+# kernel's V-first order, as the wide head dims' config has it).
 VARIANTS = {"dq_kernel": {}, "fused_dq": {"fused_dq": True},
+            "fused_dq_scaled_ds": {"fused_dq": True, "fold_scale": False},
             "fused_dq_serial_step": {"fused_dq": True, "overlapped_step": False},
             "split_dkdv": {"split_dkdv": True, "dq_v_first": True}}
 
