@@ -150,6 +150,8 @@ def test_a_case_is_timed_together_and_failures_are_rows(monkeypatch, timed_toget
     ("omni_mosaic/bwd.dkv_stages=2/bwd.dq_stages=1", True, {"dkv_stages": 2, "dq_stages": 1}),
     # A float field from an integer: the fused dQ's split at every walk length.
     ("omni_mosaic/bwd.fused_dq_min_full_walk=0", True, {"fused_dq_min_full_walk": 0.0}),
+    # A bool field from an integer: the fused dQ's serial step order, for its A/B.
+    ("omni_mosaic/bwd.overlapped_step=0", True, {"overlapped_step": False}),
 ])
 def test_forced_mosaic_impls_force_the_config(impl, backward, fields, monkeypatch):
     monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
