@@ -465,8 +465,9 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
             return dq
 
         def add_dq(dq, head, q_start, when=None):
-            """Adds ``dq`` (if ``when``: a condition outside a branch, which compiled
-            predicates only the reduction, so that no branch splits the wgmmas in flight)."""
+            """Adds ``dq`` to the float32 sum, with ``when`` only where it holds. Compiled,
+            ``when`` predicates the reduction rather than branching: the overlapped step
+            issues it while dK's wgmma runs."""
             adder = _dq_adder(s, kv_block)
             dst = dq_sum_ref.at[adder, batch, pl.ds(q_start, Q_STEP), head,
                                 pl.ds(dq_col0, cols)]
