@@ -43,12 +43,18 @@ float32 dQ buffer by TMA reduce-add (``pl.kernel`` with a ``jax.new_ref``
 argument, aliased in place). Those adds are atomic, in no fixed order, so the
 sum's last bits vary between runs: the Mosaic backend takes the fused dQ only for
 `omni_jax.attention`'s ``deterministic=False``. The one-step delay keeps the
-consumers out of lockstep; an earlier form with a rendezvous every step (commit 0e02a52) was no
-faster. Mask code beside the fused dQ's state spills registers, so under masks
-with masked tiles the fused launch walks only the FULL steps and compiles no mask
-code; a second fused launch walks the masked steps (its few steps a CTA bear the
-spills), adding the first launch's dK and dV to its own and its dQ to the same
-buffer. That pays where walks are long (`BackwardConfig.fused_dq_min_full_walk`);
+consumers out of lockstep; an earlier form with a rendezvous every step (commit
+0e02a52) was no faster. Per step a consumer (`BackwardConfig.overlapped_step`)
+issues S^T and dP^T and computes P^T while dP^T runs; stores its dS^T tile; issues
+dV, the previous step's dQ and dK, and waits for dV and dQ only, so that dQ's
+float32 staging and its reduction run under dK. dK and dV therefore accumulate in
+wgmma accumulator refs, and no register of a wgmma in flight is written meanwhile
+(ptxas would serialize every wgmma of the kernel). Mask code beside the fused dQ's
+state spills registers, so under masks with masked tiles the fused launch walks
+only the FULL steps and compiles no mask code; a second fused launch walks the
+masked steps (its few steps a CTA bear the spills), adding the first launch's dK
+and dV to its own and its dQ to the same buffer. That pays where walks are long
+(`BackwardConfig.fused_dq_min_full_walk`);
 shorter ones keep the dQ kernel for every step, and so do `jax.vmap` (a
 custom_vmap rule) and `jax.shard_map`.
 """
@@ -128,6 +134,16 @@ class BackwardConfig:
     # stage dP's product hides K's load. H200, 2026-11-27: d256 fwd+bwd 13% faster;
     # head dims 64 and 128 (two or three stages) within the noise.
     dq_v_first: bool = False
+    # The fused dQ's step order (FlashAttention-3's, within the one-step-delayed dQ): each
+    # consumer waits for S^T alone and computes P^T while dP^T runs; stores dS^T, then
+    # issues dV, the previous step's dQ and dK and waits for dV and dQ only, staging dQ
+    # and issuing its reduction while dK runs. False: S^T and dP^T, dV and dK, then dQ,
+    # each awaited whole before the next (the step of commit bc65497), kept for A/B runs.
+    overlapped_step: bool = True
+    # With overlapped_step: dS^T without the softmax scale (one multiply an element
+    # fewer), which dK takes once before its store and dQ in the wrapper's conversion
+    # of the float32 sum, as FlashAttention-3 does.
+    fold_scale: bool = True
 
     def __post_init__(self):
         if self.block_q != BLOCK_Q:
@@ -252,6 +268,12 @@ class _Statics(common.LeafCounts):
     @property
     def group_size(self) -> int:
         return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def folds_scale(self) -> bool:
+        """Whether dS^T leaves out the scale, applied to the sums instead
+        (`BackwardConfig.fold_scale`)."""
+        return self.fused_dq and self.config.overlapped_step and self.config.fold_scale
 
     @property
     def dkv_walk_heads(self) -> int:
@@ -445,16 +467,26 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
             plgpu.barrier_arrive(ds_free.at[parity])
             return dq
 
-        def add_dq(dq, head, q_start):
+        def add_dq(dq, head, q_start, when=None):
+            """Adds ``dq`` to the float32 sum, with ``when`` only where it holds. Compiled,
+            ``when`` predicates the reduction rather than branching: the overlapped step
+            issues it while dK's wgmma runs."""
             adder = _dq_adder(s, kv_block)
             dst = dq_sum_ref.at[adder, batch, pl.ds(q_start, Q_STEP), head,
                                 pl.ds(dq_col0, cols)]
             if s.interpret:  # No TMA reductions there: a sum of its own (`_dq_adders`).
-                dst[...] = dst[...] + dq
+                def add():
+                    dst[...] = dst[...] + dq
+
+                if when is None:
+                    add()
+                else:
+                    pl.when(when)(add)
             else:  # The previous reduction has read the stage (`wait_stage_read`).
                 dq_stage.at[wg][...] = dq
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(dq_stage.at[wg], dst, reduction_op="add")
+                plgpu.copy_smem_to_gmem(dq_stage.at[wg], dst, reduction_op="add",
+                                        predicate=when)
 
         def wait_stage_read():
             """The previous reduction has read the dQ stage, once the caller's next
@@ -472,23 +504,16 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
             write_ds(1, plgpu.layout_cast(jnp.zeros((rows, Q_STEP), s.dtype),
                                           plgpu.Layout.WGMMA))
 
-        def head_steps(g, carry):
+        # The overlapped fused step keeps dK and dV in wgmma accumulator refs, so that
+        # their products stay in flight while the step goes on.
+        overlapped = s.fused_dq and cfg.overlapped_step
+
+        def head_steps(g, carry, sum_refs=None):
             head = first_head + g
             score_spec = common.with_captured_read(s.scores, captured_smem, batch, head)
 
-            def step_fn(j, carry, full: bool):
-                dk, dv, step, previous = carry
-                slot = lax.rem(step, stages)
-                flags, q_start, _, _ = step_position(g, j)
-                q_half, do_half = q_ring.at[slot], do_ring.at[slot]
-
-                plgpu.barrier_wait(q_ready.at[slot])
-                plgpu.barrier_wait(do_ready.at[slot])
-                if sums_dk:
-                    scores, dprobs = _products(tile, (k_tile, _transposed(q_half)),
-                                               (v_tile, _transposed(do_half)))
-                else:
-                    (scores,) = _products(tile, (k_tile, _transposed(q_half)))
+            def probabilities(scores, slot, flags, q_start, full: bool):
+                """(P^T float32, the score slope or None) of the step's raw S^T."""
                 scores = common.log2_scores(score_spec, scores, batch, head,
                                             functools.partial(indices, q_start),
                                             slope=sums_dk)
@@ -515,18 +540,40 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                 plgpu.barrier_wait(stats_ready.at[slot])
                 lse2 = compat.mosaic_load(stats_ring.at[slot, 0], col_layout,
                                           interpret=s.interpret)
-                probs = jnp.exp2(scores - lax.broadcast_in_dim(lse2, tile, [1]))
+                return jnp.exp2(scores - lax.broadcast_in_dim(lse2, tile, [1])), slope
+
+            def score_grads(probs, dprobs, slope, slot):
+                """dS^T in the input dtype: P^T (dP^T - delta), times the slope and the
+                scale (unless the sums take it, `_Statics.folds_scale`)."""
+                delta = compat.mosaic_load(stats_ring.at[slot, 1], col_layout,
+                                           interpret=s.interpret)
+                dscores = probs * (dprobs - lax.broadcast_in_dim(delta, tile, [1]))
+                if slope is not None:
+                    dscores = dscores * slope
+                if not s.folds_scale:
+                    dscores = dscores * s.scores.scale
+                return dscores.astype(s.dtype)
+
+            def step_fn(j, carry, full: bool):
+                dk, dv, step, previous = carry
+                slot = lax.rem(step, stages)
+                flags, q_start, _, _ = step_position(g, j)
+                q_half, do_half = q_ring.at[slot], do_ring.at[slot]
+
+                plgpu.barrier_wait(q_ready.at[slot])
+                plgpu.barrier_wait(do_ready.at[slot])
+                if sums_dk:
+                    scores, dprobs = _products(tile, (k_tile, _transposed(q_half)),
+                                               (v_tile, _transposed(do_half)))
+                else:
+                    (scores,) = _products(tile, (k_tile, _transposed(q_half)))
+                probs, slope = probabilities(scores, slot, flags, q_start, full)
                 # (sum, its (a, b) product) of each gradient summed, dV's issued first.
                 products = []
                 if sums_dv:
                     products.append((dv, (_staged(p_stage, probs.astype(s.dtype)), do_half)))
                 if sums_dk:
-                    delta = compat.mosaic_load(stats_ring.at[slot, 1], col_layout,
-                                               interpret=s.interpret)
-                    dscores = probs * (dprobs - lax.broadcast_in_dim(delta, tile, [1]))
-                    if slope is not None:
-                        dscores = dscores * slope
-                    dscores = (dscores * s.scores.scale).astype(s.dtype)
+                    dscores = score_grads(probs, dprobs, slope, slot)
                     products.append((dk, (_staged(ds_stage, dscores), q_half)))
                 def accumulate():
                     sums = compat.wgmma_accumulate_all(
@@ -553,18 +600,82 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                 pl.when(step >= 1)(lambda: add_dq(dq, *previous))
                 return dk, dv, step + 1, (head, q_start)
 
+            def overlapped_step_fn(j, carry, full: bool):
+                """The fused step in the order of `BackwardConfig.overlapped_step`; dK and
+                dV accumulate in ``sum_refs``."""
+                step, previous = carry
+                dk_ref, dv_ref = sum_refs
+                slot = lax.rem(step, stages)
+                flags, q_start, _, _ = step_position(g, j)
+                q_half, do_half = q_ring.at[slot], do_ring.at[slot]
+
+                plgpu.barrier_wait(q_ready.at[slot])
+                plgpu.barrier_wait(do_ready.at[slot])
+
+                def softmax(scores_ref, dprobs_ref):
+                    plgpu.wgmma(scores_ref, k_tile, _transposed(q_half))
+                    plgpu.wgmma(dprobs_ref, v_tile, _transposed(do_half))
+                    # wgmma groups complete in order: waiting for all but the newest
+                    # (dP^T) is waiting for S^T.
+                    scores = plgpu.wgmma_accumulator_load(scores_ref, wait_n=1)
+                    # Pins P^T ahead of the wait for dP^T, so that it runs under dP^T.
+                    probs, slope = lax.optimization_barrier(
+                        probabilities(scores, slot, flags, q_start, full))
+                    dprobs = plgpu.wgmma_accumulator_load(dprobs_ref, wait_n=0)
+                    return probs.astype(s.dtype), score_grads(probs, dprobs, slope, slot)
+
+                probs, dscores = pl.run_scoped(softmax, plgpu.ACC(tile, jnp.float32),
+                                               plgpu.ACC(tile, jnp.float32))
+                parity = lax.rem(step, 2)
+
+                @pl.when(step >= 1)  # Both products of step - 2 have read the tile.
+                def _():
+                    plgpu.barrier_wait(ds_free.at[parity])
+
+                write_ds(parity, dscores)
+
+                # dQ's accumulator is zeroed before dV is issued: no register of a
+                # wgmma in flight may be defined.
+                def products(dq_ref):
+                    plgpu.wgmma(dv_ref, _staged(p_stage, probs), do_half)
+                    plgpu.barrier_wait(ds_ready.at[1 - parity])
+                    for a, b in dq_products(1 - parity):
+                        plgpu.wgmma(dq_ref, a, b)
+                    plgpu.wgmma(dk_ref, _staged(ds_stage, dscores), q_half)
+                    # dV and dQ are done, dK still runs.
+                    return plgpu.wgmma_accumulator_load(dq_ref, wait_n=1)
+
+                dq = pl.run_scoped(products, plgpu.ACC((Q_STEP, cols), jnp.float32))
+                plgpu.barrier_arrive(ds_free.at[1 - parity])
+                add_dq(dq, *previous, when=step >= 1)  # Under dK.
+                plgpu.wgmma_wait(0)
+                plgpu.barrier_arrive(consumed.at[slot])  # dK has read Q.
+                return step + 1, (head, q_start)
+
+            body = overlapped_step_fn if overlapped else step_fn
             for start, stop, full in walk_loops(s, 2 * entry(g, 1), num_steps(g)):
-                carry = lax.fori_loop(start, stop, functools.partial(step_fn, full=full),
-                                      carry)
+                carry = lax.fori_loop(start, stop, functools.partial(body, full=full), carry)
             return carry
 
-        zeros = lambda dim: plgpu.layout_cast(jnp.zeros((rows, dim), jnp.float32),
-                                              plgpu.Layout.WGMMA)
-        dk, dv, num_steps_done, previous = lax.fori_loop(
-            0, s.group_size, head_steps,
-            # The fused dQ carries the previous step's (head, first q row).
-            (zeros(s.head_dim) if sums_dk else (), zeros(s.head_dim_v) if sums_dv else (),
-             jnp.int32(0), (jnp.int32(0), jnp.int32(0)) if s.fused_dq else ()))
+        # The fused dQ carries the previous step's (head, first q row).
+        counters = (jnp.int32(0), (jnp.int32(0), jnp.int32(0)) if s.fused_dq else ())
+        if overlapped:
+            def walk(dk_ref, dv_ref):
+                carry = lax.fori_loop(0, s.group_size,
+                                      functools.partial(head_steps, sum_refs=(dk_ref, dv_ref)),
+                                      counters)
+                return dk_ref[...], dv_ref[...], *carry
+
+            dk, dv, num_steps_done, previous = pl.run_scoped(
+                walk, plgpu.ACC((rows, s.head_dim), jnp.float32),
+                plgpu.ACC((rows, s.head_dim_v), jnp.float32))
+        else:
+            zeros = lambda dim: plgpu.layout_cast(jnp.zeros((rows, dim), jnp.float32),
+                                                  plgpu.Layout.WGMMA)
+            dk, dv, num_steps_done, previous = lax.fori_loop(
+                0, s.group_size, head_steps,
+                (zeros(s.head_dim) if sums_dk else (), zeros(s.head_dim_v) if sums_dv else (),
+                 *counters))
         if s.fused_dq:
             # The last step's product (step -1's when there was none).
             dq = dq_product(lax.rem(num_steps_done + 1, 2))
@@ -577,6 +688,8 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
             @pl.loop(jnp.maximum(num_steps_done - 2, -1), num_steps_done)
             def _(t):
                 plgpu.barrier_wait(ds_free.at[lax.rem(t + 2, 2)])
+        if s.folds_scale:
+            dk = dk * s.scores.scale
         if full_sums is not None:
             # The FULL steps' dK and dV, through the K and V buffers nothing reads any more.
             for ref, tile, barrier in zip(full_sums, (k_tile, v_tile), (k_barriers, v_barriers),
@@ -896,7 +1009,7 @@ def _backward(q: Array, k: Array, v: Array, kmask: KernelMask, out: Array, lse: 
         masked = dataclasses.replace(statics, config=masked_config, fused_dq=True,
                                      walk_part="masked")
         (dk, dv), dq_sum = dkv_kernel(masked, dk, dv, dq_sum)
-    dq = dq_sum.sum(0)
+    dq = dq_sum.sum(0) * scale if fused.folds_scale else dq_sum.sum(0)
     return (unpad(dq, q_len, head_dim).astype(q.dtype), unpad(dk, kv_len, head_dim),
             unpad(dv, kv_len, head_dim_v), delta)
 

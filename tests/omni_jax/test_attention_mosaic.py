@@ -142,10 +142,13 @@ class TestMosaicAttentionGpu(_MosaicSuite):
          kv_heads=1, head_dim=128, is_causal=True, window=(200, 0), score_mod="alibi",
          sinks=True, deterministic=False),
 ], ids=lambda case: case.name)
-def test_fused_dq_backward_through_the_public_call(case, dtype, monkeypatch):
+@pytest.mark.parametrize("overlapped_step", [True, False], ids=["overlapped", "serial"])
+def test_fused_dq_backward_through_the_public_call(case, dtype, overlapped_step, monkeypatch):
     """Head dim 128, deterministic=False: the dK/dV kernel also sums dQ (into a ref), a
-    path the suite's smaller head dims never take."""
-    force_config_fields(monkeypatch, bwd, "backward_config", fused_dq_min_full_walk=0.0)
+    path the suite's smaller head dims never take; in both step orders
+    (`BackwardConfig.overlapped_step`)."""
+    force_config_fields(monkeypatch, bwd, "backward_config", fused_dq_min_full_walk=0.0,
+                        overlapped_step=overlapped_step)
     plans = record_plans(monkeypatch)
     accumulating = []
     kernel = compat.mosaic_kernel_accumulating

@@ -80,9 +80,12 @@ CASES = (
          "causal"),
 )
 # How dK, dV and dQ are summed: one dK/dV launch and the dQ kernel, dQ fused into the
-# dK/dV launch, or dK and dV in launches of their own (with the dQ kernel's V-first
-# order, as the wide head dims' config has it).
+# dK/dV launch (in the overlapped step order, with the scale folded into the sums or
+# not, or in the serial one), or dK and dV in launches of their own (with the dQ
+# kernel's V-first order, as the wide head dims' config has it).
 VARIANTS = {"dq_kernel": {}, "fused_dq": {"fused_dq": True},
+            "fused_dq_scaled_ds": {"fused_dq": True, "fold_scale": False},
+            "fused_dq_serial_step": {"fused_dq": True, "overlapped_step": False},
             "split_dkdv": {"split_dkdv": True, "dq_v_first": True}}
 
 
@@ -119,7 +122,7 @@ def _mask(case: Case, rng):
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_gradients_match_float64(case: Case, variant: str, _interpreted):
-    if variant == "fused_dq" and not bwd.fused_dq_splits(
+    if VARIANTS[variant].get("fused_dq") and not bwd.fused_dq_splits(
             bwd.padded_head_dim(case.head_dim), case.block_kv // bwd.ROWS_PER_CONSUMER):
         pytest.skip("the fused dQ declines this head dim (the dQ kernel serves it)")
     score_mod = _score_mod if case.score_mod else None

@@ -183,6 +183,10 @@ def test_backward_lowers_for_cuda(name, _compiled_mosaic):
 
 @pytest.mark.parametrize("name,fields,launches,fused", [
     ("dense_fused_dq_hd128", {}, 2, True),  # the forward, the dK/dV kernel adding dQ
+    # The fused step's serial order and its unfolded scale (`BackwardConfig.overlapped_step`,
+    # `fold_scale`), kept for A/B runs.
+    ("dense_fused_dq_hd128", {"overlapped_step": False}, 2, True),
+    ("long_walk", {"fold_scale": False}, 3, True),
     ("window_ragged_hd128", {}, 3, False),  # short walks: the forward, dK/dV, dQ
     ("long_walk", {}, 3, True),  # the forward, fused launches for FULL and masked steps
     # The split at any walk length: stored tiles, and a ragged window under GQA.
