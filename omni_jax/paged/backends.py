@@ -118,7 +118,7 @@ def forward(name: str, q: Array, k_pages: Array, v_pages: Array, page_table: Arr
     if overrides:
         config = dataclasses.replace(triton_paged.choose_config(
             q.shape[0], packed.shape[1], k_pages.shape[2], page_table.shape[1],
-            k_pages.shape[1]), **overrides)
+            k_pages.shape[1]), **{name: int(value) for name, value in overrides.items()})
     out, lse = triton_paged.paged_attention(
         packed, k_pages, v_pages, page_table, kv_lens, scores=scores, group=group,
         interpret=interpret, config=config)

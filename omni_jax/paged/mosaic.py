@@ -107,7 +107,8 @@ def _config(call: _Call, programs: int, kv_len: int,
     splits = kv_splits.num_splits(programs, kv_len / config.block_kv, runtime.num_sms())
     if splits > 1:
         config = dataclasses.replace(config, kv_splits=splits, q_blocks_per_cta=1)
-    return dataclasses.replace(config, **overrides) if overrides else config
+    return dataclasses.replace(config, **{name: type(getattr(config, name))(value)
+                                          for name, value in overrides.items()})
 
 
 def _kernel_mask(kv_lens: Array, page_table: Array, num_pages: int, scores: PagedScores, *,

@@ -193,3 +193,16 @@ def test_closed_form_walk_covers_the_visible_tiles(name, bad_ids, seed):
                 continue
             assert set(walk) == set(np.flatnonzero(any_seen[b, i]))
             assert set(full) == set(np.flatnonzero(all_seen[b, i] & any_seen[b, i]))
+
+
+def test_config_overrides_choose_splits_by_their_block_kv(monkeypatch):
+    """A benchmark's forced fields (`backends.forward`'s overrides) replace the tuned ones;
+    the kv splits follow a forced block_kv (twice the kv-blocks, up to filling the SMs)."""
+    monkeypatch.setattr(runtime, "num_sms", lambda: 132)
+    call = mosaic._Call(128, 128, np.dtype(jnp.bfloat16), True)
+    tuned = mosaic._config(call, 8, 4096)
+    assert (tuned.block_kv, tuned.kv_splits) == (128, 4)  # 32 kv-blocks, 8 steps a share
+    forced = mosaic._config(call, 8, 4096, {"block_kv": 64, "num_stages": 4, "pipelined": 0})
+    assert (forced.block_kv, forced.num_stages, forced.kv_splits) == (64, 4, 8)
+    assert forced.pipelined is False
+    assert mosaic._config(call, 8, 4096, {"kv_splits": 1}).kv_splits == 1
