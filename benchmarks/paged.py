@@ -18,7 +18,8 @@ absent); the note gives the K/V bytes in use read per second.
 Config knobs for an A/B in one run: ``omni_mosaic/FIELD=N/...`` forces fields of the
 Mosaic forward's `ForwardConfig` (block_kv, num_stages, kv_splits, pipelined, ...),
 ``omni_triton/FIELD=N/...`` those of the Triton kernel's `PagedConfig` (block_rows,
-block_kv, num_warps, num_stages, kv_splits), over the call's default choice:
+block_kv, num_warps, num_stages, kv_splits, programs_per_sm), over the call's default
+choice:
 
     python -m benchmarks paged --impls omni_mosaic omni_mosaic/block_kv=64/num_stages=4 fa3
 """

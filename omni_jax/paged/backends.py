@@ -116,9 +116,9 @@ def forward(name: str, q: Array, k_pages: Array, v_pages: Array, page_table: Arr
     packed = query_groups.pack_queries(q, group)
     config = None
     if overrides:
-        config = dataclasses.replace(triton_paged.choose_config(
+        config = triton_paged.choose_config(
             q.shape[0], packed.shape[1], k_pages.shape[2], page_table.shape[1],
-            k_pages.shape[1]), **{name: int(value) for name, value in overrides.items()})
+            k_pages.shape[1], base=triton_paged.PagedConfig(**overrides))
     out, lse = triton_paged.paged_attention(
         packed, k_pages, v_pages, page_table, kv_lens, scores=scores, group=group,
         interpret=interpret, config=config)
