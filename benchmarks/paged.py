@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import omni_jax
+from benchmarks import report
 from benchmarks.timing import add_run_arguments, bench_interleaved, tflops, timing_options
 from omni_jax.paged import backends
 from pallas_kernels import runtime
@@ -259,6 +260,9 @@ def run(args: argparse.Namespace) -> list[dict]:
         for row in shape_rows:
             if row["impl"] != "copy" and not math.isnan(baseline) and not math.isnan(row["ms"]):
                 row["ratio"] = baseline / row["ms"]
+        # Each shape's rows as soon as they are timed: a sweep cut short by a time limit
+        # keeps the shapes it finished.
+        print(report.format_table(shape_rows), flush=True)
         rows += shape_rows
     return rows
 
