@@ -125,7 +125,7 @@ def _kernel_mask(kv_lens: Array, page_table: Array, num_pages: int, scores: Page
     outside the cache among its tokens (garbage under ``jit``) walks its range with
     every tile COMPUTED, so that those pages' keys are masked.
     """
-    batch, pages_per_seq = page_table.shape
+    pages_per_seq = page_table.shape[1]
     kv_len = pages_per_seq * page_size
     num_q_blocks, num_kv_blocks = -(-rows // fwd.BLOCK_Q), -(-kv_len // block_kv)
     row0 = np.arange(num_q_blocks) * fwd.BLOCK_Q
