@@ -44,10 +44,13 @@ class PagedConfig:
     num_stages: int = 2
     # Programs per row tile, each walking an even share of its K/V tiles; None: enough
     # to fill ``programs_per_sm`` programs on each of the GPU's SMs
-    # (`pallas_kernels.kv_splits.num_splits`). A program's registers and K/V stages
-    # are small: several run on one SM at once.
+    # (`pallas_kernels.kv_splits.num_splits`). A program holds little in flight (two
+    # K/V stages of 64 tokens, 64 KB of shared memory: three fit an H100/H200 SM), so
+    # one per SM leaves bandwidth unused: H200, 2026-11-28 05:23-06:38, K/V read at
+    # 1.7-2.1 TB/s with 128 programs (8 x 8192, 1 x 131072) and 2.7-2.9 TB/s with
+    # 512-1024 (64 x 4096, 128 x 2048).
     kv_splits: int | None = None
-    programs_per_sm: int = 1
+    programs_per_sm: int = 3
 
     def __post_init__(self):
         for name in ("block_rows", "block_kv"):
