@@ -14,11 +14,20 @@ one that disagrees is reported, not timed. Peers run where importable:
 timing). ``copy`` copies the K/V pages: the bandwidth the device sustains, the bound of
 a decoding step. ``ratio`` = fa3 ms / this row's ms (cudnn's, then XLA's, where fa3 is
 absent); the note gives the K/V bytes in use read per second.
+
+Config knobs for an A/B in one run: ``omni_mosaic/FIELD=N/...`` forces fields of the
+Mosaic forward's `ForwardConfig` (block_kv, num_stages, kv_splits, pipelined, ...),
+``omni_triton/FIELD=N/...`` those of the Triton kernel's `PagedConfig` (block_rows,
+block_kv, num_warps, num_stages, kv_splits, programs_per_sm), over the call's default
+choice:
+
+    python -m benchmarks paged --impls omni_mosaic omni_mosaic/block_kv=64/num_stages=4 fa3
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import warnings
 
@@ -27,8 +36,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import omni_jax
+from benchmarks import report
 from benchmarks.timing import add_run_arguments, bench_interleaved, tflops, timing_options
+from omni_jax.paged import backends
 from pallas_kernels import runtime
+from pallas_kernels.mosaic.attention_fwd_sm90 import ForwardConfig
+from pallas_kernels.paged import PagedScores
+from pallas_kernels.triton.paged_attention import PagedConfig
 
 SHAPES = tuple(
     f"{batch},1,{kv_len},32,8,128,{page},{lengths}"
@@ -40,13 +54,42 @@ TINY_SHAPES = ("2,1,200,8,2,32,16,ragged", "1,4,64,4,1,32,8,uniform")
 IMPLS = ("omni", "omni_mosaic", "omni_triton", "omni_xla", "fa3", "jax_pallas", "cudnn", "copy")
 BASELINES = ("fa3", "cudnn", "omni_xla")
 TOLERANCE = 2e-2  # relative error against the float32 reference (bfloat16 inputs)
+# ``--impls`` names that force config fields: prefix -> the config class.
+FORCED_CONFIGS = {"omni_mosaic/": ForwardConfig, "omni_triton/": PagedConfig}
+
+
+def forced_fields(impl: str) -> tuple[str, dict[str, int]] | None:
+    """(backend, {field: value}) of an ``omni_mosaic/FIELD=N/...`` or
+    ``omni_triton/FIELD=N/...`` name, None for any other name; a bad field raises."""
+    prefix = next((p for p in FORCED_CONFIGS if impl.startswith(p)), None)
+    if prefix is None:
+        return None
+    names = {field.name for field in dataclasses.fields(FORCED_CONFIGS[prefix])}
+    fields = {}
+    for item in impl[len(prefix):].split("/"):
+        name, _, value = item.partition("=")
+        if name not in names or not value.isdigit():
+            raise ValueError(f"{impl!r}: expected FIELD=N with FIELD one of {sorted(names)}, "
+                             f"got {item!r}")
+        fields[name] = int(value)
+    return prefix.removeprefix("omni_").removesuffix("/"), fields
+
+
+def _check_impl(impl: str) -> str:
+    if impl not in IMPLS and forced_fields(impl) is None:
+        raise ValueError(f"unknown implementation {impl!r}; choose from {IMPLS}, "
+                         f"omni_mosaic/FIELD=N/... or omni_triton/FIELD=N/...")
+    return impl
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES),
                         help="batch,q_len,kv_len,q_heads,kv_heads,head_dim,page_size,"
                              "uniform|ragged per shape")
-    add_run_arguments(parser, impls=IMPLS, tiny=f"tiny shapes: {' '.join(TINY_SHAPES)}")
+    add_run_arguments(parser, impls=IMPLS, tiny=f"tiny shapes: {' '.join(TINY_SHAPES)}",
+                      check=_check_impl,
+                      choices=f"{', '.join(IMPLS)}, omni_mosaic/FIELD=N/... or "
+                              f"omni_triton/FIELD=N/...")
 
 
 def _shape(text: str) -> tuple:
@@ -93,6 +136,15 @@ def _function(impl: str, args: tuple):
     """(the timed function, the arguments it takes), or a string saying why there is none."""
     q, k_pages, v_pages, page_table, kv_lens = args
     q_len, dim = q.shape[1], q.shape[3]
+    forced = forced_fields(impl)
+    if forced is not None:
+        backend, fields = forced
+        scores = PagedScores(q_len=q_len, is_causal=True, window=None, softcap=None,
+                             scale=dim ** -0.5)
+        # The API's call without its trace-time checks: one kernel, the overrides on it.
+        return jax.jit(lambda *a: backends.forward(
+            backend, *a, scores, interpret=runtime.interpret_requested(),
+            overrides=fields)[0]), args
     if impl.startswith("omni"):
         backend = None if impl == "omni" else impl.removeprefix("omni_")
         return jax.jit(lambda *a: omni_jax.paged_attention(*a, implementation=backend)), args
@@ -208,6 +260,9 @@ def run(args: argparse.Namespace) -> list[dict]:
         for row in shape_rows:
             if row["impl"] != "copy" and not math.isnan(baseline) and not math.isnan(row["ms"]):
                 row["ratio"] = baseline / row["ms"]
+        # Each shape's rows as soon as they are timed: a sweep cut short by a time limit
+        # keeps the shapes it finished.
+        print(report.format_table(shape_rows), flush=True)
         rows += shape_rows
     return rows
 

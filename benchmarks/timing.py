@@ -82,16 +82,20 @@ def add_impls_argument(parser: argparse.ArgumentParser, *, default: Sequence[str
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, *, impls: Sequence[str],
-                      tiny: str, warmup: int = 3, samples: int = 7, inner: int = 5) -> None:
-    """The options every case benchmark shares: ``--impls`` (of ``impls``), ``--tiny``
-    (``tiny`` says what it runs), ``--warmup``, ``--samples``, ``--inner``, ``--sustain``."""
+                      tiny: str, warmup: int = 3, samples: int = 7, inner: int = 5,
+                      check: Callable[[str], object] | None = None,
+                      choices: str | None = None) -> None:
+    """The options every case benchmark shares: ``--impls`` (of ``impls``, or whatever
+    ``check`` accepts, ``choices`` saying what), ``--tiny`` (``tiny`` says what it runs),
+    ``--warmup``, ``--samples``, ``--inner``, ``--sustain``."""
 
-    def check(impl: str) -> str:
+    def known(impl: str) -> str:
         if impl not in impls:
             raise ValueError(f"unknown implementation {impl!r}; choose from {tuple(impls)}")
         return impl
 
-    add_impls_argument(parser, default=impls, check=check, choices=", ".join(impls))
+    add_impls_argument(parser, default=impls, check=check or known,
+                       choices=choices or ", ".join(impls))
     parser.add_argument("--tiny", action="store_true", help=f"{tiny} (CPU smoke test)")
     parser.add_argument("--warmup", type=int, default=warmup)
     parser.add_argument("--samples", type=int, default=samples)

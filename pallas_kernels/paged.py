@@ -53,6 +53,19 @@ class PagedScores:
             hi = jnp.minimum(hi, self.query_position(kv_len, last_t) + 1)
         return lo, jnp.maximum(hi, lo)
 
+    def shared_key_range(self, kv_len: Array, first_t: Array,
+                         last_t: Array) -> tuple[Array, Array]:
+        """``[lo, hi)``: keys that every query of ``first_t..last_t`` sees (empty when
+        ``hi <= lo``): tiles inside it need no mask."""
+        lo, hi = jnp.int32(0), kv_len
+        if self.window is not None:
+            lo = jnp.maximum(self.query_position(kv_len, last_t) - self.window[0], 0)
+            if not self.is_causal:
+                hi = jnp.minimum(hi, self.query_position(kv_len, first_t) + self.window[1] + 1)
+        if self.is_causal:
+            hi = jnp.minimum(hi, self.query_position(kv_len, first_t) + 1)
+        return lo, hi
+
     def scores(self, qk: Array) -> Array:
         """Scaled (then softcapped) scores from raw ``q . k`` products."""
         s = qk * self.scale

@@ -69,7 +69,9 @@ def paged_attention(q: Array, k_pages: Array, v_pages: Array, page_table: Array,
     scores = PagedScores(q_len=q_len, is_causal=is_causal, window=window, softcap=softcap,
                          scale=1.0 / math.sqrt(head_dim) if scale is None else scale)
     problem = backends.PagedProblem(jnp.dtype(q.dtype), head_dim, v_pages.shape[3], page_size,
-                                    page_table.shape[1])
+                                    page_table.shape[1], batch=batch, q_len=q_len,
+                                    num_kv_heads=k_pages.shape[2],
+                                    group=q.shape[2] // k_pages.shape[2])
     name = backends.choose(implementation, problem)
     if not (batch and q_len and num_pages and page_table.shape[1]):
         out, lse = _nothing_to_attend(q, v_pages)

@@ -2,14 +2,17 @@
 
 ``implementation=None`` takes the first of the device's preference order
 (`pallas_kernels.runtime.implementation_preference`: on Hopper "mosaic", "triton",
-"xla") that serves the call; "xla" serves every call. Each implementation returns the
-sink-free ``(out, lse)`` of the grouped-query layout the API passes in.
+"xla") that serves the call, except that decoding steps of more (sequence, kv head)
+programs than the GPU has SMs try Triton before Mosaic (`triton_first`); "xla" serves
+every call. Each implementation returns the sink-free ``(out, lse)`` of the
+grouped-query layout the API passes in.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
@@ -35,6 +38,10 @@ class PagedProblem:
     head_dim_v: int
     page_size: int
     pages_per_seq: int
+    batch: int = 1
+    q_len: int = 1
+    num_kv_heads: int = 1
+    group: int = 1  # query heads per kv head
 
 
 def unsupported_reason(name: str, problem: PagedProblem) -> str | None:
@@ -51,6 +58,25 @@ def unsupported_reason(name: str, problem: PagedProblem) -> str | None:
                                            problem.head_dim_v)
 
 
+def triton_first(problem: PagedProblem) -> bool:
+    """Whether a Hopper call should try the Triton kernel before the Mosaic one: decoding
+    steps (one row tile of packed queries) of at least as many (sequence, kv head)
+    programs as SMs, which need no kv splits to fill the GPU. Triton's programs are
+    small, several to an SM, so that ragged walks even out; each Mosaic CTA holds a
+    128-row q tile and a K/V ring (~160 KB at head dim 128), one to an SM (H200,
+    2026-11-28 06:38: 64 x 4096 ragged, 512 programs, Triton 0.215 ms against Mosaic's
+    0.265; at 64 and 8 programs Mosaic was ahead)."""
+    return (problem.q_len * problem.group <= triton_paged.PagedConfig().block_rows
+            and problem.batch * problem.num_kv_heads >= runtime.num_sms())
+
+
+def _preference(problem: PagedProblem) -> tuple[str, ...]:
+    order = runtime.implementation_preference()
+    if order[:2] == ("mosaic", "triton") and triton_first(problem):
+        return ("triton", "mosaic", *order[2:])
+    return order
+
+
 def choose(implementation: str | None, problem: PagedProblem) -> str:
     """The implementation that computes ``problem``; a named one that cannot raises."""
     if implementation is not None:
@@ -60,7 +86,7 @@ def choose(implementation: str | None, problem: PagedProblem) -> str:
                              f"paged_attention call: {reason}")
         return implementation
     declined = {}
-    for name in (*runtime.implementation_preference(), "xla"):
+    for name in (*_preference(problem), "xla"):
         reason = unsupported_reason(name, problem)
         if reason is None:
             break
@@ -75,14 +101,25 @@ def choose(implementation: str | None, problem: PagedProblem) -> str:
 
 
 def forward(name: str, q: Array, k_pages: Array, v_pages: Array, page_table: Array,
-            kv_lens: Array, scores: PagedScores, *, interpret: bool) -> tuple[Array, Array]:
-    """Sink-free (out ``[B, Sq, Hq, Dv]``, lse ``[B, Hq, Sq]``) by implementation ``name``."""
+            kv_lens: Array, scores: PagedScores, *, interpret: bool,
+            overrides: Mapping[str, int] | None = None) -> tuple[Array, Array]:
+    """Sink-free (out ``[B, Sq, Hq, Dv]``, lse ``[B, Hq, Sq]``) by implementation ``name``.
+
+    ``overrides``: fields of the kernel's config (Mosaic `ForwardConfig`, Triton
+    `PagedConfig`) forced over its default choice, for benchmarks' A/B runs."""
     if name == "xla":
         return paged_attention_xla(q, k_pages, v_pages, page_table, kv_lens, scores)
     if name == "mosaic":
-        return mosaic.paged_attention_mosaic(q, k_pages, v_pages, page_table, kv_lens, scores)
+        return mosaic.paged_attention_mosaic(q, k_pages, v_pages, page_table, kv_lens, scores,
+                                             overrides)
     group = q.shape[2] // k_pages.shape[2]
+    packed = query_groups.pack_queries(q, group)
+    config = None
+    if overrides:
+        config = triton_paged.choose_config(
+            q.shape[0], packed.shape[1], k_pages.shape[2], page_table.shape[1],
+            k_pages.shape[1], base=triton_paged.PagedConfig(**overrides))
     out, lse = triton_paged.paged_attention(
-        query_groups.pack_queries(q, group), k_pages, v_pages, page_table, kv_lens,
-        scores=scores, group=group, interpret=interpret)
+        packed, k_pages, v_pages, page_table, kv_lens, scores=scores, group=group,
+        interpret=interpret, config=config)
     return query_groups.unpack(out, lse, group)

@@ -3,17 +3,20 @@
 A paged call is the contiguous forward (`pallas_kernels.mosaic.attention_fwd_sm90`) with
 two differences, both outside its kernel body's attention code: its producer TMA-loads
 each K/V tile through the sequence's page table (``page_table`` there), and its mask is
-`PagedKeys`, a structured BlockMask of the call's visibility rules
-(`pallas_kernels.paged.PagedScores`: per-sequence ``kv_lens``, bottom-right causal,
-windows) plus the keys of page ids outside the cache. Its walk skips the kv-blocks no
-query of a q-block sees, FULL tiles take the kernel's mask-free loop, and split-KV
-comes with the forward. Grouped query heads are packed into rows (`omni_jax.query_groups`)
-when the group divides the kernel's 128-row q tile, else each head is its own CTA row.
+`PagedKeys`, the call's visibility rules (`pallas_kernels.paged.PagedScores`:
+per-sequence ``kv_lens``, bottom-right causal, windows) plus the keys of page ids
+outside the cache. The walks are built per call in closed form (`_kernel_mask`: a few
+elementwise ops, no BlockMask construction, which costs a dozen small kernels around a
+decoding step): each q-block walks the kv-blocks its queries may see, the FULL ones
+(the kernel's mask-free loop) first, and split-KV comes with the forward. Grouped query
+heads are packed into rows (`omni_jax.query_groups`) when the group divides the
+kernel's 128-row q tile, else each head is its own CTA row.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -22,12 +25,14 @@ import numpy as np
 
 from omni_jax import query_groups
 from omni_jax.backends.mosaic import interpret_params
-from omni_jax.masks import BlockGrid, MaskMod, create_block_mask
+from omni_jax.masks import BlockGrid, MaskMod
+from omni_jax.masks.mask_mods import RepeatedQueries
 from pallas_kernels import kv_splits, runtime
-from pallas_kernels.block_sparse import kernel_mask
+from pallas_kernels.block_sparse import KernelMask, MaskLayout
 from pallas_kernels.mosaic import attention_fwd_sm90 as fwd
 from pallas_kernels.mosaic.attention_sm90_common import SMEM_LIMIT
 from pallas_kernels.paged import PagedScores
+from pallas_kernels.tile_classes import COMPUTED, FULL
 
 Array = Any
 _DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
@@ -63,6 +68,7 @@ class PagedKeys(MaskMod):
         kv_start, kv_end = grid.kv_bounds()
         kv_len = self.kv_lens[:, None, None, None]
         lo, hi = self.scores.key_range(kv_len, q_start, q_end)
+        shared_lo, shared_hi = self.scores.shared_key_range(kv_len, q_start, q_end)
         blocks = -(-grid.kv_len // grid.block_kv)
         real = jnp.pad(self.real, ((0, 0), (0, blocks * grid.block_kv - grid.kv_len)),
                        constant_values=1)  # the ragged tail: kv_len hides it
@@ -70,16 +76,7 @@ class PagedKeys(MaskMod):
         all_real = real.min(axis=-1)[:, None, None, :] != 0
         any_real = real.max(axis=-1)[:, None, None, :] != 0
         empty = (kv_end < lo) | (kv_start >= hi) | ~any_real
-        full = all_real & (kv_end < kv_len)
-        first_pos = self.scores.query_position(kv_len, q_start)
-        last_pos = self.scores.query_position(kv_len, q_end)
-        if self.scores.is_causal:
-            full &= kv_end <= first_pos
-        if self.scores.window is not None:
-            left, right = self.scores.window
-            full &= kv_start >= last_pos - left
-            if not self.scores.is_causal:
-                full &= kv_end <= first_pos + right
+        full = all_real & (kv_start >= shared_lo) & (kv_end < shared_hi)
         return full, empty
 
     def leaf_kinds(self):
@@ -96,15 +93,85 @@ class _Call:
     is_causal: bool
 
 
-def _config(call: _Call, programs: int, kv_len: int) -> fwd.ForwardConfig:
+def _config(call: _Call, programs: int, kv_len: int,
+            overrides: Mapping[str, int] | None = None) -> fwd.ForwardConfig:
     """The forward's tuned config, with kv splits when ``programs`` CTAs walking up to
-    ``kv_len`` keys each leave SMs idle."""
+    ``kv_len`` keys each leave SMs idle; ``overrides`` (`ForwardConfig` fields, for a
+    benchmark's A/B of configs) replace fields of it, the kv splits chosen by their
+    block_kv."""
     config = fwd.forward_config(max(call.head_dim, call.head_dim_v), call.dtype,
                                 call.is_causal)
+    overrides = dict(overrides or {})
+    if "block_kv" in overrides:
+        config = dataclasses.replace(config, block_kv=overrides["block_kv"])
     splits = kv_splits.num_splits(programs, kv_len / config.block_kv, runtime.num_sms())
     if splits > 1:
         config = dataclasses.replace(config, kv_splits=splits, q_blocks_per_cta=1)
-    return config
+    return dataclasses.replace(config, **{name: type(getattr(config, name))(value)
+                                          for name, value in overrides.items()})
+
+
+def _kernel_mask(kv_lens: Array, page_table: Array, num_pages: int, scores: PagedScores, *,
+                 group: int, rows: int, page_size: int,
+                 block_kv: int) -> tuple[KernelMask, MaskLayout]:
+    """The kernel's walks and mask of a paged call, in closed form: a handful of
+    elementwise ops per call (a generic BlockMask's construction sorts and scatters,
+    a dozen small kernels around a decoding step of 0.1 ms).
+
+    Packed row ``r`` is query ``r // group``. A q-block walks the kv-blocks of its
+    queries' key range (`PagedScores.key_range`), first the FULL ones: those inside the
+    range every one of its queries sees (`PagedScores.shared_key_range`), in order,
+    then the others (COMPUTED, masked by `PagedKeys`). A sequence that holds a page id
+    outside the cache among its tokens (garbage under ``jit``) walks its range with
+    every tile COMPUTED, so that those pages' keys are masked.
+    """
+    pages_per_seq = page_table.shape[1]
+    kv_len = pages_per_seq * page_size
+    num_q_blocks, num_kv_blocks = -(-rows // fwd.BLOCK_Q), -(-kv_len // block_kv)
+    row0 = np.arange(num_q_blocks) * fwd.BLOCK_Q
+    first_t = jnp.asarray(row0 // group, jnp.int32)
+    last_t = jnp.asarray((np.minimum(row0 + fwd.BLOCK_Q, rows) - 1) // group, jnp.int32)
+    lens = jnp.minimum(kv_lens, kv_len)[:, None]  # no walk past the table
+    lo, hi = scores.key_range(lens, first_t, last_t)  # [B, nq]
+    begin = lo // block_kv
+    end = jnp.where(hi > lo, -(-hi // block_kv), begin)
+    shared_lo, shared_hi = scores.shared_key_range(lens, first_t, last_t)
+    real_pages = (page_table >= 0) & (page_table < num_pages)
+    in_use = jnp.arange(pages_per_seq)[None, :] * page_size < lens
+    all_real = jnp.all(real_pages | ~in_use, axis=1, keepdims=True)
+    full_begin = jnp.clip(-(-shared_lo // block_kv), begin, end)
+    full_end = jnp.where(all_real, jnp.clip(shared_hi // block_kv, full_begin, end),
+                         full_begin)
+    step = jnp.arange(num_kv_blocks)
+    num_full, before = (full_end - full_begin)[..., None], (full_begin - begin)[..., None]
+    indices = jnp.where(step < num_full, full_begin[..., None] + step,
+                        jnp.where(step < num_full + before, begin[..., None] + step - num_full,
+                                  full_end[..., None] + step - num_full - before))
+    flags = jnp.where(step < num_full, FULL, COMPUTED)
+    head = lambda x: x[:, None].astype(jnp.int32)  # [B, 1, ...]: one mask for all heads
+    real_keys = jnp.repeat(real_pages.astype(jnp.int32), page_size, axis=1)
+    real_keys = jnp.pad(real_keys, ((0, 0), (0, num_kv_blocks * block_kv - kv_len)),
+                        mode="edge")
+    mask_mod = PagedKeys(kv_lens, real_keys, scores)
+    if group > 1:
+        mask_mod = RepeatedQueries.of(mask_mod, group)
+    leaves, treedef = jax.tree.flatten(mask_mod)
+    # The forward walks kv-blocks only: the q walk (the backward's) stays empty.
+    no_q_walk = np.zeros((1, 1, num_kv_blocks), np.int32)
+    indices = head(jnp.minimum(indices, num_kv_blocks - 1))
+    kmask = KernelMask(
+        kv_num_blocks=head(end - begin), kv_num_full=head(num_full[..., 0]),
+        kv_indices=indices, kv_tile_flags=head(flags), kv_partial_ids=jnp.zeros_like(indices),
+        q_num_blocks=no_q_walk, q_num_full=no_q_walk,
+        q_indices=np.zeros((1, 1, num_kv_blocks, num_q_blocks), np.int32),
+        q_tile_flags=np.zeros((1, 1, num_kv_blocks, num_q_blocks), np.int32),
+        q_partial_ids=np.zeros((1, 1, num_kv_blocks, num_q_blocks), np.int32),
+        partial_masks=np.zeros((0, fwd.BLOCK_Q, block_kv), np.int8), leaves=tuple(leaves))
+    layout = MaskLayout(q_len=rows, kv_len=kv_len, block_q=fwd.BLOCK_Q, block_kv=block_kv,
+                        num_q_blocks=num_q_blocks, num_kv_blocks=num_kv_blocks,
+                        mask_mod_treedef=treedef, leaf_kinds=mask_mod.leaf_kinds(),
+                        contiguous_full=False)
+    return kmask, layout
 
 
 def unsupported_reason(dtype: Any, head_dim: int, head_dim_v: int, page_size: int,
@@ -133,27 +200,24 @@ def unsupported_reason(dtype: Any, head_dim: int, head_dim_v: int, page_size: in
 
 
 def paged_attention_mosaic(q: Array, k_pages: Array, v_pages: Array, page_table: Array,
-                           kv_lens: Array, scores: PagedScores) -> tuple[Array, Array]:
-    """Sink-free (out ``[B, Sq, Hq, Dv]``, lse ``[B, Hq, Sq]`` float32) of a paged call."""
+                           kv_lens: Array, scores: PagedScores,
+                           overrides: Mapping[str, int] | None = None) -> tuple[Array, Array]:
+    """Sink-free (out ``[B, Sq, Hq, Dv]``, lse ``[B, Hq, Sq]`` float32) of a paged call;
+    ``overrides``: `ForwardConfig` fields forced over the chosen config (benchmarks)."""
     batch, q_len, num_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, head_dim_v = v_pages.shape
     pages_per_seq = page_table.shape[1]
     group = num_heads // num_kv_heads
-    if fwd.BLOCK_Q % group:  # repeat_queries needs whole groups in a q tile
+    if fwd.BLOCK_Q % group:  # packed rows need whole groups in a q tile
         group = 1
     call = _Call(head_dim, head_dim_v, np.dtype(q.dtype), scores.is_causal)
     rows = q_len * group
     programs = batch * (num_heads // group) * -(-rows // fwd.BLOCK_Q)
-    kv_len = pages_per_seq * page_size
-    config = _config(call, programs, kv_len)
-    # 1 where a token's page is one of the cache; the kernel clamps the others' reads.
-    real = (page_table >= 0) & (page_table < num_pages)
-    real = jnp.repeat(real.astype(jnp.int32), page_size, axis=1)
-    mask = create_block_mask(PagedKeys(kv_lens, real, scores), batch, None, q_len, kv_len,
-                             block_size=(config.block_q, config.block_kv))
+    config = _config(call, programs, pages_per_seq * page_size, overrides)
+    kmask, layout = _kernel_mask(kv_lens, page_table, num_pages, scores, group=group,
+                                 rows=rows, page_size=page_size, block_kv=config.block_kv)
     if group > 1:
-        q, mask = query_groups.pack_queries(q, group), mask.repeat_queries(group)
-    kmask, layout = kernel_mask(mask)
+        q = query_groups.pack_queries(q, group)
     out, lse = fwd.attention_forward(
         q, k_pages, v_pages, kmask, layout, scale=scores.scale, softcap=scores.softcap,
         score_mod=None, has_partial=False, config=config,

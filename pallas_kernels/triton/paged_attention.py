@@ -43,8 +43,14 @@ class PagedConfig:
     num_warps: int = 4
     num_stages: int = 2
     # Programs per row tile, each walking an even share of its K/V tiles; None: enough
-    # to fill the GPU's SMs (`pallas_kernels.kv_splits.num_splits`).
+    # to fill ``programs_per_sm`` programs on each of the GPU's SMs
+    # (`pallas_kernels.kv_splits.num_splits`). A program holds little in flight (two
+    # K/V stages of 64 tokens, 64 KB of shared memory: three fit an H100/H200 SM), so
+    # one per SM leaves bandwidth unused: H200, 2026-11-28 05:23-06:38, K/V read at
+    # 1.7-2.1 TB/s with 128 programs (8 x 8192, 1 x 131072) and 2.7-2.9 TB/s with
+    # 512-1024 (64 x 4096, 128 x 2048).
     kv_splits: int | None = None
+    programs_per_sm: int = 3
 
     def __post_init__(self):
         for name in ("block_rows", "block_kv"):
@@ -54,6 +60,8 @@ class PagedConfig:
                                  f"got {size}")
         if self.kv_splits is not None and self.kv_splits < 1:
             raise ValueError(f"kv_splits must be None or >= 1; got {self.kv_splits}")
+        if self.programs_per_sm < 1:
+            raise ValueError(f"programs_per_sm must be >= 1; got {self.programs_per_sm}")
 
 
 def unsupported_reason(dtype: Any, head_dim: int, head_dim_v: int) -> str | None:
@@ -117,14 +125,17 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, lens_ref, out_ref, lse_ref, *,
 
 
 def choose_config(batch: int, rows: int, num_kv_heads: int, pages_per_seq: int,
-                  page_size: int) -> PagedConfig:
-    """The default config: as many kv splits as fill the SMs in one wave."""
-    config = PagedConfig()
+                  page_size: int, base: PagedConfig | None = None) -> PagedConfig:
+    """``base`` (default `PagedConfig()`) with its kv splits chosen, unless it has them:
+    as many as fill ``programs_per_sm`` programs on every SM in one wave."""
+    config = PagedConfig() if base is None else base
+    if config.kv_splits is not None:
+        return config
     tile_rows = min(config.block_rows, max(tiles.MIN_TILE, pl.next_power_of_2(rows)))
     programs = batch * num_kv_heads * pl.cdiv(rows, tile_rows)
     walk = pages_per_seq * page_size / config.block_kv
-    return dataclasses.replace(config, kv_splits=kv_splits.num_splits(programs, walk,
-                                                                     runtime.num_sms()))
+    return dataclasses.replace(config, kv_splits=kv_splits.num_splits(
+        programs, walk, runtime.num_sms() * config.programs_per_sm))
 
 
 def paged_attention(q: Array, k_pages: Array, v_pages: Array, page_table: Array,

@@ -53,3 +53,29 @@ def test_shapes_are_checked():
         paged.run(_args("--shapes", "1,1,64,8,2,32,16"))
     with pytest.raises(ValueError, match="multiple of kv_heads"):
         paged.run(_args("--shapes", "1,1,64,6,4,32,16,uniform"))
+
+
+@pytest.mark.interpreted
+def test_forced_triton_fields_are_checked_and_timed(monkeypatch):
+    monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
+    impl = "omni_triton/block_kv=16/num_warps=2/kv_splits=3"
+    rows = paged.run(_args("--tiny", "--shapes", "2,1,200,8,2,32,16,ragged", "--impls", impl,
+                           "omni_xla"))
+    forced = next(row for row in rows if row["impl"] == impl)
+    assert forced["ms"] > 0 and "GB/s of K/V" in forced["note"]
+
+
+@pytest.mark.parametrize("impl, expected", [
+    ("omni_mosaic/block_kv=64/num_stages=4", ("mosaic", {"block_kv": 64, "num_stages": 4})),
+    ("omni_triton/kv_splits=8", ("triton", {"kv_splits": 8})),
+    ("omni_mosaic", None),
+])
+def test_forced_fields_are_parsed(impl, expected):
+    assert paged.forced_fields(impl) == expected
+
+
+@pytest.mark.parametrize("impl", ["omni_mosaic/block_q=64x", "omni_triton/stages=2",
+                                  "omni_cuda"])
+def test_bad_impl_names_fail_before_timing(impl):
+    with pytest.raises(SystemExit):
+        _args("--impls", impl)

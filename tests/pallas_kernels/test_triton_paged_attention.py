@@ -49,10 +49,17 @@ def test_default_config_splits_long_caches_of_few_sequences():
                                      page_size=16)
     many = triton_paged.choose_config(batch=256, rows=4, num_kv_heads=8, pages_per_seq=32,
                                       page_size=16)
-    assert few.kv_splits == 16 and many.kv_splits == 1
+    assert few.kv_splits == 49 and many.kv_splits == 1  # 3 programs on each of 132 SMs
+    one_per_sm = triton_paged.PagedConfig(programs_per_sm=1)
+    assert triton_paged.choose_config(batch=1, rows=4, num_kv_heads=8, pages_per_seq=2048,
+                                      page_size=16, base=one_per_sm).kv_splits == 16
+    forced = triton_paged.PagedConfig(kv_splits=5)
+    assert triton_paged.choose_config(batch=1, rows=4, num_kv_heads=8, pages_per_seq=2048,
+                                      page_size=16, base=forced) is forced
 
 
-@pytest.mark.parametrize("bad", [dict(block_kv=48), dict(block_rows=8), dict(kv_splits=0)])
+@pytest.mark.parametrize("bad", [dict(block_kv=48), dict(block_rows=8), dict(kv_splits=0),
+                                 dict(programs_per_sm=0)])
 def test_bad_configs_raise(bad):
     with pytest.raises(ValueError, match="must be"):
         triton_paged.PagedConfig(**bad)

@@ -23,13 +23,26 @@ def hopper(monkeypatch):
     monkeypatch.setattr(runtime, "implementation_preference", lambda: ("mosaic", "triton", "xla"))
 
 
-def _problem(head_dim=128, dtype=jnp.bfloat16, page_size=16, pages_per_seq=64):
+def _problem(head_dim=128, dtype=jnp.bfloat16, page_size=16, pages_per_seq=64, **shape):
     return backends.PagedProblem(jnp.dtype(dtype), head_dim, head_dim, page_size,
-                                 pages_per_seq)
+                                 pages_per_seq, **shape)
 
 
 def test_hopper_takes_the_mosaic_kernel(hopper):
     assert backends.choose(None, _problem()) == "mosaic"
+
+
+@pytest.mark.parametrize("shape, expected", [
+    (dict(batch=8, num_kv_heads=8, group=4), "mosaic"),  # 64 programs: kv splits fill SMs
+    (dict(batch=1, num_kv_heads=8, group=4), "mosaic"),
+    (dict(batch=64, num_kv_heads=8, group=4), "triton"),  # 512 programs
+    (dict(batch=256, num_kv_heads=8, group=4), "triton"),
+    (dict(batch=64, q_len=512, num_kv_heads=8, group=4), "mosaic"),  # a prefill chunk
+])
+def test_decoding_steps_of_many_programs_take_triton_first(hopper, monkeypatch, shape,
+                                                           expected):
+    monkeypatch.setattr(runtime, "num_sms", lambda: 132)
+    assert backends.choose(None, _problem(**shape)) == expected
 
 
 @pytest.mark.parametrize("problem, reason", [

@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 
 import omni_jax
+from omni_jax.paged import mosaic
 from pallas_kernels import runtime
 from pallas_kernels.mosaic import attention_fwd_sm90 as fwd
+from pallas_kernels.paged import PagedScores
 from tests.forced_configs import record_configs
 from tests.mosaic_interpret import interpreted_mosaic
 from tests.omni_jax.paged.paged_reference import dense_paged_reference, random_case
@@ -113,3 +115,94 @@ def test_kv_splits_combine(mode, monkeypatch, seed):
     _check(_case(seed, kv_lens=[300, 140], heads=4, kv_heads=2, page_size=32),
            dict(local_window_size=(200, 0)))
     assert [c.kv_splits for c in configs] == [3]
+
+
+# name: (kv_lens, q_len, group, page_size, pages_per_seq, block_kv, is_causal, window).
+WALK_CASES = {
+    "decode_gqa": ([0, 1, 700, 1024, 333], 1, 4, 16, 64, 128, True, None),
+    "decode_ragged_table": ([5, 200, 999], 1, 8, 16, 63, 64, True, None),
+    "prefill_chunk": ([300, 900, 2048], 40, 4, 64, 32, 128, True, None),
+    "window": ([1000, 90, 2000], 33, 1, 32, 64, 64, True, (300, 0)),
+    "not_causal_window": ([1000, 700], 50, 2, 64, 16, 128, False, (200, 100)),
+    "not_causal": ([0, 130, 511], 3, 4, 128, 4, 128, False, None),
+}
+
+
+def _tile_visibility(lens, table, num_pages, scores, *, group, rows, page_size, block_kv,
+                     num_q_blocks, num_kv_blocks):
+    """(any, all) keys visible per (sequence, packed q-block, kv-block) tile, in numpy
+    from `PagedScores.visible` and the page ids: what a walk must cover and may call FULL."""
+    padded_rows, padded_keys = num_q_blocks * fwd.BLOCK_Q, num_kv_blocks * block_kv
+    q_pos = np.asarray(scores.query_position(np.asarray(lens)[:, None],
+                                             np.arange(rows)[None] // group))  # [B, R]
+    k_pos = np.arange(padded_keys)
+    slot = np.minimum(k_pos // page_size, table.shape[1] - 1)
+    real = (table[:, slot] >= 0) & (table[:, slot] < num_pages) & (
+        k_pos < table.shape[1] * page_size)
+    seen = np.asarray(scores.visible(jnp.asarray(q_pos[:, :, None]), k_pos[None, None, :],
+                                     jnp.asarray(lens)[:, None, None])) & real[:, None, :]
+    tiles = np.zeros((len(lens), padded_rows, padded_keys), bool)
+    valid = np.zeros_like(tiles)
+    tiles[:, :rows] = seen
+    valid[:, :rows] = True
+    shape = (len(lens), num_q_blocks, fwd.BLOCK_Q, num_kv_blocks, block_kv)
+    tiles, valid = tiles.reshape(shape), valid.reshape(shape)
+    return tiles.any(axis=(2, 4)), (tiles | ~valid).all(axis=(2, 4))
+
+
+@pytest.mark.parametrize("bad_ids", [False, True])
+@pytest.mark.parametrize("name", WALK_CASES)
+def test_closed_form_walk_covers_the_visible_tiles(name, bad_ids, seed):
+    """The paged kernel's walks (built per call in closed form, `mosaic._kernel_mask`)
+    hold exactly the tiles with a visible key, FULL ones (all keys visible) first. With
+    page ids outside the cache in use, such a sequence's tiles are all COMPUTED."""
+    kv_lens, q_len, group, page_size, pages_per_seq, block_kv, causal, window = WALK_CASES[name]
+    rng = np.random.default_rng(seed)
+    batch, num_pages = len(kv_lens), 4 * pages_per_seq
+    table = rng.integers(0, num_pages, (batch, pages_per_seq), dtype=np.int32)
+    lens = np.asarray(kv_lens, np.int32)
+    if bad_ids:  # the first page of the longest sequence, the last of the last one
+        table[np.argmax(lens), 0], table[-1, (lens[-1] - 1) // page_size] = num_pages, -1
+    scores = PagedScores(q_len=q_len, is_causal=causal, window=window, softcap=None,
+                         scale=1.0)
+    rows = q_len * group
+    kmask, layout = mosaic._kernel_mask(jnp.asarray(lens), jnp.asarray(table), num_pages,
+                                        scores, group=group, rows=rows, page_size=page_size,
+                                        block_kv=block_kv)
+    assert layout.num_q_blocks == -(-rows // fwd.BLOCK_Q)
+    assert layout.num_kv_blocks == -(-pages_per_seq * page_size // block_kv)
+    any_seen, all_seen = _tile_visibility(
+        lens, table, num_pages, scores, group=group, rows=rows, page_size=page_size,
+        block_kv=block_kv, num_q_blocks=layout.num_q_blocks,
+        num_kv_blocks=layout.num_kv_blocks)
+    count, num_full = np.asarray(kmask.kv_num_blocks), np.asarray(kmask.kv_num_full)
+    indices, flags = np.asarray(kmask.kv_indices), np.asarray(kmask.kv_tile_flags)
+    in_use = np.arange(pages_per_seq)[None] * page_size < lens[:, None]
+    has_bad = (((table < 0) | (table >= num_pages)) & in_use).any(axis=1)
+    assert has_bad.any() == bad_ids
+    for b in range(batch):
+        for i in range(layout.num_q_blocks):
+            walk = indices[b, 0, i, :count[b, 0, i]]
+            full = walk[:num_full[b, 0, i]]
+            assert len(set(walk)) == len(walk)
+            assert (flags[b, 0, i, :count[b, 0, i]] == np.where(
+                np.arange(len(walk)) < len(full), 0, 1)).all()
+            assert set(np.flatnonzero(any_seen[b, i])) <= set(walk)
+            if has_bad[b]:
+                assert len(full) == 0
+                continue
+            assert set(walk) == set(np.flatnonzero(any_seen[b, i]))
+            assert set(full) == set(np.flatnonzero(all_seen[b, i] & any_seen[b, i]))
+
+
+def test_config_overrides_choose_splits_by_their_block_kv(monkeypatch):
+    """A benchmark's forced fields (`backends.forward`'s overrides) replace the tuned ones;
+    the kv splits follow a forced block_kv (twice the kv-blocks, up to filling the SMs)."""
+    monkeypatch.setattr(runtime, "num_sms", lambda: 132)
+    call = mosaic._Call(128, 128, np.dtype(jnp.bfloat16), True)
+    tuned = mosaic._config(call, 8, 4096)
+    assert (tuned.block_kv, tuned.kv_splits) == (128, 4)  # 32 kv-blocks, 8 steps a share
+    forced = mosaic._config(call, 8, 4096, {"block_kv": 64, "num_stages": 4, "pipelined": 0})
+    assert (forced.block_kv, forced.num_stages, forced.kv_splits) == (64, 4, 8)
+    assert forced.pipelined is False
+    assert mosaic._config(call, 8, 4096, {"kv_splits": 1}).kv_splits == 1
