@@ -217,7 +217,7 @@ class MosaicBackend(AttentionBackend):
             return (f"BlockMask block_kv={block_kv}: the Mosaic backward takes "
                     f"{' or '.join(map(str, bwd.SUPPORTED_BLOCK_KV))} (one dK/dV consumer "
                     f"warpgroup per 64 kv rows)")
-        config = bwd.fit_config(dataclasses.replace(config, block_kv=block_kv), SMEM_LIMIT,
+        config = bwd.fit_config(config.with_block_kv(block_kv), SMEM_LIMIT,
                                 *dims, np.dtype(problem.dtype).itemsize,
                                 problem.has_user_mask)
         if config is None:

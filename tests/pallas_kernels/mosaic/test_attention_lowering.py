@@ -194,6 +194,13 @@ def test_backward_lowers_for_cuda(name, _compiled_mosaic):
     ("dense_hd96", {}, 3, False),
     ("dense_hd80_value_dim_128", {}, 3, False),
     ("partial_tiles_hd80_value_dim_128_block_kv_64", {"fused_dq_min_full_walk": 0.0}, 3, True),
+    # Head dim 64 walks whole q-blocks, its fused dQ split by rows: dense in one launch,
+    # stored tiles under GQA split in two; short causal walks keep the dQ kernel, and so
+    # do 64-row steps (the dQ columns do not split).
+    ("dense_hd64_q_in_registers", {}, 2, True),
+    ("partial_tiles_per_head_gqa", {"fused_dq_min_full_walk": 0.0}, 3, True),
+    ("causal_ragged_hd64", {}, 3, False),
+    ("dense_hd64_q_in_registers", {"q_step": 64}, 3, False),
     # Above head dim 128: the forward, dK, dV and dQ launches (`split_dkdv`) where dK and
     # dV together exceed a consumer's registers, else one dK/dV launch.
     ("hd192_value_dim_256_stored_tiles", {}, 4, False),
