@@ -490,7 +490,8 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
 
         def add_dq(dq, head, q_start):
             adder = _dq_adder(s, kv_block)
-            dst = dq_sum_ref.at[adder, batch, pl.ds(q_start + dq_row0, dq_rows), head,
+            first_row = q_start + dq_row0 if by_rows else q_start
+            dst = dq_sum_ref.at[adder, batch, pl.ds(first_row, dq_rows), head,
                                 pl.ds(dq_col0, dq_cols)]
             if s.interpret:  # No TMA reductions there: a sum of its own (`_dq_adders`).
                 dst[...] = dst[...] + dq
