@@ -11,8 +11,9 @@ dense masks and long walks the dK/dV kernel adding dQ too (fused dQ, below):
   halves a q-block; 128: whole q-blocks), and TMA-loads Q, dO, lse and delta of
   each step (plus the q mask leaves and, for PARTIAL tiles, the
   stored tile) into a ring of stages; MASKED tiles are never loaded. Per
-  step a consumer computes ``S^T = K Q^T`` and ``dP^T = V dO^T`` by wgmma,
-  ``P^T = exp2(S^T - lse)`` (scores in log2 units), ``dV += P^T dO`` and
+  step a consumer computes ``S^T = K Q^T`` and ``dP^T - delta = V dO^T - delta``
+  by wgmma (dP^T's accumulator starts at -delta), ``P^T = exp2(S^T - lse)``
+  (scores in log2 units), ``dV += P^T dO`` and
   ``dS^T = P^T (dP^T - delta)`` (times the softcap/score_mod derivative and
   the scale), ``dK += dS^T Q``. dK and dV stay in registers across the whole
   group, so the GQA reduction needs no atomics.
@@ -101,7 +102,7 @@ SUPPORTED_BLOCK_KV = (64, 128)  # 64 kv rows per dK/dV consumer warpgroup: 1 or 
 class BackwardConfig:
     """Tiling of the backward kernels; ``block_q`` x ``block_kv`` is the BlockMask tile.
 
-    ``dkv_stages`` slots of (Q, dO, lse, delta) halves feed the dK/dV kernel,
+    ``dkv_stages`` slots of (Q, dO, lse, delta) steps feed the dK/dV kernel,
     ``dq_stages`` slots of (K, V) blocks the dQ kernel.
     """
 
