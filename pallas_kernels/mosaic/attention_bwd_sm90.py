@@ -436,8 +436,6 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
         row_layout = compat.wgmma_row_layout()
         col_layout = compat.wgmma_col_layout()
         tile = (rows, q_step)  # Transposed scores: kv rows x q columns.
-        zeros = lambda dim: plgpu.layout_cast(jnp.zeros((rows, dim), jnp.float32),
-                                              plgpu.Layout.WGMMA)
         p_stage, ds_stage = (None, None) if staging is None else (staging.at[0, wg],
                                                                    staging.at[1, wg])
 
@@ -531,16 +529,9 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
 
                 plgpu.barrier_wait(q_ready.at[slot])
                 plgpu.barrier_wait(do_ready.at[slot])
-                plgpu.barrier_wait(stats_ready.at[slot])
                 if sums_dk:
-                    # dP^T's accumulator starts at -delta, so the product is dP^T - delta:
-                    # delta's registers are not live beside S^T and dP^T at the softmax.
-                    delta = compat.mosaic_load(stats_ring.at[slot, 1], col_layout,
-                                               interpret=s.interpret)
-                    scores, dprobs = compat.wgmma_accumulate_all(
-                        (zeros(q_step), lax.broadcast_in_dim(-delta, tile, [1])),
-                        ((k_tile, _transposed(q_half)), (v_tile, _transposed(do_half))),
-                        interpret=s.interpret)
+                    scores, dprobs = _products(tile, (k_tile, _transposed(q_half)),
+                                               (v_tile, _transposed(do_half)))
                 else:
                     (scores,) = _products(tile, (k_tile, _transposed(q_half)))
                 scores = common.log2_scores(score_spec, scores, batch, head,
@@ -566,6 +557,7 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                 if not full:
                     scores = masked(scores)
 
+                plgpu.barrier_wait(stats_ready.at[slot])
                 lse2 = compat.mosaic_load(stats_ring.at[slot, 0], col_layout,
                                           interpret=s.interpret)
                 probs = jnp.exp2(scores - lax.broadcast_in_dim(lse2, tile, [1]))
@@ -574,7 +566,9 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                 if sums_dv:
                     products.append((dv, (_staged(p_stage, probs.astype(s.dtype)), do_half)))
                 if sums_dk:
-                    dscores = probs * dprobs
+                    delta = compat.mosaic_load(stats_ring.at[slot, 1], col_layout,
+                                               interpret=s.interpret)
+                    dscores = probs * (dprobs - lax.broadcast_in_dim(delta, tile, [1]))
                     if slope is not None:
                         dscores = dscores * slope
                     dscores = (dscores * s.scores.scale).astype(s.dtype)
@@ -609,6 +603,8 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                                       carry)
             return carry
 
+        zeros = lambda dim: plgpu.layout_cast(jnp.zeros((rows, dim), jnp.float32),
+                                              plgpu.Layout.WGMMA)
         dk, dv, num_steps_done, previous = lax.fori_loop(
             0, s.group_size, head_steps,
             # The fused dQ carries the previous step's (head, first q row).
