@@ -222,7 +222,8 @@ class MosaicBackend(AttentionBackend):
                     f"warpgroup per 64 kv rows)")
         # The fused dQ's reduce-adds are atomic: their sums vary in the last bits.
         config = bwd.fit_config(dataclasses.replace(
-            config, block_kv=block_kv, fused_dq=config.fused_dq and not problem.deterministic),
+            config.with_block_kv(block_kv),
+            fused_dq=config.fused_dq and not problem.deterministic),
             SMEM_LIMIT, *dims, np.dtype(problem.dtype).itemsize, problem.has_user_mask)
         if config is None:
             return f"block_kv={block_kv} with head dims {dims} exceeds shared memory"

@@ -7,11 +7,13 @@ dense masks and long walks the dK/dV kernel adding dQ too (fused dQ, below):
 * dK/dV: one CTA per (kv-block, batch, kv head). Each consumer warpgroup TMA-
   loads its 64 rows of K and V once. The producer warpgroup walks, for each
   query head of the GQA group, the active q-blocks of the kv-block (the
-  kv-major view of the mask) as 64-row halves, and TMA-loads Q, dO, lse and
-  delta of each half (plus the q mask leaves and, for PARTIAL tiles, the
+  kv-major view of the mask) in steps of `BackwardConfig.q_step` rows (64: two
+  halves a q-block; 128: whole q-blocks), and TMA-loads Q, dO, lse and delta of
+  each step (plus the q mask leaves and, for PARTIAL tiles, the
   stored tile) into a ring of stages; MASKED tiles are never loaded. Per
   step a consumer computes ``S^T = K Q^T`` and ``dP^T = V dO^T`` by wgmma,
-  ``P^T = exp2(S^T - lse)`` (scores in log2 units), ``dV += P^T dO`` and
+  ``P^T = exp2(S^T - lse)``
+  (scores in log2 units), ``dV += P^T dO`` and
   ``dS^T = P^T (dP^T - delta)`` (times the softcap/score_mod derivative and
   the scale), ``dK += dS^T Q``. dK and dV stay in registers across the whole
   group, so the GQA reduction needs no atomics.
@@ -44,16 +46,22 @@ argument, aliased in place). Those adds are atomic, in no fixed order, so the
 sum's last bits vary between runs: the Mosaic backend takes the fused dQ only for
 `omni_jax.attention`'s ``deterministic=False``. The one-step delay keeps the
 consumers out of lockstep; an earlier form with a rendezvous every step (commit
-0e02a52) was no faster. Per step a consumer (`BackwardConfig.overlapped_step`)
-issues S^T and dP^T and computes P^T while dP^T runs; stores its dS^T tile; issues
-dV, the previous step's dQ and dK, and waits for dV and dQ only, so that dQ's
-float32 staging and its reduction run under dK. dK and dV therefore accumulate in
-wgmma accumulator refs, and no register of a wgmma in flight is written meanwhile
-(ptxas would serialize every wgmma of the kernel). Mask code beside the fused dQ's
-state spills registers, so under masks with masked tiles the fused launch walks
-only the FULL steps and compiles no mask code; a second fused launch walks the
-masked steps (its few steps a CTA bear the spills), adding the first launch's dK
-and dV to its own and its dQ to the same buffer. That pays where walks are long
+0e02a52) was no faster. At head dim 64 the columns do not split into 64-column
+tiles between two consumers; there the steps are whole 128-row q-blocks and dQ
+splits by rows: consumer w adds rows [64w, 64w + 64) of the step for all 64
+columns, from the transposed 64-column slices of both consumers' 64 x 128 dS^T
+tiles times their K (FlashAttention-3's and -4's tiling).
+
+Per step a consumer (`BackwardConfig.overlapped_step`) issues S^T and dP^T and
+computes P^T while dP^T runs; stores its dS^T tile; issues dV, the previous step's
+dQ and dK, and waits for dV and dQ only, so that dQ's float32 staging and its
+reduction run under dK. dK and dV therefore accumulate in wgmma accumulator refs,
+and no register of a wgmma in flight is written meanwhile (ptxas would serialize
+every wgmma of the kernel). Mask code beside the fused dQ's state spills
+registers, so under masks with masked tiles the fused launch walks only the FULL
+steps and compiles no mask code; a second fused launch walks the masked steps (its
+few steps a CTA bear the spills), adding the first launch's dK and dV to its own
+and its dQ to the same buffer. That pays where walks are long
 (`BackwardConfig.fused_dq_min_full_walk`);
 shorter ones keep the dQ kernel for every step, and so do `jax.vmap` (a
 custom_vmap rule) and `jax.shard_map`.
@@ -88,7 +96,9 @@ from pallas_kernels.tile_classes import trace_time_eval
 
 Array = Any
 
-Q_STEP = 64  # q rows per dK/dV step: a q-block is walked as two halves.
+# q rows per dK/dV step (`BackwardConfig.q_step`): a q-block in two halves, or whole.
+SUPPORTED_Q_STEPS = (ROWS_PER_CONSUMER, BLOCK_Q)
+ROW_SPLIT_MAX_HEAD_DIM = 64  # The fused dQ split by rows (128-row steps) up to this head dim.
 NUM_DQ_CONSUMERS = BLOCK_Q // ROWS_PER_CONSUMER
 # Registers a thread of each of a dQ CTA's three warpgroups (65536 / 384, a multiple of
 # 8): what `set_max_registers` moves between producer and consumers must sum within it.
@@ -100,7 +110,7 @@ SUPPORTED_BLOCK_KV = (64, 128)  # 64 kv rows per dK/dV consumer warpgroup: 1 or 
 class BackwardConfig:
     """Tiling of the backward kernels; ``block_q`` x ``block_kv`` is the BlockMask tile.
 
-    ``dkv_stages`` slots of (Q, dO, lse, delta) halves feed the dK/dV kernel,
+    ``dkv_stages`` slots of (Q, dO, lse, delta) steps feed the dK/dV kernel,
     ``dq_stages`` slots of (K, V) blocks the dQ kernel.
     """
 
@@ -144,6 +154,11 @@ class BackwardConfig:
     # fewer), which dK takes once before its store and dQ in the wrapper's conversion
     # of the float32 sum, as FlashAttention-3 does.
     fold_scale: bool = True
+    # q rows a dK/dV step walks: 64 (a q-block in two halves; the fused dQ splits dQ's
+    # columns between the consumers in 64-column tiles) or 128 (a q-block a step, two
+    # consumers; the fused dQ splits dQ's rows, consumer w adding rows [64w, 64w + 64)
+    # of every column, which serves head dim 64: `fused_dq_splits`).
+    q_step: int = ROWS_PER_CONSUMER
 
     def __post_init__(self):
         if self.block_q != BLOCK_Q:
@@ -157,6 +172,11 @@ class BackwardConfig:
         if self.dq_consumer_registers % 8 or not 64 <= self.dq_consumer_registers <= 240:
             raise ValueError("dq_consumer_registers must be a multiple of 8 from 64 to 240, "
                              f"got {self.dq_consumer_registers}")
+        if self.q_step not in SUPPORTED_Q_STEPS:
+            raise ValueError(f"q_step must be one of {SUPPORTED_Q_STEPS}, got {self.q_step}")
+        if self.q_step == BLOCK_Q and self.block_kv != 2 * ROWS_PER_CONSUMER:
+            raise ValueError(f"q_step={BLOCK_Q} needs two dK/dV consumers "
+                             f"(block_kv={2 * ROWS_PER_CONSUMER}), got block_kv={self.block_kv}")
         if self.fused_dq and self.split_dkdv:
             raise ValueError("fused_dq adds dQ from a launch summing both dK and dV; "
                              "split_dkdv=True sums them apart")
@@ -165,6 +185,16 @@ class BackwardConfig:
     def dkv_consumers(self) -> int:
         return self.block_kv // ROWS_PER_CONSUMER
 
+    @property
+    def steps_per_q_block(self) -> int:
+        return BLOCK_Q // self.q_step
+
+    def with_block_kv(self, block_kv: int) -> BackwardConfig:
+        """This config at a BlockMask's ``block_kv``; one dK/dV consumer (64) walks
+        64-row steps (128-row ones need a second consumer for dQ's other rows)."""
+        q_step = self.q_step if block_kv == 2 * ROWS_PER_CONSUMER else ROWS_PER_CONSUMER
+        return dataclasses.replace(self, block_kv=block_kv, q_step=q_step)
+
 
 # Per padded head dim (bf16 and fp16 alike, causal or not: the walk decides the work).
 # The block_kv matches the forward's (one BlockMask serves both passes); the stage
@@ -172,8 +202,12 @@ class BackwardConfig:
 # stages where three fit: H100, 2026-11-27 (benchmarks/RESULTS.md), fwd+bwd even or
 # faster in every case (causal d128 s4096 3-10%, dense d192 2-9%, query-key 192 / value
 # 128 and 256 / 64 dense 10-13%); at head dim 64 four, three and two ran even.
+#
+# Head dim 64 walks whole q-blocks and fuses dQ split by rows (FlashAttention-3's and
+# -4's tiling: 5 matmuls a tile instead of the dQ kernel's 7).
 _CONFIGS = {
-    64: BackwardConfig(block_kv=128, dkv_stages=4, dq_stages=3),
+    64: BackwardConfig(block_kv=128, dkv_stages=4, dq_stages=3, q_step=BLOCK_Q,
+                       fused_dq=True),
     128: BackwardConfig(block_kv=128, dkv_stages=2, dq_stages=2, fused_dq=True),
     # The dQ kernel fitted to 1 stage at 256, 2 at 192. Its 64 x 256 float32 sum beside
     # the mask code spills at 232 registers: H200, causal d256 fwd+bwd 9% faster at 240
@@ -211,14 +245,15 @@ def smem_bytes(config: BackwardConfig, head_dim: int, head_dim_v: int, itemsize:
     """Shared memory of one (dK/dV, dQ) CTA; head dims already padded. ``fused_dq``:
     the dK/dV CTA of the fused dQ (which walks FULL tiles only)."""
     width = (head_dim + head_dim_v) * itemsize
-    dkv_stage = Q_STEP * width + 2 * Q_STEP * 4 + num_q_leaves * Q_STEP * 4
+    q_step = config.q_step
+    dkv_stage = q_step * width + 2 * q_step * 4 + num_q_leaves * q_step * 4
     dq_stage = config.block_kv * width + num_kv_leaves * config.block_kv * 4
     if has_partial:
-        dkv_stage += config.block_kv * Q_STEP
+        dkv_stage += config.block_kv * q_step
         dq_stage += config.block_q * config.block_kv
     dkv = config.block_kv * width + config.dkv_stages * dkv_stage
     if fused_dq:  # dS^T tiles of two steps, each consumer's float32 dQ stage
-        dkv += 2 * config.block_kv * Q_STEP * itemsize + Q_STEP * head_dim * 4
+        dkv += 2 * config.block_kv * q_step * itemsize + q_step * head_dim * 4
     dq = config.block_q * width + 2 * config.block_q * 4 + config.dq_stages * dq_stage
     return dkv, dq
 
@@ -324,6 +359,7 @@ def _staged(staging, value):
 def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *refs):
     cfg = s.config
     rows, stages, consumers = ROWS_PER_CONSUMER, cfg.dkv_stages, cfg.dkv_consumers
+    q_step, steps_per_block = cfg.q_step, cfg.steps_per_q_block
     partial_ref, q_leaf_ref, kv_leaf_ref, captured_ref, refs = common.split_optional_refs(
         refs, s)
     # The masked steps' launch adds its sums to the FULL steps' (the fused launch's).
@@ -351,13 +387,17 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
         return walk_smem[row, lax.div(i, common.WALK_LINE), lax.rem(i, common.WALK_LINE)]
 
     def num_steps(g):
-        return 2 * entry(g, 0)  # Two q halves per active q-block.
+        return steps_per_block * entry(g, 0)
+
+    def num_full_steps(g):
+        return steps_per_block * entry(g, 1)
 
     def step_position(g, j):
-        """(q-block flags, first q row, q half) of step ``j`` of head ``g``'s walk."""
-        i, half = lax.div(j, 2), lax.rem(j, 2)
+        """(q-block flags, first q row, part of the q-block, walk position) of step ``j``
+        of head ``g``'s walk."""
+        i, part = lax.div(j, steps_per_block), lax.rem(j, steps_per_block)
         q_block = entry(g, index_offset + i)
-        return entry(g, flags_offset + i), q_block * BLOCK_Q + half * Q_STEP, half, i
+        return entry(g, flags_offset + i), q_block * BLOCK_Q + part * q_step, part, i
 
     # Registers move from the producer to the consumers only with two consumers: with
     # one, the two warpgroups already get the per-thread maximum each. 240 + 240 + 24
@@ -390,16 +430,16 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                 def _():
                     common.wait_released(consumed.at[slot], interpret=s.interpret)
 
-                flags, q_start, half, i = step_position(g, j)
+                flags, q_start, part, i = step_position(g, j)
                 common.load_q_step(
                     s, (q_ref, stats_ref, q_leaf_ref, partial_ref, do_ref),
                     (q_ring, stats_ring, q_leaf_ring, mask_ring, do_ring),
                     (q_ready, stats_ready, q_leaf_ready, mask_ready, do_ready), slot=slot,
-                    batch=batch, head=head, q_start=q_start, rows=Q_STEP, part=half,
+                    batch=batch, head=head, q_start=q_start, rows=q_step, part=part,
                     flags=flags, partial_id=lambda: entry(g, partial_offset + i))
                 return step + 1
 
-            for start, stop, _ in walk_loops(s, 2 * entry(g, 1), num_steps(g)):
+            for start, stop, _ in walk_loops(s, num_full_steps(g), num_steps(g)):
                 step = lax.fori_loop(start, stop, fetch, step)
             return step
 
@@ -419,7 +459,7 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                                     v_barriers.at[wg])
         row_layout = compat.wgmma_row_layout()
         col_layout = compat.wgmma_col_layout()
-        tile = (rows, Q_STEP)  # Transposed scores: kv rows x q columns.
+        tile = (rows, q_step)  # Transposed scores: kv rows x q columns.
         p_stage, ds_stage = (None, None) if staging is None else (staging.at[0, wg],
                                                                    staging.at[1, wg])
 
@@ -440,27 +480,33 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
         common.wait_captured(s, captured_barrier)
 
         # Fused dQ. Step t's dS^T tiles (every consumer's) go to ds_smem[t % 2]; one
-        # step later each consumer adds its share of dQ's columns (whole 64-column tiles
-        # of K, `fused_dq_splits`) of step t's q rows into the float32 sum: dS K over all
-        # of the CTA's kv rows. The delay lets the consumers run out of step (one's
-        # softmax under the other's matmuls). ds_ready[p]: both tiles of parity p
-        # written; ds_free[p]: both consumers' products have read them. A zero tile of
-        # parity 1 stands for step -1, so that every step issues its product (a wgmma
-        # under a branch would make ptxas serialize all of the kernel's wgmmas); only its
-        # add is skipped.
-        cols = s.head_dim // consumers
-        dq_col0 = wg * cols
+        # step later each consumer adds its share of dQ of step t's q rows into the
+        # float32 sum: dS K over all of the CTA's kv rows. The share (`_dq_share`) is
+        # whole 64-column tiles of K for all of the step's rows, or with 128-row steps
+        # 64 of the rows for every column (A: the transposed 64 q columns of each dS^T
+        # tile, tile-aligned as K's column tiles are). The delay lets the consumers run
+        # out of step (one's softmax under the other's matmuls). ds_ready[p]: both tiles
+        # of parity p written; ds_free[p]: both consumers' products have read them. A
+        # zero tile of parity 1 stands for step -1, so that every step issues its
+        # product (a wgmma under a branch would make ptxas serialize all of the kernel's
+        # wgmmas); only its add is skipped.
+        dq_rows, dq_cols = _dq_share(s)
+        by_rows = dq_rows < q_step
+        dq_row0, dq_col0 = (wg * dq_rows, 0) if by_rows else (0, wg * dq_cols)
 
         def dq_products(parity):
             # Own tile first, then the peer's (traced indices: constants would become
             # run_state outputs, which the Mosaic-GPU lowering rejects).
             parts = [wg, consumers - 1 - wg] if consumers > 1 else [wg]
-            return [(_transposed(ds_smem.at[parity, c]), k_smem.at[c, :, pl.ds(dq_col0, cols)])
-                    for c in parts]
+            if by_rows:
+                return [(_transposed(ds_smem.at[parity, c, :, pl.ds(dq_row0, dq_rows)]),
+                         k_smem.at[c]) for c in parts]
+            return [(_transposed(ds_smem.at[parity, c]),
+                     k_smem.at[c, :, pl.ds(dq_col0, dq_cols)]) for c in parts]
 
         def dq_product(parity):
             plgpu.barrier_wait(ds_ready.at[parity])
-            zeros = plgpu.layout_cast(jnp.zeros((Q_STEP, cols), jnp.float32),
+            zeros = plgpu.layout_cast(jnp.zeros((dq_rows, dq_cols), jnp.float32),
                                       plgpu.Layout.WGMMA)
             dq = compat.wgmma_accumulate_all((zeros,), (dq_products(parity),),
                                              interpret=s.interpret)[0]
@@ -472,8 +518,9 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
             ``when`` predicates the reduction rather than branching: the overlapped step
             issues it while dK's wgmma runs."""
             adder = _dq_adder(s, kv_block)
-            dst = dq_sum_ref.at[adder, batch, pl.ds(q_start, Q_STEP), head,
-                                pl.ds(dq_col0, cols)]
+            first_row = q_start + dq_row0 if by_rows else q_start
+            dst = dq_sum_ref.at[adder, batch, pl.ds(first_row, dq_rows), head,
+                                pl.ds(dq_col0, dq_cols)]
             if s.interpret:  # No TMA reductions there: a sum of its own (`_dq_adders`).
                 def add():
                     dst[...] = dst[...] + dq
@@ -501,7 +548,7 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
             plgpu.barrier_arrive(ds_ready.at[parity])
 
         if s.fused_dq:
-            write_ds(1, plgpu.layout_cast(jnp.zeros((rows, Q_STEP), s.dtype),
+            write_ds(1, plgpu.layout_cast(jnp.zeros(tile, s.dtype),
                                           plgpu.Layout.WGMMA))
 
         # The overlapped fused step keeps dK and dV in wgmma accumulator refs, so that
@@ -645,7 +692,7 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                     # dV and dQ are done, dK still runs.
                     return plgpu.wgmma_accumulator_load(dq_ref, wait_n=1)
 
-                dq = pl.run_scoped(products, plgpu.ACC((Q_STEP, cols), jnp.float32))
+                dq = pl.run_scoped(products, plgpu.ACC((dq_rows, dq_cols), jnp.float32))
                 plgpu.barrier_arrive(ds_free.at[1 - parity])
                 add_dq(dq, *previous, when=step >= 1)  # Under dK.
                 plgpu.wgmma_wait(0)
@@ -653,7 +700,7 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                 return step + 1, (head, q_start)
 
             body = overlapped_step_fn if overlapped else step_fn
-            for start, stop, full in walk_loops(s, 2 * entry(g, 1), num_steps(g)):
+            for start, stop, full in walk_loops(s, num_full_steps(g), num_steps(g)):
                 carry = lax.fori_loop(start, stop, functools.partial(body, full=full), carry)
             return carry
 
@@ -901,7 +948,7 @@ def _fused_configs(config: BackwardConfig, layout: MaskLayout, has_partial: bool
     ``masked_tiles``) configs, their stages fitted to shared memory; None if one does
     not fit or the query-key head dim does not split (`fused_dq_splits`)."""
     dims = *padded_head_dims(q.shape[-1], v.shape[-1]), q.dtype.itemsize
-    if not fused_dq_splits(dims[0], config.dkv_consumers):
+    if not fused_dq_splits(dims[0], config.dkv_consumers, config.q_step):
         return None
     # The FULL steps' launch loads no stored tiles and no mask leaves.
     full = fit_config(config, common.SMEM_LIMIT, *dims, False, fused_dq=True)
@@ -1018,24 +1065,25 @@ def _dkv_scratch(s: _Statics):
     cfg = s.config
     captured_smem, captured_barrier = common.captured_scratch(s)
     stages, rows, consumers = cfg.dkv_stages, ROWS_PER_CONSUMER, cfg.dkv_consumers
+    q_step = cfg.q_step
     smem = (
         common.swizzled((consumers, rows, s.head_dim), s.dtype),
         common.swizzled((consumers, rows, s.head_dim_v), s.dtype),
         plgpu.SMEM((s.dkv_walk_heads, s.dkv_walk_lines, common.WALK_LINE), jnp.int32),
-        common.swizzled((stages, Q_STEP, s.head_dim), s.dtype),
-        common.swizzled((stages, Q_STEP, s.head_dim_v), s.dtype),
-        plgpu.SMEM((stages, 2, Q_STEP), jnp.float32),
-        common.swizzled((stages, cfg.block_kv, Q_STEP), jnp.int8) if s.has_partial else None,
-        plgpu.SMEM((stages, s.num_q_leaves, Q_STEP), jnp.int32) if s.num_q_leaves else None,
+        common.swizzled((stages, q_step, s.head_dim), s.dtype),
+        common.swizzled((stages, q_step, s.head_dim_v), s.dtype),
+        plgpu.SMEM((stages, 2, q_step), jnp.float32),
+        common.swizzled((stages, cfg.block_kv, q_step), jnp.int8) if s.has_partial else None,
+        plgpu.SMEM((stages, s.num_q_leaves, q_step), jnp.int32) if s.num_q_leaves else None,
         plgpu.SMEM((s.num_kv_leaves, cfg.block_kv), jnp.int32) if s.num_kv_leaves else None,
         # Interpreted only: P^T and dS^T staged in smem for their wgmmas.
-        common.swizzled((2, consumers, rows, Q_STEP), s.dtype) if s.interpret else None,
+        common.swizzled((2, consumers, rows, q_step), s.dtype) if s.interpret else None,
         captured_smem,
         # Fused dQ: dS^T tiles of two steps (read with K, so swizzled as K is); compiled,
         # each consumer's float32 dQ stage.
-        (common.swizzled((2, consumers, rows, Q_STEP), s.dtype,
+        (common.swizzled((2, consumers, rows, q_step), s.dtype,
                          common.swizzle_bytes(s.head_dim, s.dtype)) if s.fused_dq else None),
-        (plgpu.SMEM((consumers, Q_STEP, s.head_dim // consumers), jnp.float32)
+        (plgpu.SMEM((consumers, *_dq_share(s)), jnp.float32)
          if s.fused_dq and not s.interpret else None),
     )
     ring = lambda: plgpu.Barrier(num_barriers=stages)
@@ -1060,7 +1108,7 @@ def _dq_adders(s: _Statics) -> int:
     Interpreted, a read-modify-write stands in for them, which would race where two
     writers add to the same elements: each kv-block's CTA then has a sum of its own (the
     interpreter of jax 0.11 and later reports the adds of two CTAs as racing); its
-    consumers add disjoint columns."""
+    consumers add disjoint parts (`_dq_share`)."""
     return s.layout.num_kv_blocks if s.interpret else 1
 
 
@@ -1069,14 +1117,30 @@ def _dq_adder(s: _Statics, kv_block):
     return kv_block if s.interpret else 0
 
 
-def fused_dq_splits(head_dim: int, consumers: int) -> bool:
-    """Whether the fused dQ can serve a (padded) query-key head dim: each dK/dV consumer
-    adds whole 64-column tiles of K's columns, over all of the CTA's kv rows (or one
-    consumer adds all). Where the columns do not split (64 or 96 between two consumers)
-    both consumers would add every column over their own kv rows, twice the reductions:
-    H100, 2026-11-27 (benchmarks/RESULTS.md), query-key 96 / value 128 fwd+bwd 13%
-    slower than with the dQ kernel, query-key 64 / value 128 even."""
+def fused_dq_splits(head_dim: int, consumers: int, q_step: int = ROWS_PER_CONSUMER) -> bool:
+    """Whether the fused dQ can serve a (padded) query-key head dim.
+
+    With 64-row steps each dK/dV consumer adds whole 64-column tiles of K's columns,
+    over all of the CTA's kv rows (or one consumer adds all). Where the columns do not
+    split (64 or 96 between two consumers) both consumers would add every column over
+    their own kv rows, twice the reductions: H100, 2026-11-27 (benchmarks/RESULTS.md),
+    query-key 96 / value 128 fwd+bwd 13% slower than with the dQ kernel, query-key 64 /
+    value 128 even. With 128-row steps the two consumers split the step's rows instead,
+    which serves head dim 64: above it, a consumer's 64 x 128 float32 S^T and dP^T
+    beside wider dK and dV exceed its registers.
+    """
+    if q_step == BLOCK_Q:
+        return head_dim <= ROW_SPLIT_MAX_HEAD_DIM
     return consumers == 1 or head_dim // consumers >= 64
+
+
+def _dq_share(s: _Statics) -> tuple[int, int]:
+    """(rows, columns) of the dQ tile a dK/dV consumer adds per step (`fused_dq_splits`):
+    64 of a 128-row step's rows, or a 64-row step's share of the columns."""
+    cfg = s.config
+    if cfg.q_step == BLOCK_Q:
+        return cfg.q_step // cfg.dkv_consumers, s.head_dim
+    return cfg.q_step, s.head_dim // cfg.dkv_consumers
 
 
 def _dq_scratch(s: _Statics):

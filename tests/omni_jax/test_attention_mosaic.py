@@ -141,11 +141,16 @@ class TestMosaicAttentionGpu(_MosaicSuite):
     Case("window_alibi_sinks_head_dim_128", batch=1, q_len=512, kv_len=512, heads=4,
          kv_heads=1, head_dim=128, is_causal=True, window=(200, 0), score_mod="alibi",
          sinks=True, deterministic=False),
+    # Head dim 64: 128-row steps, dQ split by rows between the two dK/dV consumers.
+    Case("dense_head_dim_64", batch=1, q_len=256, kv_len=256, heads=4, kv_heads=2,
+         head_dim=64, deterministic=False),
+    Case("causal_ragged_head_dim_64", batch=2, q_len=300, kv_len=400, heads=4, kv_heads=2,
+         head_dim=64, is_causal=True, deterministic=False),
 ], ids=lambda case: case.name)
 @pytest.mark.parametrize("overlapped_step", [True, False], ids=["overlapped", "serial"])
 def test_fused_dq_backward_through_the_public_call(case, dtype, overlapped_step, monkeypatch):
-    """Head dim 128, deterministic=False: the dK/dV kernel also sums dQ (into a ref), a
-    path the suite's smaller head dims never take; in both step orders
+    """Head dims 128 and 64, deterministic=False: the dK/dV kernel also sums dQ (into a
+    ref), a path the suite's short walks never take; in both step orders
     (`BackwardConfig.overlapped_step`)."""
     force_config_fields(monkeypatch, bwd, "backward_config", fused_dq_min_full_walk=0.0,
                         overlapped_step=overlapped_step)

@@ -28,12 +28,13 @@ _DRAWS = int(os.environ.get("OMNI_JAX_RANDOM_DRAWS", "4"))
 # (dtypes, head dims, mask block sizes, needs sm90) per implementation. "mosaic-split":
 # the Mosaic backward's fused dQ in two launches (FULL steps, masked steps) at every walk
 # length; by default only masks of thousands of rows (long walks) take it. Head dim 96
-# takes it with kv blocks of 64 (one dK/dV consumer) only (`bwd.fused_dq_splits`).
+# takes it with kv blocks of 64 (one dK/dV consumer) only (`bwd.fused_dq_splits`); head
+# dim 64 with kv blocks of 128 splits dQ by rows (128-row steps).
 _BACKENDS = {
     # Block sizes other than the kernels' own ((64, 64), (256, 128)) are re-tiled.
     "mosaic": (("bfloat16", "float16"), (64, 80, 96, 128, 192, 256),
                ((128, 64), (128, 128), (64, 64), (256, 128)), True),
-    "mosaic-split": (("bfloat16", "float16"), (96, 128), ((128, 64), (128, 128)), True),
+    "mosaic-split": (("bfloat16", "float16"), (64, 96, 128), ((128, 64), (128, 128)), True),
     "triton": (("float32", "bfloat16", "float16"), (32, 64, 96, 128, 256),
                ((32, 32), (64, 64), (128, 64)), False),
     None: (("bfloat16", "float16"), (64, 96, 128, 192),

@@ -78,15 +78,24 @@ CASES = (
     Case("causal_d256", "bfloat16", 1, 256, 256, 2, 1, 256, 256, 64, True, "causal"),
     Case("causal_ragged_gqa_d192_v128", "float16", 1, 150, 200, 4, 2, 192, 128, 64, False,
          "causal"),
+    # Head dim 64's 128-row steps: dense under GQA (FULL tiles only: one fused launch),
+    # and causal with ragged q and kv and a value head dim of 40 (the masked steps'
+    # second launch).
+    Case("dense_gqa_d64", "bfloat16", 1, 256, 256, 4, 2, 64, 64, 128, True, "dense"),
+    Case("causal_ragged_d64_v40", "bfloat16", 1, 200, 250, 2, 1, 64, 40, 128, False,
+         "causal"),
 )
 # How dK, dV and dQ are summed: one dK/dV launch and the dQ kernel, dQ fused into the
 # dK/dV launch (in the overlapped step order, with the scale folded into the sums or
 # not, or in the serial one), or dK and dV in launches of their own (with the dQ
-# kernel's V-first order, as the wide head dims' config has it).
+# kernel's V-first order, as the wide head dims' config has it); "_q128": the dK/dV
+# kernel walking whole q-blocks (head dim 64's steps), where the fused dQ splits dQ's
+# rows.
 VARIANTS = {"dq_kernel": {}, "fused_dq": {"fused_dq": True},
             "fused_dq_scaled_ds": {"fused_dq": True, "fold_scale": False},
             "fused_dq_serial_step": {"fused_dq": True, "overlapped_step": False},
-            "split_dkdv": {"split_dkdv": True, "dq_v_first": True}}
+            "split_dkdv": {"split_dkdv": True, "dq_v_first": True},
+            "dq_kernel_q128": {"q_step": 128}, "fused_dq_q128": {"fused_dq": True, "q_step": 128}}
 
 
 def _score_mod(s, b, h, i, j):
@@ -122,15 +131,20 @@ def _mask(case: Case, rng):
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_gradients_match_float64(case: Case, variant: str, _interpreted):
-    if VARIANTS[variant].get("fused_dq") and not bwd.fused_dq_splits(
-            bwd.padded_head_dim(case.head_dim), case.block_kv // bwd.ROWS_PER_CONSUMER):
+    fields = VARIANTS[variant]
+    q_step = fields.get("q_step", bwd.ROWS_PER_CONSUMER)
+    head_dim = bwd.padded_head_dim(case.head_dim)
+    if q_step == bwd.BLOCK_Q and (case.block_kv != 128 or head_dim > 64):
+        pytest.skip("128-row steps serve head dim 64 with two dK/dV consumers")
+    if fields.get("fused_dq") and not bwd.fused_dq_splits(
+            head_dim, case.block_kv // bwd.ROWS_PER_CONSUMER, q_step):
         pytest.skip("the fused dQ declines this head dim (the dQ kernel serves it)")
     score_mod = _score_mod if case.score_mod else None
 
     def run(q, k, v, kmask, layout, out, lse, dout, dlse, scale, params):
         # Few stages, so that the producers wait for consumed slots before refilling them.
         config = bwd.BackwardConfig(block_kv=case.block_kv, dkv_stages=2, dq_stages=1,
-                                    **VARIANTS[variant])
+                                    **fields)
         return bwd.attention_backward(
             q, k, v, kmask, layout, out, lse, dout, dlse, scale=scale, softcap=case.softcap,
             score_mod=None if score_mod is None else _converted(score_mod),
@@ -225,10 +239,31 @@ def _converted(score_mod):
     return converted
 
 
-@pytest.mark.parametrize("head_dim,consumers,splits", [
-    (128, 2, True), (96, 2, False), (64, 2, False), (96, 1, True), (64, 1, True)])
-def test_fused_dq_serves_where_columns_split(head_dim, consumers, splits):
-    assert bwd.fused_dq_splits(head_dim, consumers) == splits
+@pytest.mark.parametrize("head_dim,consumers,q_step,splits", [
+    (128, 2, 64, True), (96, 2, 64, False), (64, 2, 64, False), (96, 1, 64, True),
+    (64, 1, 64, True), (64, 2, 128, True), (96, 2, 128, False), (128, 2, 128, False)])
+def test_fused_dq_serves_where_columns_or_rows_split(head_dim, consumers, q_step, splits):
+    assert bwd.fused_dq_splits(head_dim, consumers, q_step) == splits
+
+
+@pytest.mark.parametrize("head_dim,head_dim_v,q_step,fused", [
+    (64, 64, 128, True), (64, 40, 128, True), (128, 128, 64, True), (96, 96, 64, False),
+    (64, 128, 64, False)])
+def test_head_dim_64_fuses_dq_by_rows(head_dim, head_dim_v, q_step, fused):
+    """Head dim 64 walks whole q-blocks and fuses dQ split by rows, in shared memory at
+    two stages (one with stored tiles); wider head dims keep 64-row steps."""
+    dims = padded_head_dims(head_dim, head_dim_v)
+    config = bwd.backward_config(*dims, jnp.bfloat16, causal=True)
+    assert config.q_step == q_step
+    assert (config.fused_dq and bwd.fused_dq_splits(dims[0], config.dkv_consumers,
+                                                    config.q_step)) == fused
+    if q_step == bwd.BLOCK_Q:
+        for has_partial, stages in ((False, 2), (True, 1)):
+            fitted = bwd.fit_config(config, SMEM_LIMIT, *dims, 2, has_partial, fused_dq=True)
+            assert fitted.dkv_stages == stages
+        # One dK/dV consumer (kv tiles of 64) walks 64-row steps.
+        assert config.with_block_kv(64).q_step == bwd.ROWS_PER_CONSUMER
+        assert config.with_block_kv(128) == config
 
 
 @pytest.mark.parametrize("head_dim,head_dim_v,block_kv", [
@@ -263,6 +298,10 @@ def test_configs_reject_bad_fields():
     assert bwd.backward_config(320, 320, jnp.bfloat16, causal=False) is None
     with pytest.raises(ValueError, match="block_kv"):
         bwd.BackwardConfig(block_kv=192, dkv_stages=2, dq_stages=2)
+    with pytest.raises(ValueError, match="q_step"):
+        bwd.BackwardConfig(block_kv=128, dkv_stages=2, dq_stages=2, q_step=32)
+    with pytest.raises(ValueError, match="block_kv=64"):
+        bwd.BackwardConfig(block_kv=64, dkv_stages=2, dq_stages=2, q_step=128)
     with pytest.raises(ValueError, match="split_dkdv"):
         bwd.BackwardConfig(block_kv=64, dkv_stages=2, dq_stages=2, fused_dq=True,
                            split_dkdv=True)

@@ -162,12 +162,12 @@ def test_forward_lowers_for_cuda(name, _compiled_mosaic):
     assert "mosaic_gpu" in text
 
 
-def _lowered_backward(name) -> str:
+def _lowered_backward(name, deterministic: bool = True) -> str:
     (q, k, v), kwargs = _arguments(name)
 
     def loss(q, k, v):
         out, lse = omni_jax.attention(q, k, v, implementation="mosaic", return_lse=True,
-                                      **kwargs)
+                                      deterministic=deterministic, **kwargs)
         return out.astype(jnp.float32).sum() + lse.sum()
 
     grads = jax.grad(loss, argnums=(0, 1, 2))
@@ -198,6 +198,13 @@ def test_backward_lowers_for_cuda(name, _compiled_mosaic):
     ("dense_hd96", {}, 3, False),
     ("dense_hd80_value_dim_128", {}, 3, False),
     ("partial_tiles_hd80_value_dim_128_block_kv_64", {"fused_dq_min_full_walk": 0.0}, 3, True),
+    # Head dim 64 walks whole q-blocks, its fused dQ split by rows: dense in one launch,
+    # stored tiles under GQA split in two; short causal walks keep the dQ kernel, and so
+    # do 64-row steps (the dQ columns do not split).
+    ("dense_hd64_q_in_registers", {}, 2, True),
+    ("partial_tiles_per_head_gqa", {"fused_dq_min_full_walk": 0.0}, 3, True),
+    ("causal_ragged_hd64", {}, 3, False),
+    ("dense_hd64_q_in_registers", {"q_step": 64}, 3, False),
     # Above head dim 128: the forward, dK, dV and dQ launches (`split_dkdv`) where dK and
     # dV together exceed a consumer's registers, else one dK/dV launch.
     ("hd192_value_dim_256_stored_tiles", {}, 4, False),
@@ -205,9 +212,21 @@ def test_backward_lowers_for_cuda(name, _compiled_mosaic):
     ("hd192_value_dim_128", {}, 3, False),
 ])
 def test_backward_launches(name, fields, launches, fused, _compiled_mosaic, monkeypatch):
-    """Which kernels a gradient launches, by its head dim, its mask's walks and the
-    backward's config (``fields`` replaced); ``fused``: whether dQ comes from the dK/dV
-    kernel."""
+    """Which kernels a gradient with ``deterministic=False`` launches, by its head dim,
+    its mask's walks and the backward's config (``fields`` replaced); ``fused``: whether
+    dQ comes from the dK/dV kernel."""
+    assert _launches(name, fields, False, monkeypatch) == (launches, fused)
+
+
+@pytest.mark.parametrize("name", ["dense_fused_dq_hd128", "dense_hd64_q_in_registers"])
+def test_deterministic_backward_keeps_the_dq_kernel(name, _compiled_mosaic, monkeypatch):
+    """By default (deterministic) no launch adds dQ by atomic reduce-adds: the forward,
+    the dK/dV kernel and the dQ kernel."""
+    assert _launches(name, {}, True, monkeypatch) == (3, False)
+
+
+def _launches(name, fields, deterministic, monkeypatch) -> tuple[int, bool]:
+    """(Mosaic launches, whether the fused dQ was chosen) of ``name``'s gradient."""
     from pallas_kernels.mosaic import attention_bwd_sm90 as bwd
 
     force_config_fields(monkeypatch, bwd, "backward_config", **fields)
@@ -216,9 +235,9 @@ def test_backward_launches(name, fields, launches, fused, _compiled_mosaic, monk
     monkeypatch.setattr(bwd, "_fused_configs",
                         lambda *args: chosen.append(fused_configs(*args)) or chosen[-1])
     jax.clear_caches()  # an earlier test's trace of the same call would skip the choice
-    kernels = re.findall(r"custom_call @(\w+)", _lowered_backward(name))
-    assert any(c is not None for c in chosen) == fused, chosen
-    assert kernels == ["mosaic_gpu_v2"] * launches, kernels
+    kernels = re.findall(r"custom_call @(\w+)", _lowered_backward(name, deterministic))
+    assert set(kernels) == {"mosaic_gpu_v2"}, kernels
+    return len(kernels), any(c is not None for c in chosen)
 
 
 @settings(max_examples=6, deadline=None,
