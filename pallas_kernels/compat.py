@@ -137,75 +137,43 @@ def mosaic_kernel_accumulating(body: Callable[..., None], out_type: Any, *,
     ``fn(*operands, init) -> (outputs, accumulated)``: the body sees the buffer
     as a global-memory ref right after the inputs (for TMA stores with
     ``reduction_op="add"``). ``plgpu.kernel`` cannot alias an operand to a
-    result, so this goes through ``pl.kernel`` with a ``jax.new_ref`` argument in
-    GMEM (the memory space the interpreter needs). Such a call cannot be batched
-    by `jax.vmap`, nor run inside a `jax.shard_map` (jax 0.11 rejects a ref that
-    varies along its mesh axes): callers take another path there.
+    result, so this binds the map under it (``mpmd_map``, the same internal name and
+    signature in jax 0.10, 0.11 and 0.12) with ``init`` aliased to the last result:
+    an array in, an array out, no ref, so it runs under `jax.jit`, eagerly and inside
+    a `jax.shard_map` (where jax 0.11 and later reject a ref operand that varies along
+    the mesh axes, as a per-device sum does). It cannot be batched by `jax.vmap`
+    (``mpmd_map`` batches size-1 axes only): callers take another path there.
     """
-    import jax
+    from jax._src.pallas import mpmd
 
-    _register_body_discharge_rules()
     plgpu = _mosaic_module()
     mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=num_threads,
                       thread_name=thread_name)
-
-    def kernel_body(*refs):
-        pl.run_scoped(functools.partial(body, *refs), *scratch_types,
-                      collective_axes=thread_name)
+    num_outputs = len(out_type)
 
     def call(*operands):
         *inputs, init = operands
-        accumulator = jax.new_ref(init, memory_space=plgpu.GMEM)
-        outputs = pl.kernel(kernel_body, out_type=out_type, mesh=mesh,
-                            compiler_params=compiler_params,
-                            interpret=False if interpret is None else interpret,
-                            )(*inputs, accumulator)
-        return outputs, jax.freeze(accumulator)
+        axes = varying_axes(operands)
 
-    return jax.jit(call)  # A ref with a memory space exists only inside a jit.
+        def kernel_body(*refs):
+            # The aliased pair (input ``init``, last result) is one buffer; the body
+            # gets it once, as the result's ref.
+            inputs_refs, results = refs[:len(inputs)], refs[len(inputs) + 1:]
+            pl.run_scoped(functools.partial(body, *inputs_refs, results[-1],
+                                            *results[:-1]),
+                          *scratch_types, collective_axes=thread_name)
 
+        result_types = (*_results_varying(tuple(out_type), axes),
+                        result_type(init.shape, init.dtype, axes))
+        *outputs, accumulated = mpmd._mpmd_map(
+            [(mesh, kernel_body)], result_types,
+            input_output_aliases={len(inputs): num_outputs},
+            compiler_params=compiler_params,
+            interpret=False if interpret is None else interpret,
+        )(*inputs, vary(init, axes))
+        return vary(tuple(outputs), axes), vary(accumulated, axes)
 
-@functools.cache
-def _register_body_discharge_rules() -> None:
-    """Lowering discharges the ref of `mosaic_kernel_accumulating` through the whole
-    jaxpr, so every call primitive around it needs a discharge rule: jax 0.10 has none
-    for the custom_vmap call (the backward's vmap rule), jax 0.10 and 0.11 none for the
-    custom_jvp call (around the backends' passes in ``omni_jax.attention``, for second
-    derivatives). Rules that discharge the body are registered where missing."""
-    try:
-        from jax._src import core, custom_batching, custom_derivatives
-        from jax._src.state import discharge
-        from jax._src.state.types import AbstractRef
-
-        # The primitive, its body's parameter, whether to bind it again: a custom_vmap
-        # call stays one (it may still be batched); a custom_jvp call is inlined, as
-        # lowering differentiates nothing.
-        bodies = ((custom_batching.custom_vmap_p, "call", True),
-                  (custom_derivatives.custom_jvp_call_p, "call_jaxpr", False))
-    except (ImportError, AttributeError):  # moved internals: a release that needs no rule
-        return
-
-    def register(primitive, body: str, rebind: bool) -> None:
-        def rule(*args, **params):
-            if hasattr(args[0], "in_avals"):  # jax 0.11: (context, *args)
-                in_avals, args = args[0].in_avals, args[1:]
-            else:  # jax 0.10: (in_avals, out_avals, *args)
-                in_avals, args = args[0], args[2:]
-            if any(isinstance(aval, AbstractRef) for aval in in_avals):
-                raise NotImplementedError(f"{primitive} with ref operands")
-            # No ref crosses the call, so the discharged body has the same signature.
-            pure = discharge.discharge_state(params[body])
-            if rebind:
-                outs = primitive.bind(*args, **{**params, body: pure})
-            else:
-                outs = core.eval_jaxpr(pure.jaxpr, pure.consts, *args)
-            return [None] * len(args), outs
-
-        discharge.register_discharge_rule(primitive)(rule)
-
-    for primitive, body, rebind in bodies:
-        if primitive not in discharge._discharge_rules:
-            register(primitive, body, rebind)
+    return call
 
 
 def wgmma_row_layout() -> Any:

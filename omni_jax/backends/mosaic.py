@@ -36,7 +36,6 @@ from jax import lax
 from omni_jax import first_use_check
 from omni_jax.backends import xla
 from omni_jax.backends.base import AttentionBackend
-from omni_jax.dispatch_log import warn_slow_fallback
 from omni_jax.masks import BlockMask, causal_mask, create_block_mask
 from omni_jax.masks.mask_mods import includes_causal
 from omni_jax.problem import AttentionProblem
@@ -184,15 +183,6 @@ class MosaicBackend(AttentionBackend):
         config = self._backward_config(problem)
         if isinstance(config, str):
             raise NotImplementedError(config)
-        if _blackwell() and compat.varying_axes(q, k, v, out, dout):
-            # Inside a shard_map the sm100 kernel's in-place dQ sum cannot vary along the
-            # mesh axes (sm90 has its dQ kernel for that; sm100 has none yet).
-            warn_slow_fallback(
-                "omni_jax.attention runs its backward on the XLA backend inside "
-                "jax.shard_map on a Blackwell GPU: the sm100 backward's in-place dQ sum "
-                "cannot vary along mesh axes. Outside a shard_map it runs the kernel.")
-            return xla.XlaBackend().backward(problem, q, k, v, block_mask, sinks, captured,
-                                             out, lse, dout, dlse)
         kmask, layout = kernel_mask(block_mask)
         walk = walk_statistics(kmask)
         dq, dk, dv, delta = _backward_module().attention_backward(

@@ -56,10 +56,9 @@ argument, and leaves a deterministic call whose sums would be too large to the n
 backend. Interpreted runs always keep per-block sums: the interpreter reports
 two CTAs' adds as racing.
 
-The in-place dQ sum (``pl.kernel`` with a ``jax.new_ref`` operand) cannot be batched:
-under `jax.vmap` the examples run one after another. Inside a `jax.shard_map` (jax 0.11
-rejects a kernel's ref that varies along the mesh axes) it is not handled here; sm90
-serves both with its dQ kernel.
+The in-place dQ sum (an operand aliased to a result,
+`compat.mosaic_kernel_accumulating`) cannot be batched: under `jax.vmap` the examples
+run one after another. Inside a `jax.shard_map` it runs as outside.
 
 ``delta = rowsum(dO * O) - dlse`` is computed in JAX beforehand (the lse cotangent
 folds into it). Rows that see no key have lse -inf, passed as ``lse2 = +inf`` so that

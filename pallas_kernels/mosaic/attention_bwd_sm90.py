@@ -41,8 +41,8 @@ Fused dQ (`BackwardConfig.fused_dq`): the dQ kernel recomputes S and dP, so a
 tile takes 7 matmuls where FlashAttention-3 takes 5. Fused, each dK/dV consumer
 also stages its dS^T tile in smem, and one step later multiplies both
 consumers' tiles of that step by its 64 columns of K and adds the product to a
-float32 dQ buffer by TMA reduce-add (``pl.kernel`` with a ``jax.new_ref``
-argument, aliased in place). Those adds are atomic, in no fixed order, so the
+float32 dQ buffer by TMA reduce-add (an operand aliased to a result,
+`compat.mosaic_kernel_accumulating`). Those adds are atomic, in no fixed order, so the
 sum's last bits vary between runs: the Mosaic backend takes the fused dQ only for
 `omni_jax.attention`'s ``deterministic=False``. The one-step delay keeps the
 consumers out of lockstep; an earlier form with a rendezvous every step (commit
@@ -63,8 +63,8 @@ steps and compiles no mask code; a second fused launch walks the masked steps (i
 few steps a CTA bear the spills), adding the first launch's dK and dV to its own
 and its dQ to the same buffer. That pays where walks are long
 (`BackwardConfig.fused_dq_min_full_walk`);
-shorter ones keep the dQ kernel for every step, and so do `jax.vmap` (a
-custom_vmap rule) and `jax.shard_map`.
+shorter ones keep the dQ kernel for every step, and so does `jax.vmap` (a
+custom_vmap rule). Inside a `jax.shard_map` the fused dQ serves as outside.
 """
 
 from __future__ import annotations
@@ -899,17 +899,15 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
     slower than the dQ kernel; 148 bytes and 8-23% slower with FULL steps alone fused in
     the same launch: RESULTS.md, 2026-11-27), which a CTA of a few masked steps bears.
     Under `jax.vmap` the dQ kernel serves too (the fused dQ's in-place sum cannot be
-    batched), and inside a `jax.shard_map` (jax 0.11 rejects a kernel's ref that varies
-    along the mesh axes, as the per-device sum does).
+    batched); inside a `jax.shard_map` the fused dQ serves as outside.
     """
     static = dict(layout=layout, scale=scale, softcap=softcap, score_mod=score_mod,
                   has_partial=has_partial, interpret_params=interpret_params)
     fused_configs = None
-    in_shard_map = bool(compat.varying_axes(q, k, v, out, dout))
     masked_tiles = common.has_masked_tiles(layout, has_partial)
     long_walks = (mean_full_walk is not None
                   and mean_full_walk >= config.fused_dq_min_full_walk)
-    if config.fused_dq and not in_shard_map and (long_walks or not masked_tiles):
+    if config.fused_dq and (long_walks or not masked_tiles):
         fused_configs = _fused_configs(config, layout, has_partial, masked_tiles, q, v)
     if fused_configs is None:
         return _backward(q, k, v, kmask, out, lse, dout, dlse, captured, fused_configs=None,
