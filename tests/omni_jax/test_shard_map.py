@@ -4,10 +4,13 @@ Inside a shard_map JAX types every array by the mesh axes along which it varies:
 results and loop carries must vary like the operands, and the gradients of replicated
 operands (weights, sinks, the shared MLA latent) are summed over the devices. The
 portable implementations run on two CPU devices here; the kernels are lowered for CUDA
-(JAX's Pallas interpreters do not run under a shard_map's axis check) and run on a GPU.
+and run on a GPU, and the Mosaic backward (its fused dQ, an operand aliased to a result)
+runs interpreted on two CPU devices too.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -16,9 +19,12 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import omni_jax
-from pallas_kernels import runtime
+from pallas_kernels import compat, runtime
+from pallas_kernels.mosaic import attention_bwd_sm90
+from tests.forced_configs import force_config_fields, record_plans
 from tests.jax_releases import skip_unless_triton_lowers_here
-from tests.reference import relative_error
+from tests.mosaic_interpret import devices_share_the_interpreter, interpreted_mosaic
+from tests.reference import dense_mask, reference_attention, relative_error
 
 KERNELS = ("triton", "mosaic")
 
@@ -170,7 +176,7 @@ def _lowered_for_cuda(fn, *args) -> str:
 @pytest.mark.parametrize("implementation", KERNELS)
 def test_kernels_lower_for_cuda_under_shard_map(implementation, head_dim, compiled_kernels):
     """Forward and backward kernels and the GEMMs lower as on a GPU: results vary like
-    operands. (The Mosaic backward of a dense d128 mask takes the dQ kernel here.)"""
+    operands. (The Mosaic backward of a dense d128 mask fuses dQ here.)"""
     if implementation == "triton":
         skip_unless_triton_lowers_here()
     mesh = _mesh()
@@ -214,3 +220,64 @@ def test_kernels_under_shard_map_on_gpu(implementation, seed):
     # in another order: 2e-5 seen on two H100s). A wrong shard would be off by O(1).
     for got, want in zip((out, *grads), (out_ref, *grads_ref), strict=True):
         assert relative_error(got, want) < 1e-3
+
+
+@pytest.fixture
+def _interpreted_on_two_devices(monkeypatch):
+    """The Mosaic kernels interpreted as sm90 on every device of a mesh. (The sm100
+    forward's `plgpu.warp_map` is an inner ``mpmd_map`` over the kernel's refs, which jax
+    0.11.2 and 0.12 reject inside a shard_map; `test_attention_bwd_sm100` runs the sm100
+    backward there alone.)"""
+    devices_share_the_interpreter(monkeypatch)
+    yield from interpreted_mosaic(monkeypatch, "sm90")
+
+
+@pytest.mark.interpreted
+@pytest.mark.parametrize("is_causal", [False, True], ids=["dense", "causal"])
+def test_mosaic_backward_fuses_dq_inside_shard_map(is_causal, monkeypatch,
+                                                   _interpreted_on_two_devices):
+    """Inside `jax.shard_map` the sm90 Mosaic backward sums dQ in its dK/dV kernel (one
+    fused launch dense, a FULL and a masked one causal) as it does outside, with
+    gradients of the float64 reference on each device's shard of the batch."""
+    mesh = _mesh()
+    # Causal walks here are a few tiles long: the fused dQ's walk threshold is lifted.
+    force_config_fields(monkeypatch, attention_bwd_sm90, "backward_config",
+                        fused_dq_min_full_walk=0.0)
+    plans = record_plans(monkeypatch)
+    fused = []
+    accumulating = compat.mosaic_kernel_accumulating
+    monkeypatch.setattr(compat, "mosaic_kernel_accumulating",
+                        lambda *args, **kwargs: fused.append(1) or accumulating(*args, **kwargs))
+    # Memory the kernels never write reads NaN (shapes are whole tiles, so no TMA read
+    # overhangs into it): every gradient row must be written.
+    params = runtime.mosaic_interpret_params
+    monkeypatch.setattr(runtime, "mosaic_interpret_params",
+                        lambda: dataclasses.replace(params(), uninitialized_memory="nan"))
+    seed = int(np.random.default_rng().integers(2**31))
+    rng = np.random.default_rng(seed)
+    # Head dim 128: the sm90 fused dQ's smallest; GQA, two query heads a kv head.
+    shapes = ((2, 256, 2, 128), (2, 256, 1, 128), (2, 256, 1, 128))
+    q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for shape in shapes)
+    dout = rng.standard_normal(shapes[0])
+    dlse = rng.standard_normal((2, 2, 256))
+
+    def gradients(q, k, v, dout, dlse):
+        run = lambda q, k, v: omni_jax.attention(q, k, v, is_causal=is_causal,
+                                                 return_lse=True, implementation="mosaic")
+        (out, lse), vjp = jax.vjp(run, q, k, v)
+        return vjp((dout.astype(out.dtype), dlse))
+
+    batch = P("data")
+    got = _sharded(gradients, mesh, (batch,) * 5, (batch,) * 3)(
+        q, k, v, jnp.asarray(dout, jnp.float32), jnp.asarray(dlse, jnp.float32))
+    visible = dense_mask(2, 2, 256, 256, is_causal=is_causal)
+    with jax.enable_x64(True):
+        as64 = lambda x: jnp.asarray(np.asarray(x, np.float64))
+        _, vjp = jax.vjp(lambda q, k, v: reference_attention(q, k, v, visible),
+                         as64(q), as64(k), as64(v))
+        expected = vjp((jnp.asarray(dout), jnp.asarray(dlse)))
+    assert {plan.backward.name for plan in plans} == {"mosaic"} and fused, (plans, fused)
+    for name, grad, want in zip(("dq", "dk", "dv"), got, expected, strict=True):
+        grad = np.asarray(grad, np.float64)
+        assert not np.isnan(grad).any(), (name, seed)
+        assert relative_error(grad, np.asarray(want)) < 2e-2, (name, seed)

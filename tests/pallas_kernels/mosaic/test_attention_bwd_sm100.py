@@ -19,7 +19,7 @@ from pallas_kernels import compat, runtime
 from pallas_kernels.block_sparse import kernel_mask
 from pallas_kernels.mosaic import attention_bwd_sm100 as bwd
 from tests.jax_releases import skip_unless_blackwell_interpreter
-from tests.mosaic_interpret import interpreted_mosaic
+from tests.mosaic_interpret import devices_share_the_interpreter, interpreted_mosaic
 from tests.pallas_kernels.mosaic.test_attention_bwd_sm90 import (
     Case,
     _dense_block_mask,
@@ -181,3 +181,34 @@ def test_vmap_runs_examples_one_by_one(_interpreted):
         for got, want in zip(batched, single, strict=True):
             assert relative_error(np.asarray(got[i], np.float64),
                                   np.asarray(want, np.float64)) < 1e-2
+
+
+@pytest.mark.interpreted
+@pytest.mark.parametrize("mask", ["dense", "causal"])
+def test_gradients_inside_shard_map(mask, monkeypatch, _interpreted):
+    """Inside `jax.shard_map` over the batch (two CPU devices) the kernel and its in-place
+    dQ sum run per device as outside: gradients of the float64 reference."""
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 devices (tests/conftest.py asks XLA for two host devices)")
+    devices_share_the_interpreter(monkeypatch)
+    accumulated = []
+    accumulating = compat.mosaic_kernel_accumulating
+    monkeypatch.setattr(compat, "mosaic_kernel_accumulating", lambda *args, **kwargs: (
+        accumulated.append(1) or accumulating(*args, **kwargs)))
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:2])
+    case = Case(f"{mask}_shard_map", "bfloat16", 2, 256, 256, 2, 1, 128, 128, 128, True, mask)
+
+    def run(q, k, v, kmask, layout, out, lse, dout, dlse, scale, params):
+        def backward(q, k, v, out, lse, dout, dlse):
+            return bwd.attention_backward(
+                q, k, v, kmask, layout, out, lse, dout, dlse, scale=scale, softcap=None,
+                score_mod=None, has_partial=False, config=bwd.BackwardConfig(stages=2),
+                interpret_params=params)[:3]
+
+        batch = jax.sharding.PartitionSpec("data")  # the leading axis of every operand
+        return jax.jit(jax.shard_map(backward, mesh=mesh, in_specs=(batch,) * 7,
+                                     out_specs=(batch,) * 3))(q, k, v, out, lse, dout, dlse)
+
+    check_kernel_gradients(case, None, run)
+    assert accumulated
