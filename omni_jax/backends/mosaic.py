@@ -36,6 +36,7 @@ from jax import lax
 from omni_jax import first_use_check
 from omni_jax.backends import xla
 from omni_jax.backends.base import AttentionBackend
+from omni_jax.dispatch_log import warn_slow_fallback
 from omni_jax.masks import BlockMask, causal_mask, create_block_mask
 from omni_jax.masks.mask_mods import includes_causal
 from omni_jax.problem import AttentionProblem
@@ -167,6 +168,15 @@ class MosaicBackend(AttentionBackend):
         return config.block_q, config.block_kv
 
     def forward(self, problem, q, k, v, block_mask: BlockMask, sinks, captured):
+        if _blackwell() and compat.varying_axes(q, k, v):
+            # The sm100 forward's warp-specialized map takes the kernel's refs, which jax
+            # rejects where they vary along mesh axes (inside a shard_map).
+            warn_slow_fallback(
+                "omni_jax.attention runs its forward on the XLA backend inside "
+                "jax.shard_map on a Blackwell GPU: the sm100 forward's warp map cannot "
+                "take refs that vary along mesh axes. Outside a shard_map it runs the "
+                "kernel.")
+            return xla.XlaBackend().forward(problem, q, k, v, block_mask, sinks, captured)
         kmask, layout = kernel_mask(block_mask)
         causal = includes_causal(block_mask.mask_mod)
         walk = walk_statistics(kmask)

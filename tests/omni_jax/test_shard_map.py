@@ -22,7 +22,7 @@ import omni_jax
 from pallas_kernels import compat, runtime
 from pallas_kernels.mosaic import attention_bwd_sm90
 from tests.forced_configs import force_config_fields, record_plans
-from tests.jax_releases import skip_unless_triton_lowers_here
+from tests.jax_releases import skip_unless_blackwell_interpreter, skip_unless_triton_lowers_here
 from tests.mosaic_interpret import devices_share_the_interpreter, interpreted_mosaic
 from tests.reference import dense_mask, reference_attention, relative_error
 
@@ -263,7 +263,8 @@ def test_mosaic_backward_fuses_dq_inside_shard_map(is_causal, monkeypatch,
 
     def gradients(q, k, v, dout, dlse):
         run = lambda q, k, v: omni_jax.attention(q, k, v, is_causal=is_causal,
-                                                 return_lse=True, implementation="mosaic")
+                                                 return_lse=True, implementation="mosaic",
+                                                 deterministic=False)
         (out, lse), vjp = jax.vjp(run, q, k, v)
         return vjp((dout.astype(out.dtype), dlse))
 
@@ -281,3 +282,45 @@ def test_mosaic_backward_fuses_dq_inside_shard_map(is_causal, monkeypatch,
         grad = np.asarray(grad, np.float64)
         assert not np.isnan(grad).any(), (name, seed)
         assert relative_error(grad, np.asarray(want)) < 2e-2, (name, seed)
+
+
+@pytest.fixture
+def _sm100_on_two_devices(monkeypatch):
+    devices_share_the_interpreter(monkeypatch)
+    yield from interpreted_mosaic(monkeypatch, "sm100")
+
+
+@pytest.mark.interpreted
+def test_sm100_forward_inside_shard_map_falls_back_to_xla_and_says_so(monkeypatch,
+                                                                     _sm100_on_two_devices):
+    """The sm100 forward cannot run inside a shard_map (its warp map takes refs that vary
+    along the mesh axes): the XLA forward serves, with a warning, and the sm100 backward
+    still runs its kernel; gradients match the float64 reference."""
+    skip_unless_blackwell_interpreter()
+    mesh = _mesh()
+    plans = record_plans(monkeypatch)
+    rng = np.random.default_rng(0)
+    shapes = ((2, 256, 2, 128), (2, 256, 1, 128), (2, 256, 1, 128))
+    q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for shape in shapes)
+    dout = rng.standard_normal((2, 256, 2, 128)).astype(np.float32)
+
+    def gradients(q, k, v, dout):
+        run = lambda q, k, v: omni_jax.attention(q, k, v, is_causal=True,
+                                                 implementation="mosaic", deterministic=False)
+        out, vjp = jax.vjp(run, q, k, v)
+        return vjp(dout.astype(out.dtype))
+
+    batch = P("data")
+    with pytest.warns(UserWarning, match="forward on the XLA backend inside"):
+        got = _sharded(gradients, mesh, (batch,) * 4, (batch,) * 3)(q, k, v, jnp.asarray(dout))
+    assert {plan.backward.name for plan in plans} == {"mosaic"}
+    visible = dense_mask(2, 2, 256, 256, is_causal=True)
+    with jax.enable_x64(True):
+        as64 = lambda x: jnp.asarray(np.asarray(x, np.float64))
+        _, vjp = jax.vjp(lambda q, k, v: reference_attention(q, k, v, visible)[0],
+                         as64(q), as64(k), as64(v))
+        expected = vjp(jnp.asarray(dout, jnp.float64))
+    for name, grad, want in zip(("dq", "dk", "dv"), got, expected, strict=True):
+        grad = np.asarray(grad, np.float64)
+        assert not np.isnan(grad).any(), name
+        assert relative_error(grad, np.asarray(want)) < 2e-2, name
