@@ -32,17 +32,15 @@ def test_hopper_takes_the_mosaic_kernel(hopper):
     assert backends.choose(None, _problem()) == "mosaic"
 
 
-@pytest.mark.parametrize("shape, expected", [
-    (dict(batch=8, num_kv_heads=8, group=4), "mosaic"),  # 64 programs: kv splits fill SMs
-    (dict(batch=1, num_kv_heads=8, group=4), "mosaic"),
-    (dict(batch=64, num_kv_heads=8, group=4), "triton"),  # 512 programs
-    (dict(batch=256, num_kv_heads=8, group=4), "triton"),
-    (dict(batch=64, q_len=512, num_kv_heads=8, group=4), "mosaic"),  # a prefill chunk
+@pytest.mark.parametrize("shape", [
+    dict(batch=8, num_kv_heads=8, group=4),  # 64 programs: kv splits fill the SMs
+    dict(batch=1, num_kv_heads=8, group=4),
+    dict(batch=64, num_kv_heads=8, group=4),  # 512 programs
+    dict(batch=256, num_kv_heads=8, group=4),
+    dict(batch=64, q_len=512, num_kv_heads=8, group=4),  # a prefill chunk
 ])
-def test_decoding_steps_of_many_programs_take_triton_first(hopper, monkeypatch, shape,
-                                                           expected):
-    monkeypatch.setattr(runtime, "num_sms", lambda: 132)
-    assert backends.choose(None, _problem(**shape)) == expected
+def test_every_shape_takes_mosaic_first(hopper, shape):
+    assert backends.choose(None, _problem(**shape)) == "mosaic"
 
 
 @pytest.mark.parametrize("problem, reason", [
