@@ -48,6 +48,7 @@ from pallas_kernels.mosaic import attention_bwd_sm90 as bwd
 from pallas_kernels.mosaic import attention_bwd_sm100 as bwd100
 from pallas_kernels.mosaic import attention_fwd_sm90 as fwd
 from pallas_kernels.mosaic import attention_fwd_sm100 as fwd100
+from pallas_kernels.mosaic import attention_sm90_common as common
 from pallas_kernels.mosaic.attention_sm90_common import SMEM_LIMIT
 from pallas_kernels.softmax import fold_sinks, sinks_cotangent
 
@@ -141,8 +142,33 @@ class MosaicBackend(AttentionBackend):
                         f"memory, over the {SMEM_LIMIT} the kernels may use{hint}")
         if reason := score_mod_unsupported_reason(problem):
             return reason
+        if reason := self._walk_reason(problem):
+            return reason
         return (_first_use_reason("forward", problem, self._config(problem, causal=True))
                 if _blackwell() else None)
+
+    def _walk_reason(self, problem: AttentionProblem) -> str | None:
+        """Why the forward's walk rows (held whole in shared memory, beside the tiles) do
+        not fit: sequences of about 300k keys and more at head dim 128."""
+        block_size = problem.block_size or self.block_size(problem)
+        _, num_kv_blocks = _num_blocks(problem, block_size)
+        for causal in (False, True):
+            config = self._config(problem.with_block_size(block_size), causal)
+            dims = fwd.padded_head_dims(problem.head_dim, problem.head_dim_v)
+            itemsize = np.dtype(problem.dtype).itemsize
+            if _blackwell():
+                tiles = config.q_tiles
+                walk = common.WALK_LINE * 4 * -(-(2 + (1 + 2 * tiles) * num_kv_blocks)
+                                                 // common.WALK_LINE)
+                smem = fwd100.smem_bytes(config, *dims, itemsize, problem.has_user_mask) + walk
+            else:
+                smem = fwd.smem_bytes(config, *dims, itemsize, problem.has_user_mask,
+                                      walk_blocks=num_kv_blocks)
+            if smem > SMEM_LIMIT:
+                return (f"kv_len={problem.kv_len}: the forward's walks over {num_kv_blocks} "
+                        f"kv-blocks take {smem} bytes of shared memory with its tiles, "
+                        f"over {SMEM_LIMIT} ({_SEQUENCE_LIMIT_HINT})")
+        return None
 
     def backward_unsupported_reason(self, problem: AttentionProblem) -> str | None:
         reason = self.unsupported_reason(problem)
@@ -221,12 +247,17 @@ class MosaicBackend(AttentionBackend):
                     f"{' or '.join(map(str, bwd.SUPPORTED_BLOCK_KV))} (one dK/dV consumer "
                     f"warpgroup per 64 kv rows)")
         # The fused dQ's reduce-adds are atomic: their sums vary in the last bits.
+        num_q_blocks, num_kv_blocks = _num_blocks(problem, (fwd.BLOCK_Q, block_kv))
+        walks = bwd.walk_bytes(num_q_blocks, num_kv_blocks, _walk_heads(problem))
         config = bwd.fit_config(dataclasses.replace(
             config.with_block_kv(block_kv),
             fused_dq=config.fused_dq and not problem.deterministic),
-            SMEM_LIMIT, *dims, np.dtype(problem.dtype).itemsize, problem.has_user_mask)
+            SMEM_LIMIT, *dims, np.dtype(problem.dtype).itemsize, problem.has_user_mask,
+            walk_bytes=walks)
         if config is None:
-            return f"block_kv={block_kv} with head dims {dims} exceeds shared memory"
+            return (f"block_kv={block_kv} with head dims {dims} and walks over "
+                    f"{num_q_blocks} q-blocks / {num_kv_blocks} kv-blocks (held in shared "
+                    f"memory: {_SEQUENCE_LIMIT_HINT}) exceeds shared memory")
         return score_mod_unsupported_reason(problem, derivative=True) or config
 
     def _sm100_backward_config(self, problem: AttentionProblem
@@ -257,6 +288,14 @@ class MosaicBackend(AttentionBackend):
                                    problem.has_user_mask)
         if config is None:
             return f"head dims {dims} exceed the sm100 backward's shared memory"
+        num_q_blocks, _ = _num_blocks(problem, (fwd.BLOCK_Q, block_kv))
+        smem = (bwd100.smem_bytes(config, *dims, np.dtype(problem.dtype).itemsize,
+                                  problem.has_user_mask)
+                + _walk_heads(problem) * common.walk_row_bytes(num_q_blocks))
+        if smem > SMEM_LIMIT:
+            return (f"q_len={problem.q_len}: the sm100 backward's walks over "
+                    f"{num_q_blocks} q-blocks take {smem} bytes of shared memory with its "
+                    f"tiles, over {SMEM_LIMIT} ({_SEQUENCE_LIMIT_HINT})")
         return score_mod_unsupported_reason(problem, derivative=True) or config
 
     @staticmethod
@@ -361,6 +400,22 @@ def _small_causal_backward(problem: AttentionProblem, config, *, kernel: bool):
         jnp.zeros_like(lse), scale=problem.scale, softcap=problem.softcap, score_mod=None,
         has_partial=False, config=config, interpret_params=interpret_params())
     return dq, dk, dv
+
+
+_SEQUENCE_LIMIT_HINT = ("the Mosaic kernels keep a block's whole walk in shared memory; "
+                        "the next backend serves longer sequences, or split them with "
+                        "context parallelism")
+
+
+def _num_blocks(problem: AttentionProblem, block_size: tuple[int, int]) -> tuple[int, int]:
+    """(q-blocks, kv-blocks) of ``problem`` tiled by ``block_size``."""
+    return -(-problem.q_len // block_size[0]), -(-problem.kv_len // block_size[1])
+
+
+def _walk_heads(problem: AttentionProblem) -> int:
+    """Walk rows a dK/dV CTA holds: one per query head of its group when a user's mask may
+    differ by head."""
+    return problem.group_size if problem.has_user_mask else 1
 
 
 def _blackwell() -> bool:

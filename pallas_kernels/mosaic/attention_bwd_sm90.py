@@ -248,9 +248,11 @@ def backward_config(head_dim: int, head_dim_v: int, dtype: Any,
 
 def smem_bytes(config: BackwardConfig, head_dim: int, head_dim_v: int, itemsize: int,
                has_partial: bool, num_q_leaves: int = 0, num_kv_leaves: int = 0,
-               fused_dq: bool = False) -> tuple[int, int]:
+               fused_dq: bool = False, walk_bytes: tuple[int, int] = (0, 0),
+               ) -> tuple[int, int]:
     """Shared memory of one (dK/dV, dQ) CTA; head dims already padded. ``fused_dq``:
-    the dK/dV CTA of the fused dQ (which walks FULL tiles only)."""
+    the dK/dV CTA of the fused dQ (which walks FULL tiles only); ``walk_bytes``: the
+    (dK/dV, dQ) CTAs' walk rows (`walk_bytes`)."""
     width = (head_dim + head_dim_v) * itemsize
     q_step = config.q_step
     dkv_stage = q_step * width + 2 * q_step * 4 + num_q_leaves * q_step * 4
@@ -262,7 +264,15 @@ def smem_bytes(config: BackwardConfig, head_dim: int, head_dim_v: int, itemsize:
     if fused_dq:  # dS^T tiles of two steps, each consumer's float32 dQ stage
         dkv += 2 * config.block_kv * q_step * itemsize + q_step * head_dim * 4
     dq = config.block_q * width + 2 * config.block_q * 4 + config.dq_stages * dq_stage
-    return dkv, dq
+    return dkv + walk_bytes[0], dq + walk_bytes[1]
+
+
+def walk_bytes(num_q_blocks: int, num_kv_blocks: int, dkv_walk_heads: int) -> tuple[int, int]:
+    """Shared memory of the (dK/dV, dQ) CTAs' walk rows: ``dkv_walk_heads`` rows over the
+    q-blocks (one per query head of the group when the mask has heads), one over the
+    kv-blocks."""
+    return (dkv_walk_heads * common.walk_row_bytes(num_q_blocks),
+            common.walk_row_bytes(num_kv_blocks))
 
 
 def fit_config(config: BackwardConfig, limit: int, *args, **kwargs) -> BackwardConfig | None:
@@ -915,7 +925,9 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
     long_walks = (mean_full_walk is not None
                   and mean_full_walk >= config.fused_dq_min_full_walk)
     if config.fused_dq and (long_walks or not masked_tiles):
-        fused_configs = _fused_configs(config, layout, has_partial, masked_tiles, q, v)
+        group = q.shape[2] // k.shape[2]
+        fused_configs = _fused_configs(config, layout, has_partial, masked_tiles, q, v,
+                                       group if kmask.kv_num_blocks.shape[1] > 1 else 1)
     if fused_configs is None:
         return _backward(q, k, v, kmask, out, lse, dout, dlse, captured, fused_configs=None,
                          config=config, **static)
@@ -947,7 +959,7 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
 
 
 def _fused_configs(config: BackwardConfig, layout: MaskLayout, has_partial: bool,
-                   masked_tiles: bool, q: Array, v: Array,
+                   masked_tiles: bool, q: Array, v: Array, dkv_walk_heads: int,
                    ) -> tuple[BackwardConfig, BackwardConfig | None] | None:
     """The fused dQ's (FULL steps' launch, masked steps' launch or None without
     ``masked_tiles``) configs, their stages fitted to shared memory; None if one does
@@ -955,13 +967,16 @@ def _fused_configs(config: BackwardConfig, layout: MaskLayout, has_partial: bool
     dims = *padded_head_dims(q.shape[-1], v.shape[-1]), q.dtype.itemsize
     if not fused_dq_splits(dims[0], config.dkv_consumers, config.q_step):
         return None
+    walks = walk_bytes(layout.num_q_blocks, layout.num_kv_blocks, dkv_walk_heads)
     # The FULL steps' launch loads no stored tiles and no mask leaves.
-    full = fit_config(config, common.SMEM_LIMIT, *dims, False, fused_dq=True)
+    full = fit_config(config, common.SMEM_LIMIT, *dims, False, fused_dq=True,
+                      walk_bytes=walks)
     if not masked_tiles:
         return None if full is None else (full, None)
     num_q_leaves = sum(kind != "kv" for kind in layout.leaf_kinds)  # "batch" ones read as q
     masked = fit_config(config, common.SMEM_LIMIT, *dims, has_partial, num_q_leaves,
-                        len(layout.leaf_kinds) - num_q_leaves, fused_dq=True)
+                        len(layout.leaf_kinds) - num_q_leaves, fused_dq=True,
+                        walk_bytes=walks)
     return None if full is None or masked is None else (full, masked)
 
 

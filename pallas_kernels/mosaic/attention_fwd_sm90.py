@@ -197,26 +197,29 @@ def forward_config(head_dim: int, dtype: Any, causal: bool,
 
 
 def q_buffers(config: ForwardConfig, head_dim: int, head_dim_v: int, itemsize: int,
-              has_partial: bool, pages_per_seq: int = 0) -> int:
+              has_partial: bool, pages_per_seq: int = 0, walk_blocks: int = 0) -> int:
     """Q buffers per consumer: two (the next q-block's Q loads under the current one)
     when a CTA computes several q-blocks and shared memory has room, else one."""
     if config.q_blocks_per_cta > 1 and smem_bytes(
             config, head_dim, head_dim_v, itemsize, has_partial, 2,
-            pages_per_seq=pages_per_seq) <= common.SMEM_LIMIT:
+            pages_per_seq=pages_per_seq, walk_blocks=walk_blocks) <= common.SMEM_LIMIT:
         return 2
     return 1
 
 
 def smem_bytes(config: ForwardConfig, head_dim: int, head_dim_v: int, itemsize: int,
-               has_partial: bool, num_q_buffers: int = 1, pages_per_seq: int = 0) -> int:
+               has_partial: bool, num_q_buffers: int = 1, pages_per_seq: int = 0,
+               walk_blocks: int = 0) -> int:
     """Shared memory of one CTA (the producer's ring dominates; paged K/V add the
-    sequence's page table row of ``pages_per_seq`` ids)."""
+    sequence's page table row of ``pages_per_seq`` ids; the two walk buffers hold rows
+    over ``walk_blocks`` kv-blocks)."""
     qo = config.block_q * (num_q_buffers * head_dim
                            + (head_dim_v if head_dim_v != head_dim else 0)) * itemsize
     ring = config.num_stages * config.block_kv * (head_dim + head_dim_v) * itemsize
     if has_partial:
         ring += config.num_stages * config.block_q * config.block_kv  # int8 tiles
-    return qo + ring + table_lines(pages_per_seq) * common.WALK_LINE * 4
+    walks = 2 * common.walk_row_bytes(walk_blocks)
+    return qo + ring + walks + table_lines(pages_per_seq) * common.WALK_LINE * 4
 
 
 def table_lines(pages_per_seq: int) -> int:
@@ -722,7 +725,8 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
         has_partial=has_partial, walk_lines=walk.shape[-2],
         num_q_buffers=q_buffers(
             config, dim, dim_v, q.dtype.itemsize, has_partial,
-            pages_per_seq=0 if page_table is None else page_table.shape[1] * common.WALK_LINE),
+            pages_per_seq=0 if page_table is None else page_table.shape[1] * common.WALK_LINE,
+            walk_blocks=layout.num_kv_blocks),
         leaf_slots=leaf_slots,
         interpret=interpret, page_size=page_size,
         table_lines=0 if page_table is None else page_table.shape[1])

@@ -261,6 +261,27 @@ def test_atomic_dq_sums_only_when_not_deterministic(architecture, monkeypatch):
         assert atomic(config(dataclasses.replace(long, deterministic=False)))
 
 
+def test_walks_beyond_shared_memory_are_declined_with_the_reason(monkeypatch):
+    """The kernels hold a block's whole walk in shared memory: a sequence whose walks do
+    not fit beside the tiles goes to the next backend (a named "mosaic" raises), never
+    to a kernel that fails to compile. Forward: walks over the kv-blocks; backward (dK/dV):
+    over the q-blocks."""
+    monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
+    problem = lambda q_len, kv_len: AttentionProblem(
+        batch=1, q_len=q_len, kv_len=kv_len, num_q_heads=4, num_kv_heads=4, head_dim=128,
+        head_dim_v=128, dtype=np.dtype(jnp.bfloat16), scale=0.1, softcap=None,
+        score_mod=None, has_sinks=False, has_user_mask=False)
+    backend = MosaicBackend()
+    assert backend.unsupported_reason(problem(262144, 262144)) is None
+    assert not isinstance(backend._backward_config(problem(262144, 262144)), str)
+    assert "walks over 4096 kv-blocks" in backend.unsupported_reason(problem(1024, 524288))
+    assert backend.unsupported_reason(problem(1 << 21, 1024)) is None
+    assert "16384 q-blocks" in backend.backward_unsupported_reason(problem(1 << 21, 1024))
+    q = jax.ShapeDtypeStruct((1, 524288, 1, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="shared memory"):
+        jax.eval_shape(lambda q: omni_jax.attention(q, q, q, implementation="mosaic"), q)
+
+
 @pytest.fixture
 def _interpreted(monkeypatch):
     yield from interpreted_mosaic(monkeypatch)
