@@ -44,26 +44,25 @@ class PagedScores:
     def key_range(self, kv_len: Array, first_t: Array, last_t: Array) -> tuple[Array, Array]:
         """``[lo, hi)``: the only keys queries ``first_t..last_t`` may see, for kernels
         that skip the tiles outside it."""
-        lo, hi = jnp.int32(0), kv_len
-        if self.window is not None:
-            lo = jnp.maximum(self.query_position(kv_len, first_t) - self.window[0], 0)
-            if not self.is_causal:
-                hi = jnp.minimum(hi, self.query_position(kv_len, last_t) + self.window[1] + 1)
-        if self.is_causal:
-            hi = jnp.minimum(hi, self.query_position(kv_len, last_t) + 1)
+        lo, hi = self._key_bounds(kv_len, first_t, last_t)
         return lo, jnp.maximum(hi, lo)
 
     def shared_key_range(self, kv_len: Array, first_t: Array,
                          last_t: Array) -> tuple[Array, Array]:
         """``[lo, hi)``: keys that every query of ``first_t..last_t`` sees (empty when
         ``hi <= lo``): tiles inside it need no mask."""
+        return self._key_bounds(kv_len, last_t, first_t)
+
+    def _key_bounds(self, kv_len: Array, low_t: Array, high_t: Array) -> tuple[Array, Array]:
+        """The window's left edge as seen from query ``low_t`` and the window's right
+        edge (or the causal diagonal) as seen from query ``high_t``."""
         lo, hi = jnp.int32(0), kv_len
         if self.window is not None:
-            lo = jnp.maximum(self.query_position(kv_len, last_t) - self.window[0], 0)
+            lo = jnp.maximum(self.query_position(kv_len, low_t) - self.window[0], 0)
             if not self.is_causal:
-                hi = jnp.minimum(hi, self.query_position(kv_len, first_t) + self.window[1] + 1)
+                hi = jnp.minimum(hi, self.query_position(kv_len, high_t) + self.window[1] + 1)
         if self.is_causal:
-            hi = jnp.minimum(hi, self.query_position(kv_len, first_t) + 1)
+            hi = jnp.minimum(hi, self.query_position(kv_len, high_t) + 1)
         return lo, hi
 
     def scores(self, qk: Array) -> Array:
