@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import omni_jax
@@ -43,7 +43,8 @@ def block_mask_pairs(draw):
     return mask, np.asarray(mask.to_dense()), target
 
 
-@settings(max_examples=40, deadline=None)
+# Each draw builds a BlockMask (seconds on a busy CI machine): not a slow strategy.
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(block_mask_pairs())
 def test_regrouped_mask_admits_the_same_elements(pair):
     mask, expected, target = pair
