@@ -153,17 +153,8 @@ class MosaicBackend(AttentionBackend):
         block_size = problem.block_size or self.block_size(problem)
         _, num_kv_blocks = _num_blocks(problem, block_size)
         for causal in (False, True):
-            config = self._config(problem.with_block_size(block_size), causal)
-            dims = fwd.padded_head_dims(problem.head_dim, problem.head_dim_v)
-            itemsize = np.dtype(problem.dtype).itemsize
-            if _blackwell():
-                tiles = config.q_tiles
-                walk = common.WALK_LINE * 4 * -(-(2 + (1 + 2 * tiles) * num_kv_blocks)
-                                                 // common.WALK_LINE)
-                smem = fwd100.smem_bytes(config, *dims, itemsize, problem.has_user_mask) + walk
-            else:
-                smem = fwd.smem_bytes(config, *dims, itemsize, problem.has_user_mask,
-                                      walk_blocks=num_kv_blocks)
+            smem = self._smem(problem, self._config(problem.with_block_size(block_size), causal),
+                              walk_blocks=num_kv_blocks)
             if smem > SMEM_LIMIT:
                 return (f"kv_len={problem.kv_len}: the forward's walks over {num_kv_blocks} "
                         f"kv-blocks take {smem} bytes of shared memory with its tiles, "
@@ -282,20 +273,15 @@ class MosaicBackend(AttentionBackend):
                         f"would take {sums / 2**30:.1f} GiB (at most "
                         f"{DETERMINISTIC_DQ_BYTES / 2**30:.0f}); deterministic=False sums "
                         f"dQ by atomic reduce-adds")
-        config = bwd100.fit_config(dataclasses.replace(config,
-                                                       deterministic=problem.deterministic),
-                                   SMEM_LIMIT, *dims, np.dtype(problem.dtype).itemsize,
-                                   problem.has_user_mask)
-        if config is None:
-            return f"head dims {dims} exceed the sm100 backward's shared memory"
         num_q_blocks, _ = _num_blocks(problem, (fwd.BLOCK_Q, block_kv))
-        smem = (bwd100.smem_bytes(config, *dims, np.dtype(problem.dtype).itemsize,
-                                  problem.has_user_mask)
-                + _walk_heads(problem) * common.walk_row_bytes(num_q_blocks))
-        if smem > SMEM_LIMIT:
-            return (f"q_len={problem.q_len}: the sm100 backward's walks over "
-                    f"{num_q_blocks} q-blocks take {smem} bytes of shared memory with its "
-                    f"tiles, over {SMEM_LIMIT} ({_SEQUENCE_LIMIT_HINT})")
+        config = bwd100.fit_config(
+            dataclasses.replace(config, deterministic=problem.deterministic), SMEM_LIMIT,
+            *dims, np.dtype(problem.dtype).itemsize, problem.has_user_mask,
+            walk_bytes=_walk_heads(problem) * common.walk_row_bytes(num_q_blocks))
+        if config is None:
+            return (f"head dims {dims} and walks over {num_q_blocks} q-blocks (held in "
+                    f"shared memory: {_SEQUENCE_LIMIT_HINT}) exceed the sm100 backward's "
+                    f"shared memory")
         return score_mod_unsupported_reason(problem, derivative=True) or config
 
     @staticmethod
@@ -320,11 +306,11 @@ class MosaicBackend(AttentionBackend):
         return config
 
     @staticmethod
-    def _smem(problem: AttentionProblem,
-              config: fwd.ForwardConfig | fwd100.ForwardConfig) -> int:
-        return _forward_module().smem_bytes(config, *fwd.padded_head_dims(problem.head_dim,
-                                                            problem.head_dim_v),
-                              np.dtype(problem.dtype).itemsize, problem.has_user_mask)
+    def _smem(problem: AttentionProblem, config: fwd.ForwardConfig | fwd100.ForwardConfig,
+              walk_blocks: int = 0) -> int:
+        return _forward_module().smem_bytes(
+            config, *fwd.padded_head_dims(problem.head_dim, problem.head_dim_v),
+            np.dtype(problem.dtype).itemsize, problem.has_user_mask, walk_blocks=walk_blocks)
 
 
 def _first_use_reason(direction: str, problem: AttentionProblem, config) -> str | None:

@@ -188,9 +188,10 @@ def backward_config(head_dim: int, head_dim_v: int, dtype: Any,
 
 
 def smem_bytes(config: BackwardConfig, head_dim: int, head_dim_v: int, itemsize: int,
-               has_partial: bool, num_q_leaves: int = 0, num_kv_leaves: int = 0) -> int:
+               has_partial: bool, num_q_leaves: int = 0, num_kv_leaves: int = 0,
+               walk_bytes: int = 0) -> int:
     """Shared memory of one CTA (the larger launch's where ``config.split_dkdv``); head
-    dims already padded (`kernel_head_dim`)."""
+    dims already padded (`kernel_head_dim`); ``walk_bytes``: its walk rows."""
     step = config.q_step
     slot = step * (head_dim + head_dim_v) * itemsize + 2 * step * 4 + num_q_leaves * step * 4
     if has_partial:
@@ -199,7 +200,7 @@ def smem_bytes(config: BackwardConfig, head_dim: int, head_dim_v: int, itemsize:
     common_bytes = config.block_kv * kv_row + config.stages * slot
     ds_tile = config.block_kv * step * itemsize  # P^T is in TMEM
     dq_stage = 128 * DQ_PIECE * 4
-    return common_bytes + ds_tile + dq_stage
+    return common_bytes + ds_tile + dq_stage + walk_bytes
 
 
 def fit_config(config: BackwardConfig, limit: int, *args, **kwargs) -> BackwardConfig | None:

@@ -132,17 +132,20 @@ def forward_config(head_dim: int, dtype: Any, causal: bool,
 
 
 def smem_bytes(config: ForwardConfig, head_dim: int, head_dim_v: int, itemsize: int,
-               has_partial: bool, num_q_buffers: int = 1, pages_per_seq: int = 0) -> int:
+               has_partial: bool, num_q_buffers: int = 1, pages_per_seq: int = 0,
+               walk_blocks: int = 0) -> int:
     """Shared memory of one CTA: Q per tile (O staged in it, or beside it when the head
-    dims differ) and the kv ring (with a stored int8 tile per q tile when the mask has
-    PARTIAL ones)."""
+    dims differ), the kv ring (with a stored int8 tile per q tile when the mask has
+    PARTIAL ones) and the paired walk row over ``walk_blocks`` kv-blocks."""
     del num_q_buffers, pages_per_seq
+    walk_entries = 2 + (1 + 2 * config.q_tiles) * walk_blocks  # `paired_walk_offsets`
+    walk = -(-walk_entries // common.WALK_LINE) * common.WALK_LINE * 4
     qo = config.q_tiles * config.block_q * (
         head_dim + (head_dim_v if head_dim_v != head_dim else 0)) * itemsize
     ring = config.num_stages * config.block_kv * (head_dim + head_dim_v) * itemsize
     if has_partial:
         ring += config.num_stages * config.q_tiles * config.block_q * config.block_kv
-    return qo + ring
+    return qo + ring + walk
 
 
 def fit_config(config: ForwardConfig, limit: int, head_dim: int, head_dim_v: int,

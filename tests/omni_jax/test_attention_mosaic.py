@@ -282,6 +282,22 @@ def test_walks_beyond_shared_memory_are_declined_with_the_reason(monkeypatch):
         jax.eval_shape(lambda q: omni_jax.attention(q, q, q, implementation="mosaic"), q)
 
 
+def test_sm100_walks_beyond_shared_memory_are_declined(monkeypatch):
+    """The sm100 kernels hold their walk rows in shared memory as well (the forward's
+    paired over both q tiles)."""
+    skip_unless_blackwell_interpreter()
+    monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "sm100")
+    problem = lambda q_len, kv_len: AttentionProblem(
+        batch=1, q_len=q_len, kv_len=kv_len, num_q_heads=4, num_kv_heads=4, head_dim=128,
+        head_dim_v=128, dtype=np.dtype(jnp.bfloat16), scale=0.1, softcap=None,
+        score_mod=None, has_sinks=False, has_user_mask=False)
+    backend = MosaicBackend()
+    assert backend.unsupported_reason(problem(8192, 8192)) is None
+    assert "kv-blocks" in backend.unsupported_reason(problem(1024, 524288))
+    long_queries = dataclasses.replace(problem(1 << 21, 1024), deterministic=False)
+    assert "q-blocks" in backend.backward_unsupported_reason(long_queries)
+
+
 @pytest.fixture
 def _interpreted(monkeypatch):
     yield from interpreted_mosaic(monkeypatch)
