@@ -238,6 +238,14 @@ def test_sm100_retiles_a_block_kv_it_lacks(monkeypatch):
     assert [config.block_kv for config in configs] == [128]
 
 
+def _problem(q_len: int, kv_len: int) -> AttentionProblem:
+    """A bf16 MHA problem at head dim 128, as the backends' decisions see it."""
+    return AttentionProblem(
+        batch=1, q_len=q_len, kv_len=kv_len, num_q_heads=4, num_kv_heads=4, head_dim=128,
+        head_dim_v=128, dtype=np.dtype(jnp.bfloat16), scale=0.1, softcap=None,
+        score_mod=None, has_sinks=False, has_user_mask=False)
+
+
 @pytest.mark.parametrize("architecture", ["sm90", "sm100"])
 def test_atomic_dq_sums_only_when_not_deterministic(architecture, monkeypatch):
     """The dQ sums that TMA reduce-adds add to (sm90's fused dQ, sm100's one sum) vary in
@@ -246,10 +254,7 @@ def test_atomic_dq_sums_only_when_not_deterministic(architecture, monkeypatch):
     if architecture == "sm100":
         skip_unless_blackwell_interpreter()
     monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1" if architecture == "sm90" else "sm100")
-    problem = AttentionProblem(
-        batch=1, q_len=4096, kv_len=4096, num_q_heads=4, num_kv_heads=4, head_dim=128,
-        head_dim_v=128, dtype=np.dtype(jnp.bfloat16), scale=0.1, softcap=None,
-        score_mod=None, has_sinks=False, has_user_mask=False)
+    problem = _problem(4096, 4096)
     config = MosaicBackend()._backward_config
     atomic = (lambda c: c.fused_dq) if architecture == "sm90" else (
         lambda c: not c.deterministic)
@@ -267,16 +272,12 @@ def test_walks_beyond_shared_memory_are_declined_with_the_reason(monkeypatch):
     to a kernel that fails to compile. Forward: walks over the kv-blocks; backward (dK/dV):
     over the q-blocks."""
     monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
-    problem = lambda q_len, kv_len: AttentionProblem(
-        batch=1, q_len=q_len, kv_len=kv_len, num_q_heads=4, num_kv_heads=4, head_dim=128,
-        head_dim_v=128, dtype=np.dtype(jnp.bfloat16), scale=0.1, softcap=None,
-        score_mod=None, has_sinks=False, has_user_mask=False)
     backend = MosaicBackend()
-    assert backend.unsupported_reason(problem(262144, 262144)) is None
-    assert not isinstance(backend._backward_config(problem(262144, 262144)), str)
-    assert "walks over 4096 kv-blocks" in backend.unsupported_reason(problem(1024, 524288))
-    assert backend.unsupported_reason(problem(1 << 21, 1024)) is None
-    assert "16384 q-blocks" in backend.backward_unsupported_reason(problem(1 << 21, 1024))
+    assert backend.unsupported_reason(_problem(262144, 262144)) is None
+    assert not isinstance(backend._backward_config(_problem(262144, 262144)), str)
+    assert "walks over 4096 kv-blocks" in backend.unsupported_reason(_problem(1024, 524288))
+    assert backend.unsupported_reason(_problem(1 << 21, 1024)) is None
+    assert "16384 q-blocks" in backend.backward_unsupported_reason(_problem(1 << 21, 1024))
     q = jax.ShapeDtypeStruct((1, 524288, 1, 128), jnp.bfloat16)
     with pytest.raises(ValueError, match="shared memory"):
         jax.eval_shape(lambda q: omni_jax.attention(q, q, q, implementation="mosaic"), q)
@@ -287,14 +288,10 @@ def test_sm100_walks_beyond_shared_memory_are_declined(monkeypatch):
     paired over both q tiles)."""
     skip_unless_blackwell_interpreter()
     monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "sm100")
-    problem = lambda q_len, kv_len: AttentionProblem(
-        batch=1, q_len=q_len, kv_len=kv_len, num_q_heads=4, num_kv_heads=4, head_dim=128,
-        head_dim_v=128, dtype=np.dtype(jnp.bfloat16), scale=0.1, softcap=None,
-        score_mod=None, has_sinks=False, has_user_mask=False)
     backend = MosaicBackend()
-    assert backend.unsupported_reason(problem(8192, 8192)) is None
-    assert "kv-blocks" in backend.unsupported_reason(problem(1024, 524288))
-    long_queries = dataclasses.replace(problem(1 << 21, 1024), deterministic=False)
+    assert backend.unsupported_reason(_problem(8192, 8192)) is None
+    assert "kv-blocks" in backend.unsupported_reason(_problem(1024, 524288))
+    long_queries = dataclasses.replace(_problem(1 << 21, 1024), deterministic=False)
     assert "q-blocks" in backend.backward_unsupported_reason(long_queries)
 
 
