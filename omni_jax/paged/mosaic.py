@@ -11,6 +11,13 @@ decoding step): each q-block walks the kv-blocks its queries may see, the FULL o
 (the kernel's mask-free loop) first, and split-KV comes with the forward. Grouped query
 heads are packed into rows (`omni_jax.query_groups`) when the group divides the
 kernel's 128-row q tile, else each head is its own CTA row.
+
+Each XLA kernel around a decoding step's 0.1 ms costs 2-4 us and a launch gap, so the
+call builds few arrays: the packed queries, the walks (after one reduction: whether a
+sequence uses a page id outside the cache) and the one mask leaf; K, V and a page
+table of whole 128-id lines reach the kernel as views (its producer clamps
+the ids), and the output is unpacked (with split-KV, combined) elementwise. A test
+pins this (`test_decoding_step_computes_little_around_the_kernel`).
 """
 
 from __future__ import annotations
