@@ -10,6 +10,7 @@ use these helpers.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax.numpy as jnp
@@ -45,12 +46,18 @@ def share(count: Array, num_full: Array, split: Array,
 def combine(out: Array, lse: Array, dtype: Any) -> tuple[Array, Array]:
     """The result of the shares' ``out [S, B, Sq, H, Dv]`` (each normalised over its own
     keys) and ``lse [S, B, H, Sq]``, as ``dtype``. A row no share saw keeps lse -inf and
-    output 0. Sinks join afterwards (`omni_jax.backends.base.fold_sinks`)."""
+    output 0. Sinks join afterwards (`omni_jax.backends.base.fold_sinks`).
+
+    Written elementwise over the static shares (no reduction over S): XLA fuses the
+    output's weighted sum with the caller's slicing, relayout and dtype cast (separate
+    reduction and transpose kernels otherwise, each a launch around a decoding step)."""
     if out.shape[0] == 1:
         return out[0].astype(dtype), lse[0]
-    peak = lse.max(axis=0)
+    shares = range(out.shape[0])
+    peak = functools.reduce(jnp.maximum, (lse[s] for s in shares))
     peak = jnp.where(peak == -jnp.inf, 0.0, peak)
-    total = peak + jnp.log(jnp.exp(lse - peak).sum(axis=0))
+    total = peak + jnp.log(sum(jnp.exp(lse[s] - peak) for s in shares))
     weights = jnp.exp(lse - jnp.where(total == -jnp.inf, 0.0, total))
     weights = jnp.swapaxes(weights, 2, 3)[..., None]  # [S, B, Sq, H, 1]
-    return (weights * out.astype(jnp.float32)).sum(axis=0).astype(dtype), total
+    combined = sum(weights[s] * out[s].astype(jnp.float32) for s in shares)
+    return combined.astype(dtype), total

@@ -11,6 +11,13 @@ decoding step): each q-block walks the kv-blocks its queries may see, the FULL o
 (the kernel's mask-free loop) first, and split-KV comes with the forward. Grouped query
 heads are packed into rows (`omni_jax.query_groups`) when the group divides the
 kernel's 128-row q tile, else each head is its own CTA row.
+
+Each XLA kernel around a decoding step's 0.1 ms costs 2-4 us and a launch gap, so the
+call builds few arrays: the packed queries, the walks (after one reduction: whether a
+sequence uses a page id outside the cache) and the one mask leaf; K, V and a page
+table of whole 128-id lines reach the kernel as views (its producer clamps
+the ids), and the output is unpacked (with split-KV, combined) elementwise. A test
+pins this (`test_decoding_step_computes_little_around_the_kernel`).
 """
 
 from __future__ import annotations
@@ -44,43 +51,47 @@ _MAX_BLOCK_KV = 256
 @jax.tree_util.register_pytree_node_class
 class PagedKeys(MaskMod):
     """Query ``t`` of sequence ``b`` sees key ``j`` when ``scores.visible`` says so for
-    position ``kv_lens[b] - q_len + t`` and the key's page is one of the cache
-    (``real[b, j]`` = 1; its K/V rows are then never read by the kernel either)."""
+    position ``kv_lens[b] - q_len + t``, with ``key_lens[b, j]``: ``kv_lens[b]`` when
+    the key's page is one of the cache, -1 (no key visible) when it is not (its K/V rows
+    are then never read by the kernel either).
 
-    def __init__(self, kv_lens: Array, real: Array, scores: PagedScores):
-        self.kv_lens = kv_lens
-        self.real = real
+    One kv leaf carries both the length and the page check: the kernel's only mask
+    operand, built by one fusion per call (a leaf per sequence would cost a broadcast
+    kernel of its own)."""
+
+    def __init__(self, key_lens: Array, scores: PagedScores):
+        self.key_lens = key_lens
         self.scores = scores
 
     def tree_flatten(self):
-        return (self.kv_lens, self.real), self.scores
+        return (self.key_lens,), self.scores
 
     @classmethod
     def tree_unflatten(cls, aux, children):
         return cls(*children, aux)
 
     def predicate(self, q_idx, kv_idx):
-        q_pos = self.scores.query_position(self.kv_lens, q_idx)
-        return (self.real != 0) & self.scores.visible(q_pos, kv_idx, self.kv_lens)
+        q_pos = self.scores.query_position(self.key_lens, q_idx)
+        return self.scores.visible(q_pos, kv_idx, self.key_lens)
 
     def classify(self, grid: BlockGrid):
         q_start, q_end = grid.q_bounds()
         kv_start, kv_end = grid.kv_bounds()
-        kv_len = self.kv_lens[:, None, None, None]
+        kv_len = self.key_lens.max(axis=1)[:, None, None, None]
         lo, hi = self.scores.key_range(kv_len, q_start, q_end)
         shared_lo, shared_hi = self.scores.shared_key_range(kv_len, q_start, q_end)
         blocks = -(-grid.kv_len // grid.block_kv)
-        real = jnp.pad(self.real, ((0, 0), (0, blocks * grid.block_kv - grid.kv_len)),
-                       constant_values=1)  # the ragged tail: kv_len hides it
+        real = jnp.pad(self.key_lens >= 0, ((0, 0), (0, blocks * grid.block_kv - grid.kv_len)),
+                       constant_values=True)  # the ragged tail: kv_len hides it
         real = real.reshape(real.shape[0], blocks, grid.block_kv)
-        all_real = real.min(axis=-1)[:, None, None, :] != 0
-        any_real = real.max(axis=-1)[:, None, None, :] != 0
+        all_real = real.all(axis=-1)[:, None, None, :]
+        any_real = real.any(axis=-1)[:, None, None, :]
         empty = (kv_end < lo) | (kv_start >= hi) | ~any_real
         full = all_real & (kv_start >= shared_lo) & (kv_end < shared_hi)
         return full, empty
 
     def leaf_kinds(self):
-        return ("batch", "kv")
+        return ("kv",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,10 +160,11 @@ def _kernel_mask(kv_lens: Array, page_table: Array, num_pages: int, scores: Page
                                   full_end[..., None] + step - num_full - before))
     flags = jnp.where(step < num_full, FULL, COMPUTED)
     head = lambda x: x[:, None].astype(jnp.int32)  # [B, 1, ...]: one mask for all heads
-    real_keys = jnp.repeat(real_pages.astype(jnp.int32), page_size, axis=1)
-    real_keys = jnp.pad(real_keys, ((0, 0), (0, num_kv_blocks * block_kv - kv_len)),
-                        mode="edge")
-    mask_mod = PagedKeys(kv_lens, real_keys, scores)
+    page_lens = jnp.where(real_pages, kv_lens[:, None], -1)
+    key_lens = jnp.repeat(page_lens, page_size, axis=1)
+    key_lens = jnp.pad(key_lens, ((0, 0), (0, num_kv_blocks * block_kv - kv_len)),
+                       constant_values=-1)  # past the table
+    mask_mod = PagedKeys(key_lens, scores)
     if group > 1:
         mask_mod = RepeatedQueries.of(mask_mod, group)
     leaves, treedef = jax.tree.flatten(mask_mod)

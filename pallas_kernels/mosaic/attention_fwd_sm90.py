@@ -693,7 +693,7 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
     With ``page_table`` int32 ``[B, pages_per_seq]``, K and V are paged,
     ``[num_pages, page_size, Hkv, D(v)]``: key ``i`` of sequence ``b`` is row
     ``i % page_size`` of page ``page_table[b, i // page_size]``, ids outside the cache
-    clamped into it (the mask must hide their keys). ``page_size`` is a power of two
+    clamped into it by the kernel (the mask must hide their keys). ``page_size`` is a power of two
     of at least 8 that divides ``config.block_kv`` or that it divides, and the head dims
     must be the kernel's own (`padded_head_dims`): the cache is never copied.
     """
@@ -759,9 +759,10 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
 def _paged_operands(k_pages: Array, v_pages: Array, page_table: Array, num_kv_blocks: int,
                     block_kv: int) -> tuple[Array, Array, Array]:
     """Paged K/V as ``[1, num_pages * page_size, Hkv, D]`` (a view, no copy) and the page
-    table as the producer reads it: ids clamped into the cache (so no TMA leaves it),
-    one id per page of every kv-block the mask may walk (past the table's pages: page 0,
-    whose keys the mask hides), in lines of `common.WALK_LINE` (``[B, R, WALK_LINE]``)."""
+    table as the producer reads it: one id per page of every kv-block the mask may walk
+    (past the table's pages: page 0, whose keys the mask hides), in lines of
+    `common.WALK_LINE` (``[B, R, WALK_LINE]``). The producer clamps the ids into the
+    cache, so a table of whole lines is passed as it is (a view, no XLA kernel)."""
     num_pages, page_size = k_pages.shape[:2]
     if page_size < 8 or page_size & (page_size - 1) or (
             block_kv % page_size and page_size % block_kv):
@@ -773,10 +774,9 @@ def _paged_operands(k_pages: Array, v_pages: Array, page_table: Array, num_kv_bl
                          f"(the cache is not padded), got {dims}")
     flat = lambda x: x.reshape(1, num_pages * page_size, *x.shape[2:])
     needed = -(-num_kv_blocks * block_kv // page_size)
-    table = jnp.clip(page_table.astype(jnp.int32), 0, num_pages - 1)
-    table = jnp.pad(table[:, :needed], ((0, 0), (0, needed - min(needed, table.shape[1]))))
     lines = table_lines(needed)
-    table = jnp.pad(table, ((0, 0), (0, lines * common.WALK_LINE - needed)))
+    table = jnp.pad(page_table.astype(jnp.int32),
+                    ((0, 0), (0, lines * common.WALK_LINE - page_table.shape[1])))
     return flat(k_pages), flat(v_pages), table.reshape(-1, lines, common.WALK_LINE)
 
 

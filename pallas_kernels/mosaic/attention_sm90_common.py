@@ -442,8 +442,9 @@ def produce_kv_blocks(walk_smem, count, *, stages: int, block_kv: int, batch, kv
 
     ``pages`` = (page table row in smem as ``[R, WALK_LINE]``, page_size) makes K and V
     paged: their refs are ``[1, num_pages * page_size, kv_heads, D]`` and token ``i`` of
-    the sequence is row ``i % page_size`` of page ``table[i // page_size]`` (ids already
-    clamped into the cache). A tile then takes `page_copies` TMAs, each of one page (or
+    the sequence is row ``i % page_size`` of page ``table[i // page_size]``, clamped
+    here into the cache (no TMA leaves it, whatever the table holds; the mask hides the
+    keys of ids outside it). A tile then takes `page_copies` TMAs, each of one page (or
     of the part of one page the tile covers) into consecutive rows of the slot.
     """
     index_offset, flags_offset, partial_offset = offsets
@@ -475,7 +476,8 @@ def produce_kv_blocks(walk_smem, count, *, stages: int, block_kv: int, batch, kv
             rows = block_kv // copies
             for j in range(copies):
                 token = kv_block * block_kv + j * rows
-                page = walk_entry(table, lax.div(token, page_size))
+                page = jnp.clip(walk_entry(table, lax.div(token, page_size)), 0,
+                                ref.shape[1] // page_size - 1)
                 row = page * page_size + lax.rem(token, page_size)
                 plgpu.copy_gmem_to_smem(ref.at[0, pl.ds(row, rows), kv_head],
                                         smem.at[slot, pl.ds(j * rows, rows)], barriers.at[slot])

@@ -206,3 +206,66 @@ def test_config_overrides_choose_splits_by_their_block_kv(monkeypatch):
     assert (forced.block_kv, forced.num_stages, forced.kv_splits) == (64, 4, 8)
     assert forced.pipelined is False
     assert mosaic._config(call, 8, 4096, {"kv_splits": 1}).kv_splits == 1
+
+
+def _eqns(jaxpr) -> list:
+    """The equations of ``jaxpr`` with every nested jit/custom_jvp body inlined."""
+    eqns = []
+    for eqn in jaxpr.eqns:
+        body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+        eqns += _eqns(getattr(body, "jaxpr", body)) if body is not None else [eqn]
+    return eqns
+
+
+def _producers(eqns, var) -> list[str]:
+    """Primitives of every equation that ``var`` is computed from (down to the inputs)."""
+    by_output = {id(out): eqn for eqn in eqns for out in eqn.outvars}
+    names, stack = [], [var]
+    while stack:
+        eqn = by_output.get(id(stack.pop()))
+        if eqn is not None:
+            names.append(eqn.primitive.name)
+            stack += eqn.invars
+    return names
+
+
+# (batch, kv_len, page_size, splits): the decoding shapes of issue 49's ncu kernel lists.
+DECODE_STEPS = [(8, 8192, 16, 2), (64, 4096, 64, 1), (1, 131072, 64, 16)]
+
+
+@pytest.mark.parametrize("batch,kv_len,page_size,splits", DECODE_STEPS)
+def test_decoding_step_computes_little_around_the_kernel(monkeypatch, batch, kv_len, page_size,
+                                                         splits):
+    """Each XLA op around a decoding step's kernel can be a launch of its own (2-4 us on
+    a 0.1 ms step). Pinned: the kernel reads K, V and a table of whole lines as they
+    come (the producer clamps page ids), its mask is one kv leaf (no per-sequence leaf
+    broadcast along the queries), the walks need one reduction (the page check) and
+    the kv-split combine none."""
+    monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
+    monkeypatch.setattr(runtime, "num_sms", lambda: 132)
+
+    def kernel_stub(body, out_type, **kwargs):
+        return lambda *operands: jax.pure_callback(
+            lambda *_: tuple(np.zeros(o.shape, o.dtype) for o in out_type), tuple(out_type),
+            *operands)
+
+    monkeypatch.setattr(fwd.compat, "mosaic_kernel", kernel_stub)
+    pages = kv_len // page_size
+    args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in (
+        ((batch, 1, 32, 128), jnp.bfloat16), ((batch * pages, page_size, 8, 128), jnp.bfloat16),
+        ((batch * pages, page_size, 8, 128), jnp.bfloat16), ((batch, pages), jnp.int32),
+        ((batch,), jnp.int32))]
+    jaxpr = jax.make_jaxpr(lambda *a: omni_jax.paged_attention(*a, implementation="mosaic"))(
+        *args)
+    eqns = _eqns(jaxpr.jaxpr)
+    (kernel,) = [e for e in eqns if e.primitive.name == "pure_callback"]
+    assert kernel.outvars[1].aval.shape[0] == splits
+    q, k, v, walk, table, key_lens = kernel.invars  # no other operand
+    assert set(_producers(eqns, k)) | set(_producers(eqns, v)) <= {"reshape"}
+    if pages % 128 == 0:
+        assert set(_producers(eqns, table)) <= {"reshape", "convert_element_type"}
+    before = eqns[:eqns.index(kernel)]
+    reductions = [e.primitive.name for e in before if e.primitive.name.startswith("reduce")]
+    assert reductions == ["reduce_and"]
+    after = eqns[eqns.index(kernel) + 1:]
+    assert not [e for e in after if e.primitive.name.startswith("reduce")]
