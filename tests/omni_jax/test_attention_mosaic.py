@@ -148,12 +148,15 @@ class TestMosaicAttentionGpu(_MosaicSuite):
          head_dim=64, is_causal=True, deterministic=False),
 ], ids=lambda case: case.name)
 @pytest.mark.parametrize("overlapped_step", [True, False], ids=["overlapped", "serial"])
-def test_fused_dq_backward_through_the_public_call(case, dtype, overlapped_step, monkeypatch):
+@pytest.mark.parametrize("dq_reducer_warp", [True, False], ids=["reducer", "consumer_adds"])
+def test_fused_dq_backward_through_the_public_call(case, dtype, overlapped_step,
+                                                   dq_reducer_warp, monkeypatch):
     """Head dims 128 and 64, deterministic=False: the dK/dV kernel also sums dQ (into a
     ref), a path the suite's short walks never take; in both step orders
-    (`BackwardConfig.overlapped_step`)."""
+    (`BackwardConfig.overlapped_step`), its reductions issued by the producer or by the
+    consumers (`BackwardConfig.dq_reducer_warp`)."""
     force_config_fields(monkeypatch, bwd, "backward_config", fused_dq_min_full_walk=0.0,
-                        overlapped_step=overlapped_step)
+                        overlapped_step=overlapped_step, dq_reducer_warp=dq_reducer_warp)
     plans = record_plans(monkeypatch)
     accumulating = []
     kernel = compat.mosaic_kernel_accumulating
