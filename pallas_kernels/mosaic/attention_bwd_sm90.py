@@ -158,6 +158,11 @@ class BackwardConfig:
     # and issuing its reduction while dK runs. False: S^T and dP^T, dV and dK, then dQ,
     # each awaited whole before the next (the step of commit bc65497), kept for A/B runs.
     overlapped_step: bool = True
+    # In the serial order: dV, dK and dQ issued back to back and awaited once (dQ's
+    # tiles ready first), rather than dQ issued after dV and dK are done. dQ's 64 x 64
+    # float32 accumulator (32 registers a thread) then lives beside P^T and dS^T: off
+    # until an H200 run shows it does not spill.
+    serial_dq_with_dkdv: bool = False
     # With overlapped_step: dS^T without the softmax scale (one multiply an element
     # fewer), which dK takes once before its store and dQ in the wrapper's conversion
     # of the float32 sum, as FlashAttention-3 does.
@@ -590,14 +595,17 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
             return [(_transposed(ds_smem.at[parity, c]),
                      k_smem.at[c, :, pl.ds(dq_col0, dq_cols)]) for c in parts]
 
-        def dq_product(parity):
+        def dq_product(parity, *products):
+            """dQ of the tiles of ``parity``; issued after ``products``, (acc, (a, b))
+            pairs, all awaited at once: (the sums of ``products``, dQ)."""
             plgpu.barrier_wait(ds_ready.at[parity])
             zeros = plgpu.layout_cast(jnp.zeros((dq_rows, dq_cols), jnp.float32),
                                       plgpu.Layout.WGMMA)
-            dq = compat.wgmma_accumulate_all((zeros,), (dq_products(parity),),
-                                             interpret=s.interpret)[0]
+            *sums, dq = compat.wgmma_accumulate_all(
+                (*(acc for acc, _ in products), zeros),
+                (*(ab for _, ab in products), dq_products(parity)), interpret=s.interpret)
             plgpu.barrier_arrive(ds_free.at[parity])
-            return dq
+            return sums, dq
 
         def add_dq(dq, position, when):
             """Adds ``dq`` (of the step at ``position``, (head, first q row)) to the
@@ -727,10 +735,14 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                     plgpu.barrier_wait(ds_free.at[parity])
 
                 write_ds(parity, dscores)
-                dk, dv = accumulate()
-                plgpu.barrier_arrive(consumed.at[slot])
-                # After dV and dK: P^T and dS^T are dead, so dQ's accumulator fits.
-                dq = dq_product(1 - parity)
+                if cfg.serial_dq_with_dkdv:
+                    (dv, dk), dq = dq_product(1 - parity, *products)
+                    plgpu.barrier_arrive(consumed.at[slot])
+                else:
+                    dk, dv = accumulate()
+                    plgpu.barrier_arrive(consumed.at[slot])
+                    # After dV and dK: P^T and dS^T are dead, so dQ's accumulator fits.
+                    _, dq = dq_product(1 - parity)
                 add_dq(dq, previous, step >= 1)
                 return dk, dv, step + 1, (head, q_start)
 
@@ -812,7 +824,7 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                  *counters))
         if s.fused_dq:
             # The last step's product (step -1's when there was none).
-            dq = dq_product(lax.rem(num_steps_done + 1, 2))
+            _, dq = dq_product(lax.rem(num_steps_done + 1, 2))
             if not reducer:
                 wait_stage_read()
                 plgpu.commit_smem()
