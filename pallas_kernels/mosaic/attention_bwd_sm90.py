@@ -37,42 +37,46 @@ them in two launches of the dK/dV kernel, one accumulator each
 Narrower pairs (DeepSeek's query-key 192 and value 128) keep one launch
 (`MAX_UNSPLIT_DKDV_WIDTH`).
 
-Fused dQ (`BackwardConfig.fused_dq`): the dQ kernel recomputes S and dP, so a
-tile takes 7 matmuls where FlashAttention-3 takes 5. Fused, each dK/dV consumer
-also stages its dS^T tile in smem, and one step later multiplies both
-consumers' tiles of that step by its 64 columns of K and adds the product to a
-float32 dQ buffer by TMA reduce-add (an operand aliased to a result,
-`compat.mosaic_kernel_accumulating`). The producer warpgroup issues those reductions
-(`BackwardConfig.dq_reducer_warp`, FlashAttention-3's organisation): a consumer stores
-its product to its float32 stage once ``dq_stage_free`` says the last reduction read it,
-fences and arrives on ``dq_staged``, and never waits for the TMA engine; the producer,
-which spends most of a step waiting for ring slots, waits on ``dq_staged`` after its
-fetch of step t (the consumers stage step t - stages - 1's product right after
-releasing step t - stages, which that fetch waited for), issues the reduction, waits
-for it to read the stage and arrives on ``dq_stage_free``. It carries the (head, first
-q row) of its last stages + 1 fetches to address them. Those adds are atomic, in no
-fixed order, so the sum's last bits vary between runs: the Mosaic backend takes the
-fused dQ only for `omni_jax.attention`'s ``deterministic=False``. The one-step delay keeps the
+Fused dQ (`BackwardConfig.fused_dq`): the dQ kernel recomputes S and dP, so a tile
+takes 7 matmuls where FlashAttention-3 takes 5. Fused, each dK/dV consumer also stages
+its dS^T tile in smem, and one step later multiplies both consumers' tiles of that
+step by its 64 columns of K and adds the product to a float32 dQ buffer by TMA
+reduce-add (an operand aliased to a result, `compat.mosaic_kernel_accumulating`). The
+producer warpgroup issues those reductions (`BackwardConfig.dq_reducer_warp`,
+FlashAttention-3's organisation): a consumer stores its product to its float32 stage
+once ``dq_stage_free`` says the last reduction read it, fences and arrives on
+``dq_staged``, and never waits for the TMA engine; the producer, which spends most of
+a step waiting for ring slots, waits on ``dq_staged`` after its fetch of step t (the
+consumers stage step t - stages - 1's product right after releasing step t - stages,
+which that fetch waited for), issues the reduction, waits for it to read the stage and
+arrives on ``dq_stage_free``. It carries the (head, first q row) of its last stages +
+1 fetches to address them. No product reads a step's dS^T tile before the next step,
+so a consumer publishes it (fence, warpgroup barrier, ``ds_ready``) with its dQ stage
+by one commit (`BackwardConfig.one_commit_a_step`). The reduce-adds are atomic, in no fixed
+order, so the sum's last bits vary between runs: the Mosaic backend takes the fused dQ
+only for `omni_jax.attention`'s ``deterministic=False``. The one-step delay keeps the
 consumers out of lockstep; an earlier form with a rendezvous every step (commit
-0e02a52) was no faster. At head dim 64 the columns do not split into 64-column
-tiles between two consumers; there the steps are whole 128-row q-blocks and dQ
-splits by rows: consumer w adds rows [64w, 64w + 64) of the step for all 64
-columns, from the transposed 64-column slices of both consumers' 64 x 128 dS^T
-tiles times their K (FlashAttention-3's and -4's tiling).
+0e02a52) was no faster. At head dim 64 the columns do not split into 64-column tiles
+between two consumers; there the steps are whole 128-row q-blocks and dQ splits by
+rows: consumer w adds rows [64w, 64w + 64) of the step for all 64 columns, from the
+transposed 64-column slices of both consumers' 64 x 128 dS^T tiles times their K
+(FlashAttention-3's and -4's tiling).
 
 Per step a consumer (`BackwardConfig.overlapped_step`) issues S^T and dP^T and
-computes P^T while dP^T runs; stores its dS^T tile; issues dV, the previous step's
-dQ and dK, and waits for dV and dQ only, so that dQ's float32 staging (and without
-the reducer, its reduction) runs under dK. dK and dV therefore accumulate in wgmma accumulator refs,
-and no register of a wgmma in flight is written meanwhile (ptxas would serialize
-every wgmma of the kernel). Mask code beside the fused dQ's state spills
-registers, so under masks with masked tiles the fused launch walks only the FULL
-steps and compiles no mask code; a second fused launch walks the masked steps (its
-few steps a CTA bear the spills), adding the first launch's dK and dV to its own
-and its dQ to the same buffer. That pays where walks are long
-(`BackwardConfig.fused_dq_min_full_walk`);
-shorter ones keep the dQ kernel for every step, and so does `jax.vmap` (a
-custom_vmap rule). Inside a `jax.shard_map` the fused dQ serves as outside.
+computes P^T while dP^T runs; stores its dS^T tile; issues dV, the previous step's dQ
+and dK, and waits for dV and dQ only, so that dQ's float32 staging (and without the
+reducer, its reduction) runs under dK. dK and dV therefore accumulate in wgmma
+accumulator refs, and no register of a wgmma in flight is written meanwhile (ptxas
+would serialize every wgmma of the kernel). The serial order (`overlapped_step=False`)
+waits for S^T and dP^T, then for dV and dK, then issues dQ and waits for it; or issues
+dQ right behind dV and dK and waits once (`BackwardConfig.serial_dq_with_dkdv`). Mask
+code beside the fused dQ's state spills registers, so under masks with masked tiles
+the fused launch walks only the FULL steps and compiles no mask code; a second fused
+launch walks the masked steps (its few steps a CTA bear the spills), adding the first
+launch's dK and dV to its own and its dQ to the same buffer. That pays where walks are
+long (`BackwardConfig.fused_dq_min_full_walk`); shorter ones keep the dQ kernel for
+every step, and so does `jax.vmap` (a custom_vmap rule). Inside a `jax.shard_map` the
+fused dQ serves as outside.
 """
 
 from __future__ import annotations
@@ -155,14 +159,19 @@ class BackwardConfig:
     # The fused dQ's step order (FlashAttention-3's, within the one-step-delayed dQ): each
     # consumer waits for S^T alone and computes P^T while dP^T runs; stores dS^T, then
     # issues dV, the previous step's dQ and dK and waits for dV and dQ only, staging dQ
-    # and issuing its reduction while dK runs. False: S^T and dP^T, dV and dK, then dQ,
-    # each awaited whole before the next (the step of commit bc65497), kept for A/B runs.
+    # (and without dq_reducer_warp issuing its reduction) while dK runs. False: S^T and
+    # dP^T, dV and dK, then dQ, each awaited whole before the next (the step of commit
+    # bc65497; `serial_dq_with_dkdv` issues dQ with dV and dK).
     overlapped_step: bool = True
     # In the serial order: dV, dK and dQ issued back to back and awaited once (dQ's
     # tiles ready first), rather than dQ issued after dV and dK are done. dQ's 64 x 64
     # float32 accumulator (32 registers a thread) then lives beside P^T and dS^T: off
     # until an H200 run shows it does not spill.
     serial_dq_with_dkdv: bool = False
+    # With dq_reducer_warp: a consumer publishes its dS^T tile (which no product reads
+    # before the next step) with its dQ stage, by one fence and warpgroup barrier, not a
+    # commit_smem each (each a BAR.SYNC, MEMBAR.ALL.CTA, FENCE.VIEW.ASYNC.S, BAR.SYNC).
+    one_commit_a_step: bool = True
     # With overlapped_step: dS^T without the softmax scale (one multiply an element
     # fewer), which dK takes once before its store and dQ in the wrapper's conversion
     # of the float32 sum, as FlashAttention-3 does.
@@ -607,15 +616,22 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
             plgpu.barrier_arrive(ds_free.at[parity])
             return sums, dq
 
-        def add_dq(dq, position, when):
+        # The reducer's step commits its dS^T tile together with its dQ stage
+        # (`BackwardConfig.one_commit_a_step`).
+        shared_commit = reducer and cfg.one_commit_a_step
+
+        def add_dq(dq, position, when, ds_parity=None):
             """Adds ``dq`` (of the step at ``position``, (head, first q row)) to the
             float32 sum where ``when`` holds, without branching around it when compiled:
             the overlapped step adds while dK's wgmma runs. The reducer's stage takes
-            every product, step -1's too (the producer skips its add)."""
+            every product, step -1's too (the producer skips its add); its commit also
+            publishes the step's dS^T tile of ``ds_parity`` (`write_ds`) if given."""
             if reducer:
                 plgpu.barrier_wait(dq_stage_free.at[wg])
                 dq_stage.at[wg][...] = dq
                 plgpu.commit_smem()
+                if ds_parity is not None:
+                    plgpu.barrier_arrive(ds_ready.at[ds_parity])
                 plgpu.barrier_arrive(dq_staged.at[wg])
                 return
             dst = dq_destination(wg, *position)
@@ -636,11 +652,15 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
             if not s.interpret and not reducer:
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-        def write_ds(parity, dscores):
+        def write_ds(parity, dscores, publish=True):
+            """Stores this consumer's dS^T tile of ``parity``; ``publish``: commits it and
+            arrives on ``ds_ready`` (else the step's `add_dq` does). Nothing reads the
+            tile before the next step's dQ products."""
             wait_stage_read()
             ds_smem.at[parity, wg][...] = dscores
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(ds_ready.at[parity])
+            if publish:
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(ds_ready.at[parity])
 
         if s.fused_dq:
             write_ds(1, plgpu.layout_cast(jnp.zeros(tile, s.dtype),
@@ -734,7 +754,7 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                 def _():
                     plgpu.barrier_wait(ds_free.at[parity])
 
-                write_ds(parity, dscores)
+                write_ds(parity, dscores, publish=not shared_commit)
                 if cfg.serial_dq_with_dkdv:
                     (dv, dk), dq = dq_product(1 - parity, *products)
                     plgpu.barrier_arrive(consumed.at[slot])
@@ -743,7 +763,7 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                     plgpu.barrier_arrive(consumed.at[slot])
                     # After dV and dK: P^T and dS^T are dead, so dQ's accumulator fits.
                     _, dq = dq_product(1 - parity)
-                add_dq(dq, previous, step >= 1)
+                add_dq(dq, previous, step >= 1, parity if shared_commit else None)
                 return dk, dv, step + 1, (head, q_start)
 
             def overlapped_step_fn(j, carry, full: bool):
@@ -778,7 +798,7 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                 def _():
                     plgpu.barrier_wait(ds_free.at[parity])
 
-                write_ds(parity, dscores)
+                write_ds(parity, dscores, publish=not shared_commit)
 
                 # dQ's accumulator is zeroed before dV is issued: no register of a
                 # wgmma in flight may be defined.
@@ -793,7 +813,8 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
 
                 dq = pl.run_scoped(products, plgpu.ACC((dq_rows, dq_cols), jnp.float32))
                 plgpu.barrier_arrive(ds_free.at[1 - parity])
-                add_dq(dq, previous, step >= 1)  # Under dK.
+                add_dq(dq, previous, step >= 1,  # Under dK.
+                       parity if shared_commit else None)
                 plgpu.wgmma_wait(0)
                 plgpu.barrier_arrive(consumed.at[slot])  # dK has read Q.
                 return step + 1, (head, q_start)
