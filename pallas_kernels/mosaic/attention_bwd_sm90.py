@@ -880,6 +880,8 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
         plgpu.commit_smem()
         for buffer, ref in stores:
             plgpu.copy_smem_to_gmem(buffer, ref.at[batch, kv_rows, kv_head])
+        if reducer:  # Observes the last phase of the stage's barrier, as the interpreter
+            plgpu.barrier_wait(dq_stage_free.at[wg])  # requires (its last reduction's read).
         plgpu.wait_smem_to_gmem(0)
 
 
