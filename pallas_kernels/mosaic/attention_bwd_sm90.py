@@ -37,34 +37,46 @@ them in two launches of the dK/dV kernel, one accumulator each
 Narrower pairs (DeepSeek's query-key 192 and value 128) keep one launch
 (`MAX_UNSPLIT_DKDV_WIDTH`).
 
-Fused dQ (`BackwardConfig.fused_dq`): the dQ kernel recomputes S and dP, so a
-tile takes 7 matmuls where FlashAttention-3 takes 5. Fused, each dK/dV consumer
-also stages its dS^T tile in smem, and one step later multiplies both
-consumers' tiles of that step by its 64 columns of K and adds the product to a
-float32 dQ buffer by TMA reduce-add (an operand aliased to a result,
-`compat.mosaic_kernel_accumulating`). Those adds are atomic, in no fixed order, so the
-sum's last bits vary between runs: the Mosaic backend takes the fused dQ only for
-`omni_jax.attention`'s ``deterministic=False``. The one-step delay keeps the
+Fused dQ (`BackwardConfig.fused_dq`): the dQ kernel recomputes S and dP, so a tile
+takes 7 matmuls where FlashAttention-3 takes 5. Fused, each dK/dV consumer also stages
+its dS^T tile in smem, and one step later multiplies both consumers' tiles of that
+step by its 64 columns of K and adds the product to a float32 dQ buffer by TMA
+reduce-add (an operand aliased to a result, `compat.mosaic_kernel_accumulating`). The
+producer warpgroup issues those reductions (`BackwardConfig.dq_reducer_warp`,
+FlashAttention-3's organisation): a consumer stores its product to its float32 stage
+once ``dq_stage_free`` says the last reduction read it, fences and arrives on
+``dq_staged``, and never waits for the TMA engine; the producer, which spends most of
+a step waiting for ring slots, waits on ``dq_staged`` after its fetch of step t (the
+consumers stage step t - stages - 1's product right after releasing step t - stages,
+which that fetch waited for), issues the reduction, waits for it to read the stage and
+arrives on ``dq_stage_free``. It carries the (head, first q row) of its last stages +
+1 fetches to address them. No product reads a step's dS^T tile before the next step,
+so a consumer publishes it (fence, warpgroup barrier, ``ds_ready``) with its dQ stage
+by one commit (`BackwardConfig.one_commit_a_step`). The reduce-adds are atomic, in no fixed
+order, so the sum's last bits vary between runs: the Mosaic backend takes the fused dQ
+only for `omni_jax.attention`'s ``deterministic=False``. The one-step delay keeps the
 consumers out of lockstep; an earlier form with a rendezvous every step (commit
-0e02a52) was no faster. At head dim 64 the columns do not split into 64-column
-tiles between two consumers; there the steps are whole 128-row q-blocks and dQ
-splits by rows: consumer w adds rows [64w, 64w + 64) of the step for all 64
-columns, from the transposed 64-column slices of both consumers' 64 x 128 dS^T
-tiles times their K (FlashAttention-3's and -4's tiling).
+0e02a52) was no faster. At head dim 64 the columns do not split into 64-column tiles
+between two consumers; there the steps are whole 128-row q-blocks and dQ splits by
+rows: consumer w adds rows [64w, 64w + 64) of the step for all 64 columns, from the
+transposed 64-column slices of both consumers' 64 x 128 dS^T tiles times their K
+(FlashAttention-3's and -4's tiling).
 
 Per step a consumer (`BackwardConfig.overlapped_step`) issues S^T and dP^T and
-computes P^T while dP^T runs; stores its dS^T tile; issues dV, the previous step's
-dQ and dK, and waits for dV and dQ only, so that dQ's float32 staging and its
-reduction run under dK. dK and dV therefore accumulate in wgmma accumulator refs,
-and no register of a wgmma in flight is written meanwhile (ptxas would serialize
-every wgmma of the kernel). Mask code beside the fused dQ's state spills
-registers, so under masks with masked tiles the fused launch walks only the FULL
-steps and compiles no mask code; a second fused launch walks the masked steps (its
-few steps a CTA bear the spills), adding the first launch's dK and dV to its own
-and its dQ to the same buffer. That pays where walks are long
-(`BackwardConfig.fused_dq_min_full_walk`);
-shorter ones keep the dQ kernel for every step, and so does `jax.vmap` (a
-custom_vmap rule). Inside a `jax.shard_map` the fused dQ serves as outside.
+computes P^T while dP^T runs; stores its dS^T tile; issues dV, the previous step's dQ
+and dK, and waits for dV and dQ only, so that dQ's float32 staging (and without the
+reducer, its reduction) runs under dK. dK and dV therefore accumulate in wgmma
+accumulator refs, and no register of a wgmma in flight is written meanwhile (ptxas
+would serialize every wgmma of the kernel). The serial order (`overlapped_step=False`)
+waits for S^T and dP^T, then for dV and dK, then issues dQ and waits for it; or issues
+dQ right behind dV and dK and waits once (`BackwardConfig.serial_dq_with_dkdv`). Mask
+code beside the fused dQ's state spills registers, so under masks with masked tiles
+the fused launch walks only the FULL steps and compiles no mask code; a second fused
+launch walks the masked steps (its few steps a CTA bear the spills), adding the first
+launch's dK and dV to its own and its dQ to the same buffer. That pays where walks are
+long (`BackwardConfig.fused_dq_min_full_walk`); shorter ones keep the dQ kernel for
+every step, and so does `jax.vmap` (a custom_vmap rule). Inside a `jax.shard_map` the
+fused dQ serves as outside.
 """
 
 from __future__ import annotations
@@ -147,9 +159,19 @@ class BackwardConfig:
     # The fused dQ's step order (FlashAttention-3's, within the one-step-delayed dQ): each
     # consumer waits for S^T alone and computes P^T while dP^T runs; stores dS^T, then
     # issues dV, the previous step's dQ and dK and waits for dV and dQ only, staging dQ
-    # and issuing its reduction while dK runs. False: S^T and dP^T, dV and dK, then dQ,
-    # each awaited whole before the next (the step of commit bc65497), kept for A/B runs.
+    # (and without dq_reducer_warp issuing its reduction) while dK runs. False: S^T and
+    # dP^T, dV and dK, then dQ, each awaited whole before the next (the step of commit
+    # bc65497; `serial_dq_with_dkdv` issues dQ with dV and dK).
     overlapped_step: bool = True
+    # In the serial order: dV, dK and dQ issued back to back and awaited once (dQ's
+    # tiles ready first), rather than dQ issued after dV and dK are done. dQ's 64 x 64
+    # float32 accumulator (32 registers a thread) then lives beside P^T and dS^T: off
+    # until an H200 run shows it does not spill.
+    serial_dq_with_dkdv: bool = False
+    # With dq_reducer_warp: a consumer publishes its dS^T tile (which no product reads
+    # before the next step) with its dQ stage, by one fence and warpgroup barrier, not a
+    # commit_smem each (each a BAR.SYNC, MEMBAR.ALL.CTA, FENCE.VIEW.ASYNC.S, BAR.SYNC).
+    one_commit_a_step: bool = True
     # With overlapped_step: dS^T without the softmax scale (one multiply an element
     # fewer), which dK takes once before its store and dQ in the wrapper's conversion
     # of the float32 sum, as FlashAttention-3 does.
@@ -159,6 +181,12 @@ class BackwardConfig:
     # consumers; the fused dQ splits dQ's rows, consumer w adding rows [64w, 64w + 64)
     # of every column, which serves head dim 64: `fused_dq_splits`).
     q_step: int = ROWS_PER_CONSUMER
+    # The fused dQ's TMA reduce-adds issued by the producer warpgroup (idle between its
+    # loads) from the consumers' float32 stages, which they fill and signal by mbarrier
+    # and refill once the producer frees them: a consumer stores, fences and arrives,
+    # and never waits for the TMA engine. False: each consumer issues its own reduction
+    # and waits for it to read its stage before the next store.
+    dq_reducer_warp: bool = True
 
     def __post_init__(self):
         if self.block_q != BLOCK_Q:
@@ -388,7 +416,8 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
     (k_smem, v_smem, walk_smem, q_ring, do_ring, stats_ring, mask_ring, q_leaf_ring,
      kv_leaf_smem, staging, captured_smem, ds_smem, dq_stage) = smem
     (walk_barrier, kv_leaf_barrier, k_barriers, v_barriers, q_ready, do_ready, stats_ready,
-     mask_ready, q_leaf_ready, consumed, captured_barrier, ds_ready, ds_free) = barriers
+     mask_ready, q_leaf_ready, consumed, captured_barrier, ds_ready, ds_free, dq_staged,
+     dq_stage_free) = barriers
 
     kv_block = lax.axis_index("kv_block")
     batch_head = lax.axis_index("batch_head")
@@ -397,6 +426,23 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
     first_head = kv_head * s.group_size
     wg = lax.axis_index("wg")
     index_offset, flags_offset, partial_offset = walk_offsets(s.layout.num_q_blocks)
+    reducer = s.fused_dq and cfg.dq_reducer_warp
+
+    # Fused dQ: consumer c's share of a step's dQ (`_dq_share`) is whole 64-column tiles
+    # of K for all of the step's rows, or with 128-row steps 64 of the rows for every
+    # column.
+    dq_rows, dq_cols = _dq_share(s)
+    by_rows = dq_rows < q_step
+
+    def dq_origin(c):
+        """(first row, first column) of consumer ``c``'s share of a step's dQ."""
+        return (c * dq_rows, 0) if by_rows else (0, c * dq_cols)
+
+    def dq_destination(c, head, q_start):
+        """Consumer ``c``'s share of dQ of the step at (``head``, ``q_start``) in the sum."""
+        row0, col0 = dq_origin(c)
+        return dq_sum_ref.at[_dq_adder(s, kv_block), batch, pl.ds(q_start + row0, dq_rows),
+                             head, pl.ds(col0, dq_cols)]
 
     def entry(g, i):
         """Entry ``i`` of the walk of the group's ``g``-th query head."""
@@ -436,10 +482,35 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                 kv_leaf_smem, kv_leaf_barrier)
         plgpu.barrier_wait(walk_barrier)
 
-        def head_steps(g, step):
+        def reduce_dq(dq_step, position):
+            """Adds each consumer's staged share of dQ of step ``dq_step`` (at ``position``)
+            to the sum and frees the stage once read. Step -1's (the consumers' product of
+            a zero tile, `_consumer`) is only freed."""
+            def add(dst, stage):
+                dst[...] = dst[...] + stage[...]
+
+            for c in range(consumers):
+                plgpu.barrier_wait(dq_staged.at[c])
+                dst = dq_destination(c, *position)
+                if s.interpret:  # No TMA reductions there (`_dq_adders`).
+                    pl.when(dq_step >= 0)(functools.partial(add, dst, dq_stage.at[c]))
+                else:
+                    plgpu.copy_smem_to_gmem(dq_stage.at[c], dst, reduction_op="add",
+                                            predicate=dq_step >= 0)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                plgpu.barrier_arrive(dq_stage_free.at[c])
+
+        if reducer:  # The stages start free.
+            for c in range(consumers):
+                plgpu.barrier_arrive(dq_stage_free.at[c])
+
+        def head_steps(g, carry):
             head = first_head + g
 
-            def fetch(j, step):
+            def fetch(j, carry):
+                # ``positions``: (head, first q row) of the last stages + 1 steps fetched,
+                # oldest first, for the reductions (the reducer's).
+                step, positions = carry
                 slot = lax.rem(step, stages)
 
                 # The slot held step - stages: wait until every consumer is done with it.
@@ -454,13 +525,28 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                     (q_ready, stats_ready, q_leaf_ready, mask_ready, do_ready), slot=slot,
                     batch=batch, head=head, q_start=q_start, rows=q_step, part=part,
                     flags=flags, partial_id=lambda: entry(g, partial_offset + i))
-                return step + 1
+                if reducer:
+                    # The consumers stage step - stages - 1's dQ once done with dK and dV
+                    # of step - stages, whose release the wait above observed: a short
+                    # wait, long before the next fetch's.
+                    pl.when(step >= stages)(
+                        functools.partial(reduce_dq, step - stages - 1, positions[0]))
+                    positions = (*positions[1:], (head, q_start))
+                return step + 1, positions
 
             for start, stop, _ in walk_loops(s, num_full_steps(g), num_steps(g)):
-                step = lax.fori_loop(start, stop, fetch, step)
-            return step
+                carry = lax.fori_loop(start, stop, fetch, carry)
+            return carry
 
-        num_loads = lax.fori_loop(0, s.group_size, head_steps, jnp.int32(0))
+        # Before any fetch, steps -stages - 1 to -1 (step -1's position is never written).
+        positions = ((first_head, jnp.int32(0)),) * (stages + 1) if reducer else ()
+        num_loads, positions = lax.fori_loop(0, s.group_size, head_steps,
+                                             (jnp.int32(0), positions))
+        for i, position in enumerate(positions):  # The reductions the loop left.
+            dq_step = num_loads - len(positions) + i
+            pl.when(dq_step >= -1)(functools.partial(reduce_dq, dq_step, position))
+        if reducer and not s.interpret:
+            plgpu.wait_smem_to_gmem(0)
         common.drain_ring(num_loads, stages, consumed)
 
     @pl.when(wg < consumers)
@@ -498,18 +584,15 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
 
         # Fused dQ. Step t's dS^T tiles (every consumer's) go to ds_smem[t % 2]; one
         # step later each consumer adds its share of dQ of step t's q rows into the
-        # float32 sum: dS K over all of the CTA's kv rows. The share (`_dq_share`) is
-        # whole 64-column tiles of K for all of the step's rows, or with 128-row steps
-        # 64 of the rows for every column (A: the transposed 64 q columns of each dS^T
-        # tile, tile-aligned as K's column tiles are). The delay lets the consumers run
-        # out of step (one's softmax under the other's matmuls). ds_ready[p]: both tiles
-        # of parity p written; ds_free[p]: both consumers' products have read them. A
-        # zero tile of parity 1 stands for step -1, so that every step issues its
-        # product (a wgmma under a branch would make ptxas serialize all of the kernel's
-        # wgmmas); only its add is skipped.
-        dq_rows, dq_cols = _dq_share(s)
-        by_rows = dq_rows < q_step
-        dq_row0, dq_col0 = (wg * dq_rows, 0) if by_rows else (0, wg * dq_cols)
+        # float32 sum: dS K over all of the CTA's kv rows (`dq_origin`; with 128-row
+        # steps A is the transposed 64 q columns of each dS^T tile, tile-aligned as K's
+        # column tiles are). The delay lets the consumers run out of step (one's softmax
+        # under the other's matmuls). ds_ready[p]: both tiles of parity p written;
+        # ds_free[p]: both consumers' products have read them. A zero tile of parity 1
+        # stands for step -1, so that every step issues its product (a wgmma under a
+        # branch would make ptxas serialize all of the kernel's wgmmas); only its add is
+        # skipped.
+        dq_row0, dq_col0 = dq_origin(wg)
 
         def dq_products(parity):
             # Own tile first, then the peer's (traced indices: constants would become
@@ -521,31 +604,41 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
             return [(_transposed(ds_smem.at[parity, c]),
                      k_smem.at[c, :, pl.ds(dq_col0, dq_cols)]) for c in parts]
 
-        def dq_product(parity):
+        def dq_product(parity, *products):
+            """dQ of the tiles of ``parity``; issued after ``products``, (acc, (a, b))
+            pairs, all awaited at once: (the sums of ``products``, dQ)."""
             plgpu.barrier_wait(ds_ready.at[parity])
             zeros = plgpu.layout_cast(jnp.zeros((dq_rows, dq_cols), jnp.float32),
                                       plgpu.Layout.WGMMA)
-            dq = compat.wgmma_accumulate_all((zeros,), (dq_products(parity),),
-                                             interpret=s.interpret)[0]
+            *sums, dq = compat.wgmma_accumulate_all(
+                (*(acc for acc, _ in products), zeros),
+                (*(ab for _, ab in products), dq_products(parity)), interpret=s.interpret)
             plgpu.barrier_arrive(ds_free.at[parity])
-            return dq
+            return sums, dq
 
-        def add_dq(dq, head, q_start, when=None):
-            """Adds ``dq`` to the float32 sum, with ``when`` only where it holds. Compiled,
-            ``when`` predicates the reduction rather than branching: the overlapped step
-            issues it while dK's wgmma runs."""
-            adder = _dq_adder(s, kv_block)
-            first_row = q_start + dq_row0 if by_rows else q_start
-            dst = dq_sum_ref.at[adder, batch, pl.ds(first_row, dq_rows), head,
-                                pl.ds(dq_col0, dq_cols)]
+        # The reducer's step commits its dS^T tile together with its dQ stage
+        # (`BackwardConfig.one_commit_a_step`).
+        shared_commit = reducer and cfg.one_commit_a_step
+
+        def add_dq(dq, position, when, ds_parity=None):
+            """Adds ``dq`` (of the step at ``position``, (head, first q row)) to the
+            float32 sum where ``when`` holds, without branching around it when compiled:
+            the overlapped step adds while dK's wgmma runs. The reducer's stage takes
+            every product, step -1's too (the producer skips its add); its commit also
+            publishes the step's dS^T tile of ``ds_parity`` (`write_ds`) if given."""
+            if reducer:
+                plgpu.barrier_wait(dq_stage_free.at[wg])
+                dq_stage.at[wg][...] = dq
+                plgpu.commit_smem()
+                if ds_parity is not None:
+                    plgpu.barrier_arrive(ds_ready.at[ds_parity])
+                plgpu.barrier_arrive(dq_staged.at[wg])
+                return
+            dst = dq_destination(wg, *position)
             if s.interpret:  # No TMA reductions there: a sum of its own (`_dq_adders`).
-                def add():
+                @pl.when(when)
+                def _():
                     dst[...] = dst[...] + dq
-
-                if when is None:
-                    add()
-                else:
-                    pl.when(when)(add)
             else:  # The previous reduction has read the stage (`wait_stage_read`).
                 dq_stage.at[wg][...] = dq
                 plgpu.commit_smem()
@@ -553,16 +646,21 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                                         predicate=when)
 
         def wait_stage_read():
-            """The previous reduction has read the dQ stage, once the caller's next
-            `commit_smem` (a warpgroup barrier) has ordered this for every thread."""
-            if not s.interpret:
+            """Without the reducer: this consumer's previous reduction has read its dQ
+            stage, once the caller's next `commit_smem` (a warpgroup barrier) has ordered
+            this for every thread."""
+            if not s.interpret and not reducer:
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-        def write_ds(parity, dscores):
+        def write_ds(parity, dscores, publish=True):
+            """Stores this consumer's dS^T tile of ``parity``; ``publish``: commits it and
+            arrives on ``ds_ready`` (else the step's `add_dq` does). Nothing reads the
+            tile before the next step's dQ products."""
             wait_stage_read()
             ds_smem.at[parity, wg][...] = dscores
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(ds_ready.at[parity])
+            if publish:
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(ds_ready.at[parity])
 
         if s.fused_dq:
             write_ds(1, plgpu.layout_cast(jnp.zeros(tile, s.dtype),
@@ -656,12 +754,16 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                 def _():
                     plgpu.barrier_wait(ds_free.at[parity])
 
-                write_ds(parity, dscores)
-                dk, dv = accumulate()
-                plgpu.barrier_arrive(consumed.at[slot])
-                # After dV and dK: P^T and dS^T are dead, so dQ's accumulator fits.
-                dq = dq_product(1 - parity)
-                pl.when(step >= 1)(lambda: add_dq(dq, *previous))
+                write_ds(parity, dscores, publish=not shared_commit)
+                if cfg.serial_dq_with_dkdv:
+                    (dv, dk), dq = dq_product(1 - parity, *products)
+                    plgpu.barrier_arrive(consumed.at[slot])
+                else:
+                    dk, dv = accumulate()
+                    plgpu.barrier_arrive(consumed.at[slot])
+                    # After dV and dK: P^T and dS^T are dead, so dQ's accumulator fits.
+                    _, dq = dq_product(1 - parity)
+                add_dq(dq, previous, step >= 1, parity if shared_commit else None)
                 return dk, dv, step + 1, (head, q_start)
 
             def overlapped_step_fn(j, carry, full: bool):
@@ -696,7 +798,7 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                 def _():
                     plgpu.barrier_wait(ds_free.at[parity])
 
-                write_ds(parity, dscores)
+                write_ds(parity, dscores, publish=not shared_commit)
 
                 # dQ's accumulator is zeroed before dV is issued: no register of a
                 # wgmma in flight may be defined.
@@ -711,7 +813,8 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
 
                 dq = pl.run_scoped(products, plgpu.ACC((dq_rows, dq_cols), jnp.float32))
                 plgpu.barrier_arrive(ds_free.at[1 - parity])
-                add_dq(dq, *previous, when=step >= 1)  # Under dK.
+                add_dq(dq, previous, step >= 1,  # Under dK.
+                       parity if shared_commit else None)
                 plgpu.wgmma_wait(0)
                 plgpu.barrier_arrive(consumed.at[slot])  # dK has read Q.
                 return step + 1, (head, q_start)
@@ -742,10 +845,11 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                  *counters))
         if s.fused_dq:
             # The last step's product (step -1's when there was none).
-            dq = dq_product(lax.rem(num_steps_done + 1, 2))
-            wait_stage_read()
-            plgpu.commit_smem()
-            pl.when(num_steps_done >= 1)(lambda: add_dq(dq, *previous))
+            _, dq = dq_product(lax.rem(num_steps_done + 1, 2))
+            if not reducer:
+                wait_stage_read()
+                plgpu.commit_smem()
+            add_dq(dq, previous, num_steps_done >= 1)
 
             # Every product of the last two steps (from step -1 on) has read its dS^T
             # tile and K (the peer's too) before K's buffer stages dK below.
@@ -776,6 +880,8 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
         plgpu.commit_smem()
         for buffer, ref in stores:
             plgpu.copy_smem_to_gmem(buffer, ref.at[batch, kv_rows, kv_head])
+        if reducer:  # Observes the last phase of the stage's barrier, as the interpreter
+            plgpu.barrier_wait(dq_stage_free.at[wg])  # requires (its last reduction's read).
         plgpu.wait_smem_to_gmem(0)
 
 
@@ -1099,14 +1205,15 @@ def _dkv_scratch(s: _Statics):
         # Interpreted only: P^T and dS^T staged in smem for their wgmmas.
         common.swizzled((2, consumers, rows, q_step), s.dtype) if s.interpret else None,
         captured_smem,
-        # Fused dQ: dS^T tiles of two steps (read with K, so swizzled as K is); compiled,
-        # each consumer's float32 dQ stage.
+        # Fused dQ: dS^T tiles of two steps (read with K, so swizzled as K is); each
+        # consumer's float32 dQ stage (interpreted, only the reducer's).
         (common.swizzled((2, consumers, rows, q_step), s.dtype,
                          common.swizzle_bytes(s.head_dim, s.dtype)) if s.fused_dq else None),
         (plgpu.SMEM((consumers, *_dq_share(s)), jnp.float32)
-         if s.fused_dq and not s.interpret else None),
+         if s.fused_dq and (cfg.dq_reducer_warp or not s.interpret) else None),
     )
     ring = lambda: plgpu.Barrier(num_barriers=stages)
+    reducer = s.fused_dq and cfg.dq_reducer_warp
     ds_barrier = (plgpu.Barrier(num_arrivals=consumers, num_barriers=2) if s.fused_dq
                   else None)
     barriers = (
@@ -1119,6 +1226,9 @@ def _dkv_scratch(s: _Statics):
         captured_barrier,
         ds_barrier,
         ds_barrier,
+        # The reducer's (`BackwardConfig.dq_reducer_warp`): each consumer's dQ stage
+        # filled, and read by its reduction.
+        *(plgpu.Barrier(num_barriers=consumers) if reducer else None for _ in range(2)),
     )
     return smem, barriers
 

@@ -187,6 +187,15 @@ def test_backward_lowers_for_cuda(name, _compiled_mosaic):
     # `fold_scale`), kept for A/B runs.
     ("dense_fused_dq_hd128", {"overlapped_step": False}, 2, True),
     ("long_walk", {"fold_scale": False}, 3, True),
+    # The fused dQ's reductions issued by each consumer (`BackwardConfig.dq_reducer_warp`).
+    ("dense_fused_dq_hd128", {"dq_reducer_warp": False}, 2, True),
+    ("long_walk", {"dq_reducer_warp": False}, 3, True),
+    ("dense_hd64_q_in_registers", {"dq_reducer_warp": False}, 2, True),
+    # dS^T published by a commit of its own (`one_commit_a_step`).
+    ("dense_fused_dq_hd128", {"one_commit_a_step": False}, 2, True),
+    # The serial order with dQ issued beside dV and dK (`serial_dq_with_dkdv`).
+    ("dense_fused_dq_hd128", {"overlapped_step": False, "serial_dq_with_dkdv": True}, 2, True),
+    ("long_walk", {"overlapped_step": False, "serial_dq_with_dkdv": True}, 3, True),
     ("window_ragged_hd128", {}, 3, False),  # short walks: the forward, dK/dV, dQ
     ("long_walk", {}, 3, True),  # the forward, fused launches for FULL and masked steps
     # The split at any walk length: stored tiles, and a ragged window under GQA.
