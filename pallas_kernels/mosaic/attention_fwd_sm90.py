@@ -141,10 +141,11 @@ class ForwardConfig:
 #   measured 0.92-0.97x cuDNN against 1.05x. Four q-blocks per CTA: a d64 kv step is
 #   short, so a CTA's fixed costs weigh more (0.90-0.92x -> 1.01-1.05x). Q in registers
 #   (see below): 3% faster on the H100 in short and sustained samples (2026-11-26).
-# * 64, not causal: pipelined and staggered, two q-blocks per CTA: 1.06x cuDNN against
-#   serial's 0.96x (2026-11-24 20:55; unstaggered pipelined had lost, 0.83-0.90x). Q in
-#   registers: 2-5% faster (H100 and H200, 2026-11-26); at head dim 128 it lost 1-8%,
-#   at 256 (64 more registers a thread) 40%.
+# * 64, not causal: pipelined and staggered: 1.06x cuDNN against serial's 0.96x
+#   (2026-11-24 20:55; unstaggered pipelined had lost, 0.83-0.90x). Q in registers: 2-5%
+#   faster (H100 and H200, 2026-11-26); at head dim 128 it lost 1-8%, at 256 (64 more
+#   registers a thread) 40%. One q-block per CTA: 4% faster than two on the H200 (dense
+#   b4 s4096 and b1 s16384, 2026-11-28 15:55, benchmarks/RESULTS.md); four lost 4-5%.
 # * 128 and 256: pipelined, ahead of serial in every case of the 2026-11-24 A/B run
 #   (d128 1.03-1.08x cuDNN against 0.93-1.02x; d256 1.09-1.10x against 0.93-0.95x).
 #   One q-block per CTA: several measured within the noise at d128 dense and causal
@@ -161,7 +162,7 @@ class ForwardConfig:
 #   three of three (2026-11-27); dense d192 lost 2%.
 _CONFIGS = {
     (64, False): ForwardConfig(block_kv=128, num_stages=3, pipelined=True, staggered=True,
-                               q_blocks_per_cta=2, q_in_registers=True),
+                               q_in_registers=True),
     (64, True): ForwardConfig(block_kv=128, num_stages=3, pipelined=False,
                               q_blocks_per_cta=4, q_in_registers=True),
     (128, False): ForwardConfig(block_kv=128, num_stages=2, pipelined=True, staggered=True),
