@@ -175,7 +175,8 @@ _CONFIGS |= {(dim, causal): _CONFIGS[(tuned, causal)]  # see "96" above
 
 
 # Masks whose q-blocks walk at most this many kv-blocks on average (a sliding window of
-# 1024 keys: 9-10) take two q-blocks per CTA at head dims 96 and 128: a CTA's fixed cost,
+# 1024 keys: 9-10) take two q-blocks per CTA up to head dim 128 (where the config takes
+# one: dense 64, as until 2026-11-28, and 96 and 128): a CTA's fixed cost,
 # several kv steps, then weighs more than pairing the q-blocks loses. H100, head dim 128,
 # 2026-11-25 16:51-17:00 (benchmarks/RESULTS.md): window 3.5-7% and causal s2048 (8.5
 # steps) 4% faster, causal s1024 (4.5) 2% slower; at 16.5 steps (causal s4096) even,
@@ -192,7 +193,8 @@ def forward_config(head_dim: int, dtype: Any, causal: bool,
     """
     del dtype  # Same tile sizes for both 16-bit types.
     config = _CONFIGS[(padded_head_dim(head_dim), bool(causal))]
-    if mean_walk is not None and mean_walk <= SHORT_WALK and padded_head_dim(head_dim) in (96, 128):
+    short_walks = mean_walk is not None and mean_walk <= SHORT_WALK
+    if short_walks and padded_head_dim(head_dim) <= 128 and config.q_blocks_per_cta == 1:
         config = dataclasses.replace(config, q_blocks_per_cta=2)
     return config
 

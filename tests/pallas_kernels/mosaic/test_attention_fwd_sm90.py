@@ -128,7 +128,7 @@ def test_default_configs_fit_shared_memory(head_dim, head_dim_v):
 
 @pytest.mark.parametrize("head_dim,mean_walk,expected", [
     (128, None, 1), (128, 40.0, 1), (128, fwd.SHORT_WALK, 2), (128, 3.0, 2),
-    (256, 3.0, 1), (64, 3.0, 2)])
+    (256, 3.0, 1), (64, None, 1), (64, 3.0, 2)])
 def test_short_walks_take_two_q_blocks_per_cta(head_dim, mean_walk, expected):
     config = fwd.forward_config(head_dim, jnp.bfloat16, False, mean_walk)
     assert config.q_blocks_per_cta == expected
