@@ -247,22 +247,13 @@ def packed_walk(mask: KernelMask, over: Literal["kv", "q"]) -> Array:
 
     One array rather than five: a kernel reads one row, and a static mask is one
     constant (XLA materialises uniform constants, such as a dense mask's counts,
-    with a kernel of their own at every call). A walk built per call is one elementwise
-    fusion: each part zero-padded to its columns, then added (XLA on the CPU computes
-    each operand of a concatenate by a kernel of its own).
+    with a kernel of their own at every call).
     """
     count, num_full, indices, flags, partial_ids = (
         getattr(mask, f"{over}_{name}")
         for name in ("num_blocks", "num_full", "indices", "tile_flags", "partial_ids"))
-    parts = [count[..., None], num_full[..., None], indices, flags, partial_ids]
-    width = sum(part.shape[-1] for part in parts)
-    walk, column = 0, 0
-    for part in parts:
-        columns = (column, width - column - part.shape[-1])
-        padding = ((0, 0),) * (part.ndim - 1) + (columns,)
-        walk = walk + jnp.pad(jnp.asarray(part, jnp.int32), padding)
-        column += part.shape[-1]
-    return walk
+    return jnp.concatenate([count[..., None], num_full[..., None], indices, flags,
+                            partial_ids], axis=-1).astype(jnp.int32)
 
 
 def batch_head_index(mask_array: Array, batch: Array, head: Array) -> tuple[Array, Array]:
