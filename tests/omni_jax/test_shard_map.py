@@ -241,13 +241,8 @@ def test_mosaic_backward_fuses_dq_inside_shard_map(is_causal, monkeypatch,
     gradients of the float64 reference on each device's shard of the batch."""
     mesh = _mesh()
     # Causal walks here are a few tiles long: the fused dQ's walk threshold is lifted.
-    # The serial step order: with two interpreted devices the overlapped order's scoped
-    # wgmma accumulators intermittently resolve to another allocation (jax 0.12,
-    # 2026-11-28: a 64 x 64 dQ product added to a 64 x 128 buffer, about one run in three;
-    # the kernel's ref shapes are static, so the interpreter's bookkeeping). One device
-    # runs the overlapped order (`test_attention_mosaic`), the H200 its gradients.
     force_config_fields(monkeypatch, attention_bwd_sm90, "backward_config",
-                        fused_dq_min_full_walk=0.0, overlapped_step=False)
+                        fused_dq_min_full_walk=0.0)
     plans = record_plans(monkeypatch)
     fused = []
     accumulating = compat.mosaic_kernel_accumulating
