@@ -7,8 +7,6 @@ kernel the test ran: the interpreter records races instead of raising.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from pallas_kernels import runtime
@@ -41,20 +39,21 @@ def interpreted_mosaic(monkeypatch: pytest.MonkeyPatch, architecture: str = "sm9
 
 
 def devices_share_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Interpreted kernels run on every device of a `jax.shard_map` at once. Each device
-    checks at its kernel's end that no barrier is left allocated, in the memory all
-    devices share, and would see another device's barriers of the same kernel still in
-    use (jax 0.10-0.12 raise "Barrier remains allocated"): the check waits here for every
-    device to finish its kernel first. Race detection is off: on two devices the
-    detector of jax 0.12 reports races the same kernels show on none on one device (a
-    warpgroup's own smem write and read in the sm90 forward, a tensor-memory read in the
-    sm100 backward under a causal mask); the kernels' single-device interpreted tests
-    detect races."""
+    """Interpreted kernels run on every device of a `jax.shard_map` at once, and the
+    interpreter keeps its state in memory all devices share. Two of its steps assume one
+    device runs at a time, so they wait here for every device:
+    - at a kernel's end each device checks that no barrier is left allocated, and would
+      see another device's barriers of the same kernel still in use (jax 0.10-0.12 raise
+      "Barrier remains allocated");
+    - at a cluster's end (jax 0.12) the interpreter resets its per-cluster state, the
+      counters naming wgmma accumulators among it: another device, mid-cluster, would
+      then name a new accumulator as one it still holds (seen as a 64 x 64 product added
+      to a 64 x 128 accumulator, and as a KeyError on a `HostAllocationKey`). Every
+      device finishes its cluster, one resets, then all go on (shard_map gives each
+      device the same grid). Its vector clocks are per-cluster state too: before this
+      wait the race detector reported races on two devices that one device never shows.
+    """
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-
-    params = runtime.mosaic_interpret_params
-    monkeypatch.setattr(runtime, "mosaic_interpret_params", lambda: (
-        None if params() is None else dataclasses.replace(params(), detect_races=False)))
 
     check = gpu_callbacks._assert_no_barriers_allocated
 
@@ -63,3 +62,15 @@ def devices_share_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
         return check(token)
 
     monkeypatch.setattr(gpu_callbacks, "_assert_no_barriers_allocated", check_after_every_device)
+
+    if hasattr(gpu_callbacks, "cluster_finished"):
+        finish = gpu_callbacks.cluster_finished
+
+        def finish_with_every_device(*, token):
+            barrier = gpu_callbacks._get_shared_memory().barrier
+            if barrier.wait() == 0:
+                finish(token=token)
+            barrier.wait()
+            return token
+
+        monkeypatch.setattr(gpu_callbacks, "cluster_finished", finish_with_every_device)
