@@ -237,18 +237,14 @@ class BackwardConfig:
 # steps with the dQ kernel (dense s4096 and s16384, causal s16384); the overlapped step
 # order 2-8% faster than the serial one there. At head dim 128 it was 0-3% slower until
 # the producer issued the dQ reductions (`dq_reducer_warp`): H200, 2026-11-28 18:55, 3-4%
-# faster than the serial order (dense s4096 and s16384, causal s16384). Head dim 128
-# keeps the serial order until one open question is settled: inside a two-device
-# `jax.shard_map`, jax 0.12's interpreter intermittently failed the overlapped order's
-# scoped accumulators (a 64 x 64 dQ product added to a 64 x 128 buffer; benchmarks/
-# RESULTS.md 2026-11-28 20:50). ptxas: the dense fused kernel spills 220 bytes at head dim
-# 64 and 124 at 128 in either order (seeding dP^T with -delta would free 32 registers a
-# thread; the interpreter cannot yet run that form).
+# faster than the serial order (dense s4096 and s16384, causal s16384). ptxas: the dense
+# fused kernel spills 220 bytes at head dim 64 and 124 at 128 in either order (seeding
+# dP^T with -delta would free 32 registers a thread; the interpreter cannot yet run that
+# form).
 _CONFIGS = {
     64: BackwardConfig(block_kv=128, dkv_stages=4, dq_stages=3, q_step=BLOCK_Q,
                        fused_dq=True),
-    128: BackwardConfig(block_kv=128, dkv_stages=2, dq_stages=2, fused_dq=True,
-                        overlapped_step=False),
+    128: BackwardConfig(block_kv=128, dkv_stages=2, dq_stages=2, fused_dq=True),
     # The dQ kernel fitted to 1 stage at 256, 2 at 192. Its 64 x 256 float32 sum beside
     # the mask code spills at 232 registers: H200, causal d256 fwd+bwd 9% faster at 240
     # (benchmarks/RESULTS.md, 2026-11-27).

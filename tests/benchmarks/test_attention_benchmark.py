@@ -153,9 +153,8 @@ def test_a_case_is_timed_together_and_failures_are_rows(monkeypatch, timed_toget
     # omni_jax.attention's deterministic=False: the fused dQ (atomic adds) at head dim 128.
     ("omni_mosaic/deterministic=0", True, {"fused_dq": True}),
     ("omni_mosaic/deterministic=1", True, {"fused_dq": False}),
-    # A bool field from an integer: the fused dQ's overlapped step order (head dim 128
-    # keeps the serial one), for its A/B.
-    ("omni_mosaic/deterministic=0/bwd.overlapped_step=1", True, {"overlapped_step": True}),
+    # A bool field from an integer: the fused dQ's serial step order, for its A/B.
+    ("omni_mosaic/deterministic=0/bwd.overlapped_step=0", True, {"overlapped_step": False}),
 ])
 def test_forced_mosaic_impls_force_the_config(impl, backward, fields, monkeypatch):
     monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
