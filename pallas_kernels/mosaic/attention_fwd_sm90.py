@@ -136,7 +136,9 @@ class ForwardConfig:
     # softmax's MUFU latency behind; a CTA then spans one and a half BlockMask q-blocks,
     # so only masks whose q-blocks all walk the same FULL kv-blocks (`uniform_full_walks`)
     # and only the pipelined schedule, at head dim 64 with kv tiles of at most 128 rows
-    # (160 registers a consumer thread), one q-block per CTA and no kv splits.
+    # (160 registers a consumer thread), one q-block per CTA and no kv splits: the kernel
+    # checks at trace time (a config is not refused on its own, so that fields forced on
+    # `forward_config` for A/B runs apply to every config it makes).
     num_consumers: int = 2
     block_q: int = BLOCK_Q
 
@@ -161,13 +163,6 @@ class ForwardConfig:
         if self.num_consumers not in _REGISTERS:
             raise ValueError(f"num_consumers must be one of {tuple(_REGISTERS)}, got "
                              f"{self.num_consumers}")
-        if self.num_consumers == 3 and not (
-                self.pipelined and self.block_kv <= 128 and self.q_blocks_per_cta == 1
-                and self.kv_splits == 1):
-            raise ValueError(f"num_consumers=3 needs pipelined=True, block_kv <= 128, "
-                             f"q_blocks_per_cta=1 and kv_splits=1; got pipelined="
-                             f"{self.pipelined}, block_kv={self.block_kv}, q_blocks_per_cta="
-                             f"{self.q_blocks_per_cta}, kv_splits={self.kv_splits}")
 
 
 # Per (padded head_dim, dtype, causal). Shared memory per CTA: Q/O 128 x D plus
@@ -846,8 +841,14 @@ def _check_spanning_ctas(config: ForwardConfig, kmask: KernelMask, layout: MaskL
                          has_partial: bool, dims: tuple[int, int],
                          page_table: Array | None) -> None:
     """Raises unless CTAs of ``config.num_consumers`` consumers (rows spanning q-blocks)
-    can serve the call: uniform FULL walks, head dims of 64, contiguous K/V."""
+    can serve the call (`ForwardConfig.num_consumers`)."""
     name = f"config.num_consumers={config.num_consumers}"
+    if not (config.pipelined and config.block_kv <= 128 and config.q_blocks_per_cta == 1
+            and config.kv_splits == 1):
+        raise ValueError(f"{name} needs pipelined=True, block_kv <= 128, q_blocks_per_cta=1 "
+                         f"and kv_splits=1; got pipelined={config.pipelined}, block_kv="
+                         f"{config.block_kv}, q_blocks_per_cta={config.q_blocks_per_cta}, "
+                         f"kv_splits={config.kv_splits}")
     with trace_time_eval(layout, kmask):
         uniform = uniform_full_walks(kmask, layout, has_partial)
     if not uniform:

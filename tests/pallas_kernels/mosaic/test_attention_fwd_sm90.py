@@ -14,6 +14,8 @@ import pytest
 
 import omni_jax
 from omni_jax.backends import mosaic as mosaic_backend
+from omni_jax.masks import BlockGrid, BlockMask, Causal
+from omni_jax.masks.construct import structured_tile_flags
 from pallas_kernels import compat, runtime
 from pallas_kernels.block_sparse import kernel_mask
 from pallas_kernels.mosaic import attention_fwd_sm90 as fwd
@@ -110,11 +112,7 @@ def test_poisoned_outputs_are_all_written(pipelined, staggered, kv_splits):
     (dict(block_kv=96), "block_kv"), (dict(num_stages=1), "num_stages"),
     (dict(q_blocks_per_cta=0), "q_blocks_per_cta"), (dict(kv_splits=0), "kv_splits"),
     (dict(kv_splits=2, q_blocks_per_cta=2), "kv_splits"),
-    (dict(num_consumers=4), "num_consumers must be one of"),
-    (dict(num_consumers=3), "num_consumers=3 needs pipelined=True"),  # serial
-    (dict(num_consumers=3, pipelined=True, q_blocks_per_cta=2), "q_blocks_per_cta=2"),
-    (dict(num_consumers=3, pipelined=True, kv_splits=2), "kv_splits=2"),
-    (dict(num_consumers=3, pipelined=True, block_kv=256), "block_kv=256")])
+    (dict(num_consumers=4), "num_consumers must be one of")])
 def test_config_rejects_what_the_kernel_cannot_run(fields, message):
     with pytest.raises(ValueError, match=message):
         fwd.ForwardConfig(**{"block_kv": 128, "num_stages": 2, **fields})
@@ -371,15 +369,26 @@ def test_backend_picks_three_consumers_for_dense_head_dim_64(head_dim, kwargs, e
     assert all(c.kv_splits == 1 for c in configs if c.num_consumers == 3)
 
 
-def test_three_consumers_decline_masks_with_uneven_walks():
-    """Forced on a causal mask (q-blocks walking different kv-blocks), the kernel refuses
-    at trace time."""
-    block_mask = omni_jax.create_block_mask(omni_jax.causal_mask, None, None, 384, 384,
-                                            (128, 128))
+@pytest.mark.parametrize("causal,fields,message", [
+    # q-blocks walking different kv-blocks
+    (True, dict(), "num_consumers=3 needs a mask known at trace time"),
+    (False, dict(pipelined=False), "needs pipelined=True.*got pipelined=False"),
+    (False, dict(q_blocks_per_cta=2), "q_blocks_per_cta=2"),
+    (False, dict(kv_splits=2), "kv_splits=2"),
+    (False, dict(block_kv=256), "block_kv=256"),
+])
+def test_three_consumers_decline_what_they_cannot_run(causal, fields, message):
+    """Forced where they cannot serve, three consumers are refused at trace time."""
+    block_kv = fields.get("block_kv", 128)
+    mask_mod = Causal() if causal else None
+    block_mask = BlockMask.from_tile_flags(
+        structured_tile_flags(mask_mod, BlockGrid(512, 512, 128, block_kv)), mask_mod=mask_mod,
+        q_len=512, kv_len=512, block_size=(128, block_kv))
     kmask, layout = kernel_mask(block_mask)
-    q = jax.ShapeDtypeStruct((1, 384, 2, 64), jnp.bfloat16)
-    config = dataclasses.replace(fwd.forward_config(64, jnp.bfloat16, False), num_consumers=3)
-    with pytest.raises(ValueError, match="num_consumers=3 needs a mask known at trace time"):
+    q = jax.ShapeDtypeStruct((1, 512, 2, 64), jnp.bfloat16)
+    config = dataclasses.replace(fwd.forward_config(64, jnp.bfloat16, False), num_consumers=3,
+                                 **fields)
+    with pytest.raises(ValueError, match=message):
         jax.eval_shape(lambda q: fwd.attention_forward(
             q, q, q, kmask, layout, scale=0.125, softcap=None, score_mod=None,
             has_partial=False, config=config), q)
