@@ -305,6 +305,7 @@ class _Statics(common.LeafCounts):
     # For each mask_mod leaf, in leaf order: ("q" | "kv", row in its stacked leaf array).
     leaf_slots: tuple[tuple[str, int], ...]
     interpret: bool
+    q_len: int
     num_row_blocks: int  # Of ``config.cta_rows`` query rows (q-blocks with two consumers).
     # Paged K/V (`attention_forward`'s page_table): tokens per page, and the page
     # table row's lines of `common.WALK_LINE` ids; None and 0 for contiguous K/V.
@@ -452,6 +453,13 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
                         interpret=s.interpret))
             plgpu.barrier_wait(walk_barriers.at[buffer])
             begin, count, num_full = split_of(walk[0, 0], walk[0, 1])
+            walk_steps, rows_past_end = count, None
+            if cta_rows != cfg.block_q:
+                # CTAs spanning q-blocks (walks of FULL tiles, no mask data): a consumer
+                # whose rows all lie past q_len (in the last row block) computes nothing
+                # and only releases each K and V tile once loaded (`release_walk`).
+                rows_past_end = q_start >= s.q_len
+                count, num_full = (jnp.where(rows_past_end, 0, x) for x in (count, num_full))
             q_tile, q_loaded = q_buffer(i)
             plgpu.barrier_wait(q_loaded)
             q_operand = (compat.mosaic_load(q_tile, plgpu.Layout.WGMMA, interpret=False)
@@ -491,6 +499,9 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
                 acc, row_max, row_sum = _pipelined_steps(consumer)
             else:
                 acc, row_max, row_sum = _serial_steps(consumer)
+            if rows_past_end is not None:
+                # After its (empty) steps, which let the next consumer start.
+                pl.when(rows_past_end)(functools.partial(release_walk, first_step, walk_steps))
 
             seen = row_sum > 0
             safe_sum = jnp.where(seen, row_sum, 1.0)
@@ -512,7 +523,18 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
             plgpu.barrier_arrive(q_block_done.at[buffer])
             if s.num_q_buffers == 1:
                 load_next_q(i)
-            return first_step + count
+            return first_step + walk_steps
+
+        def release_walk(first_step, walk_steps):
+            """Each K and V tile of the walk released once loaded: the waits keep the
+            arrivals one per tile (the ring refills a slot only after every consumer
+            released it)."""
+            @pl.loop(0, walk_steps)
+            def _(step):
+                slot = lax.rem(first_step + step, stages)
+                for loaded, consumed in ((k_barriers, k_consumed), (v_barriers, v_consumed)):
+                    plgpu.barrier_wait(loaded.at[slot])
+                    plgpu.barrier_arrive(consumed.at[slot])
 
         load_q(0)
         common.wait_captured(s, captured_barrier)
@@ -807,8 +829,9 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
             pages_per_seq=0 if page_table is None else page_table.shape[1] * common.WALK_LINE,
             walk_blocks=layout.num_kv_blocks),
         leaf_slots=leaf_slots,
-        interpret=interpret, num_row_blocks=(layout.num_q_blocks if config.cta_rows == BLOCK_Q
-                                             else -(-q_len // config.cta_rows)),
+        interpret=interpret, q_len=q_len,
+        num_row_blocks=(layout.num_q_blocks if config.cta_rows == BLOCK_Q
+                        else -(-q_len // config.cta_rows)),
         page_size=page_size,
         table_lines=0 if page_table is None else page_table.shape[1])
 

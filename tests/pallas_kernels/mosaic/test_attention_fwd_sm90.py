@@ -307,7 +307,9 @@ def _poisoned_interpreter(monkeypatch) -> None:
 @pytest.mark.parametrize("batch,q_len,kv_len,heads,kv_heads", [
     (1, 384, 256, 1, 1),  # two CTAs of 192 rows: the second starts inside q-block 1
     (2, 200, 256, 4, 2),  # ragged: consumers 1 and 2 of the second CTA lie past q_len; GQA
-    (1, 320, 384, 2, 2),  # ragged inside the second CTA's consumer 1
+    # Ragged inside the second CTA's consumer 1; its consumer 2, past q_len, only releases
+    # the K/V tiles of 5 kv steps through a ring of 3.
+    (1, 320, 640, 2, 2),
 ])
 def test_three_consumers_dense_head_dim_64(batch, q_len, kv_len, heads, kv_heads,
                                            monkeypatch):
