@@ -171,10 +171,11 @@ class MosaicBackend(AttentionBackend):
         return reason
 
     def trace_key(self, problem: AttentionProblem) -> Hashable:
-        # The configs also depend on the mask's walk lengths: short or not (the forward),
-        # long enough for the fused dQ or not (the backward). Those are the mask's: of its
-        # arrays (a static mask is a static argument) or its walk_hint (aux data of a
-        # traced one), so they are part of the jit's key already.
+        # The configs also depend on the mask's walks: short or not and uniform or not (the
+        # forward), long enough for the fused dQ or not (the backward). Those are the
+        # mask's: of its arrays (a static mask is a static argument) or its walk_hint (aux
+        # data of a traced one), so they are part of the jit's key already; the key holds
+        # each case's config, so that configs forced for an A/B run trace afresh.
         forward = tuple(self._config(problem, causal, mean_walk, uniform_walks)
                         for causal in (False, True) for mean_walk in (None, 0.0)
                         for uniform_walks in (False, True))
