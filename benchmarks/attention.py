@@ -2,7 +2,9 @@
 
 Implementations (``--impls``): ``omni_xla``, ``omni_triton``, ``omni_mosaic``
 (our backends, where available; ``omni_mosaic/FIELD=N/...`` forces fields of the Mosaic
-forward's `ForwardConfig`, e.g. ``omni_mosaic/pipelined=0/q_blocks_per_cta=2``, and
+forward's `ForwardConfig`, e.g. ``omni_mosaic/pipelined=0/q_blocks_per_cta=2`` or
+``omni_mosaic/num_consumers=2`` (dense head dim 64 with two consumers, as before 192-row
+CTAs), and
 ``bwd.FIELD=N`` those of its backward's `BackwardConfig`, e.g.
 ``omni_mosaic/bwd.dkv_stages=2``, for A/B runs of its configs; ``deterministic=0``
 passes ``deterministic=False``), ``cudnn`` and ``jax_xla``

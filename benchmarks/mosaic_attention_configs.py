@@ -1,13 +1,13 @@
 """Sweeps the Mosaic-GPU attention forward configs (block_kv, num_stages, schedule, q-blocks
-per CTA, Q in registers) on one shape.
+per CTA, Q in registers, consumers) on one shape.
 
 For tuning `pallas_kernels.mosaic.attention_fwd_sm90._CONFIGS` on an H100:
 
     python -m benchmarks.mosaic_attention_configs --seq 4096 --head-dim 128 --causal
 
 Rows: every config of the sweep
-("mosaic[block_kv=..,stages=..,pipelined,q_blocks=..,q_regs=..]"), the current default config
-("mosaic"), cuDNN (the baseline) and the XLA backend.
+("mosaic[block_kv=..,stages=..,pipelined,q_blocks=..,q_regs=..,consumers=..]"), the current
+default config ("mosaic"), cuDNN (the baseline) and the XLA backend.
 Peers that cannot run here are skipped with a note; on a CPU only the XLA row
 runs (use tiny sizes there).
 """
@@ -51,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--q-in-registers", type=int, nargs="+", choices=(0, 1), default=None,
                         help="ForwardConfig.q_in_registers values (default: the head dim's "
                              "default config's)")
+    parser.add_argument("--num-consumers", type=int, nargs="+", choices=(2, 3), default=None,
+                        help="ForwardConfig.num_consumers values (default: the default "
+                             "config's; 3 runs dense masks only, pipelined, block_kv <= 128)")
     parser.add_argument("--samples", type=int, default=10)
 
 
@@ -94,17 +97,21 @@ def run(args: argparse.Namespace) -> list[dict]:
     mosaic_skipped = not runtime.can_run_mosaic_hopper() or runtime.interpret_requested()
     if not mosaic_skipped:
         default = fwd.forward_config(args.head_dim, dtype, args.causal)
+        kmask, layout = kernel_mask(_mask(args.seq, default.block_kv, args.causal))
+        if fwd.uniform_full_walks(kmask, layout, has_partial=False):  # dense, whole blocks
+            default = fwd.forward_config(args.head_dim, dtype, args.causal, uniform_walks=True)
         fns["mosaic"] = _mosaic_fn(default, args.seq, args.head_dim, args.causal)
         q_in_registers = (args.q_in_registers if args.q_in_registers is not None
                           else [int(default.q_in_registers)])
-        for block_kv, stages, schedule, per_cta, q_regs in itertools.product(
+        for block_kv, stages, schedule, per_cta, q_regs, consumers in itertools.product(
                 args.block_kv, args.stages, args.schedules, args.q_blocks_per_cta,
-                q_in_registers):
+                q_in_registers, args.num_consumers or [default.num_consumers]):
             config = dataclasses.replace(default, block_kv=block_kv, num_stages=stages,
                                          pipelined=schedule == "pipelined",
-                                         q_blocks_per_cta=per_cta, q_in_registers=bool(q_regs))
+                                         q_blocks_per_cta=per_cta, q_in_registers=bool(q_regs),
+                                         num_consumers=consumers)
             name = (f"mosaic[block_kv={block_kv},stages={stages},{schedule},q_blocks={per_cta},"
-                    f"q_regs={q_regs}]")
+                    f"q_regs={q_regs},consumers={consumers}]")
             fns[name] = _mosaic_fn(config, args.seq, args.head_dim, args.causal)
     # Samples in turn, so that clock drift favours no config.
     timed: dict[str, float | None] = {}

@@ -171,12 +171,14 @@ class MosaicBackend(AttentionBackend):
         return reason
 
     def trace_key(self, problem: AttentionProblem) -> Hashable:
-        # The configs also depend on the mask's walk lengths: short or not (the forward),
-        # long enough for the fused dQ or not (the backward). Those are the mask's: of its
-        # arrays (a static mask is a static argument) or its walk_hint (aux data of a
-        # traced one), so they are part of the jit's key already.
-        forward = tuple(self._config(problem, causal, mean_walk)
-                        for causal in (False, True) for mean_walk in (None, 0.0))
+        # The configs also depend on the mask's walks: short or not and uniform or not (the
+        # forward), long enough for the fused dQ or not (the backward). Those are the
+        # mask's: of its arrays (a static mask is a static argument) or its walk_hint (aux
+        # data of a traced one), so they are part of the jit's key already; the key holds
+        # each case's config, so that configs forced for an A/B run trace afresh.
+        forward = tuple(self._config(problem, causal, mean_walk, uniform_walks)
+                        for causal in (False, True) for mean_walk in (None, 0.0)
+                        for uniform_walks in (False, True))
         return (forward, self._backward_config(problem), runtime.interpret_requested(),
                 runtime.mosaic_architecture())
 
@@ -197,10 +199,13 @@ class MosaicBackend(AttentionBackend):
         kmask, layout = kernel_mask(block_mask)
         causal = includes_causal(block_mask.mask_mod)
         walk = walk_statistics(kmask)
+        uniform_walks = not _blackwell() and fwd.uniform_full_walks(kmask, layout,
+                                                                     problem.has_user_mask)
         out, lse = _forward_module().attention_forward(
             q, k, v, kmask, layout, scale=problem.scale, softcap=problem.softcap,
             score_mod=problem.score_mod, has_partial=problem.has_user_mask,
-            config=self._config(problem, causal, None if walk is None else walk.mean_kv_blocks),
+            config=self._config(problem, causal, None if walk is None else walk.mean_kv_blocks,
+                                uniform_walks),
             captured=captured, interpret_params=interpret_params())
         if sinks is None:
             return out, lse
@@ -285,11 +290,13 @@ class MosaicBackend(AttentionBackend):
         return score_mod_unsupported_reason(problem, derivative=True) or config
 
     @staticmethod
-    def _config(problem: AttentionProblem, causal: bool,
-                mean_walk: float | None = None) -> fwd.ForwardConfig | fwd100.ForwardConfig:
-        """The forward's config, with the kv splits of ``problem``'s size (sm90)."""
+    def _config(problem: AttentionProblem, causal: bool, mean_walk: float | None = None,
+                uniform_walks: bool = False) -> fwd.ForwardConfig | fwd100.ForwardConfig:
+        """The forward's config, with the kv splits of ``problem``'s size (sm90);
+        ``uniform_walks``: `fwd.uniform_full_walks` of the mask (sm90)."""
         config = _forward_module().forward_config(max(problem.head_dim, problem.head_dim_v),
-                                                  problem.dtype, causal, mean_walk)
+                                                  problem.dtype, causal, mean_walk,
+                                                  uniform_walks)
         if problem.block_size is not None and problem.block_size[1] != config.block_kv:
             config = dataclasses.replace(config, block_kv=problem.block_size[1])
         if _blackwell():
@@ -301,8 +308,12 @@ class MosaicBackend(AttentionBackend):
                 else mean_walk)  # a traced mask: at most every kv-block
         splits = kv_splits.num_splits(problem.batch * problem.num_q_heads * num_q_blocks, walk,
                                       runtime.num_sms())
-        if splits > 1:
-            config = dataclasses.replace(config, kv_splits=splits, q_blocks_per_cta=1)
+        if splits > 1:  # (CTAs of three consumers take no splits)
+            config = dataclasses.replace(config, kv_splits=splits, q_blocks_per_cta=1,
+                                         num_consumers=2)
+        if config.num_consumers > 2 and MosaicBackend._smem(
+                problem, config, walk_blocks=-(-problem.kv_len // config.block_kv)) > SMEM_LIMIT:
+            config = dataclasses.replace(config, num_consumers=2)  # their Q: 8 KiB more
         return config
 
     @staticmethod

@@ -114,15 +114,16 @@ class ForwardConfig:
 
 
 def forward_config(head_dim: int, dtype: Any, causal: bool,
-                   mean_walk: float | None = None) -> ForwardConfig:
+                   mean_walk: float | None = None, uniform_walks: bool = False) -> ForwardConfig:
     """The config for the larger of the (padded) head dims; bf16 and fp16, causal or not,
     share it. Not tuned on hardware: it follows FA4 and docs/blackwell.md.
 
     Up to 128, two q tiles: at 128 their S (128 x 128) and O (128 x 128) fill the 512
     tensor-memory columns, and a quarter of the exp2 runs on the FMA pipes (MUFU would
     tie with the tensor cores). Above 128 one q tile, kv tiles of 64 (shared memory).
+    ``mean_walk`` and ``uniform_walks`` (the sm90 forward's) choose nothing here.
     """
-    del dtype, causal, mean_walk
+    del dtype, causal, mean_walk, uniform_walks
     dim = padded_head_dim(head_dim)
     if dim <= 64:
         return ForwardConfig(block_kv=128, num_stages=3, q_tiles=2, emulated_exp2=0.25)

@@ -1,22 +1,30 @@
 """Block-sparse attention forward for Hopper (sm90) in Pallas Mosaic-GPU.
 
-One CTA computes ``ForwardConfig.q_blocks_per_cta`` ``block_q = 128``-row
-q-blocks of one (batch, q head) in turn, with three warpgroups:
+One CTA computes ``ForwardConfig.q_blocks_per_cta`` row blocks of one (batch, q head)
+in turn, each of ``ForwardConfig.cta_rows`` = 64 x ``num_consumers`` rows: with two
+consumers (the default) a ``block_q = 128``-row BlockMask q-block, with three (dense
+head dim 64, FA3's 192-row tile) one and a half q-blocks. Its warpgroups:
 
-* warpgroup 2 (producer, few registers) walks the q-block's active kv-blocks
+* the last warpgroup (producer, few registers) walks the row block's active kv-blocks
   from the shared mask walker (`pallas_kernels.block_sparse`) and TMA-loads K
   and V (plus, when the mask needs them, the kv-block's mask leaves and its
   stored PARTIAL tile) into a ring of ``num_stages`` shared-memory slots. A
-  slot's K (V) is refilled only after both consumers arrived on its K (V)
-  "consumed" barrier. MASKED tiles are never loaded at all;
-* warpgroups 0 and 1 (consumers) each own 64 of the 128 rows: Q once by TMA
+  slot's K (V) is refilled only after every consumer arrived on its K (V)
+  "consumed" barrier. MASKED tiles are never loaded at all. A 192-row block spans
+  two q-blocks: it is served only where every q-block walks the same FULL kv-blocks
+  (`uniform_full_walks`: a mask known at trace time, with no mask data), and takes the
+  walk of the q-block holding its first row;
+* warpgroups 0 .. num_consumers - 1 (consumers) each own 64 of the rows: Q once by TMA
   (at head dim 64 then held in registers, ``ForwardConfig.q_in_registers``),
   then per kv-block ``S = Q K^T`` by wgmma, the tile's mask (none for FULL
   tiles, which the walk lists first and a loop without mask code takes;
   indices and mask leaves for COMPUTED tiles; the stored tile for PARTIAL
   ones), online softmax in registers (base 2, running max kept in
   log2 units) and ``O += P V`` by wgmma. Output goes registers -> smem -> TMA
-  store (the hardware clips rows past ``q_len``), lse likewise.
+  store (the hardware clips rows past ``q_len``), lse likewise. With three consumers
+  each SM sub-partition runs three consumer warps, so that one's exp2 and max latency
+  hides under the others' work, and each K/V tile loaded serves 192 rows; registers
+  are 24 a producer thread and 160 a consumer thread (40 and 232 with two).
 
 Across the q-blocks of a CTA the kv ring runs on (ring step = the CTA's kv steps
 so far), and each q-block's walk and q leaves have one of two buffers, so the
@@ -35,11 +43,12 @@ Two consumer schedules (`ForwardConfig.pipelined`):
   step. A consumer issues step i's ``QK^T`` and step i-1's ``P V`` back to
   back, waits for S only, and runs step i's softmax while its ``P V`` is in
   flight (FA3's intra-warpgroup overlap); O lives in a wgmma accumulator
-  throughout. The two consumers interleave on the tensor cores without a
+  throughout. The consumers interleave on the tensor cores without a
   ping-pong barrier (measured: the barrier costs 4-7% here); ``staggered``
-  (d64 and d128), consumer 1 starts half a step behind consumer 0, once per CTA,
-  so that its QK^T runs under consumer 0's softmax from the first step on;
-* serial (the default at causal head dim 64): ``QK^T``,
+  (d64 and d128), each consumer c > 0 starts once consumer c - 1 has its first S,
+  once per CTA (a barrier per consumer but the last), so that its QK^T runs under
+  consumer c - 1's softmax from the first step on;
+* serial (the default at causal head dim 64; two consumers only): ``QK^T``,
   softmax, ``P V`` in turn, the consumers ping-ponging on a barrier so that
   one's softmax runs under the other's matmuls.
 
@@ -59,6 +68,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -80,9 +90,12 @@ from pallas_kernels.tile_classes import trace_time_eval
 
 Array = Any
 
-NUM_CONSUMERS = 2
+# set_max_registers per consumer count: (producer, consumer). The CTA's 128 x (consumers
+# + 1) threads share an SM's 65536 registers.
+_REGISTERS = {2: (40, 232), 3: (24, 160)}
 __all__ = ["BLOCK_Q", "SUPPORTED_HEAD_DIMS", "ForwardConfig", "attention_forward",
-           "forward_config", "padded_head_dim", "padded_head_dims", "smem_bytes"]
+           "forward_config", "padded_head_dim", "padded_head_dims", "smem_bytes",
+           "uniform_full_walks"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +130,22 @@ class ForwardConfig:
     # output and lse, which the wrapper combines (split-KV, "flash decoding"): for calls
     # with fewer q-blocks than SMs and long walks, decoding steps above all.
     kv_splits: int = 1
+    # Consumer warpgroups, 64 query rows each: a CTA computes ``cta_rows`` = 64 x
+    # num_consumers rows. Three (192 rows, FA3's tile at head dim 64) let each K/V tile
+    # serve 192 rows and give each SM sub-partition a third consumer warp to hide the
+    # softmax's MUFU latency behind; a CTA then spans one and a half BlockMask q-blocks,
+    # so only masks whose q-blocks all walk the same FULL kv-blocks (`uniform_full_walks`)
+    # and only the pipelined schedule, at head dim 64 with kv tiles of at most 128 rows
+    # (160 registers a consumer thread), one q-block per CTA and no kv splits: the kernel
+    # checks at trace time (a config is not refused on its own, so that fields forced on
+    # `forward_config` for A/B runs apply to every config it makes).
+    num_consumers: int = 2
     block_q: int = BLOCK_Q
+
+    @property
+    def cta_rows(self) -> int:
+        """Query rows of one CTA (at a time): a q-block with two consumers."""
+        return self.num_consumers * ROWS_PER_CONSUMER
 
     def __post_init__(self):
         if self.block_q != BLOCK_Q:
@@ -132,6 +160,9 @@ class ForwardConfig:
             raise ValueError(f"kv_splits must be 1, or above 1 with q_blocks_per_cta=1; got "
                              f"kv_splits={self.kv_splits}, q_blocks_per_cta="
                              f"{self.q_blocks_per_cta}")
+        if self.num_consumers not in _REGISTERS:
+            raise ValueError(f"num_consumers must be one of {tuple(_REGISTERS)}, got "
+                             f"{self.num_consumers}")
 
 
 # Per (padded head_dim, dtype, causal). Shared memory per CTA: Q/O 128 x D plus
@@ -183,20 +214,46 @@ _CONFIGS |= {(dim, causal): _CONFIGS[(tuned, causal)]  # see "96" above
 # beyond that slower (causal documents, 23 steps: 4%; documents, 45: 1-2%).
 SHORT_WALK = 12
 
+# Dense head dim 64 (masks with `uniform_full_walks`) takes three consumers, FA3's and
+# FA4's tile: the two-consumer kernel measured latency-bound on the H200 (b4 s4096 h16,
+# 2026-11-28: 2186 cycles a kv step against 1088 of exp2 and 1024 of tensor work, the
+# consumers stalled on exp2 and max dependencies), and longer kv tiles, more stages, Q
+# from smem and the serial schedule were all 7-16% slower. Not measured yet.
+THREE_CONSUMER_HEAD_DIMS = (64,)
+
 
 def forward_config(head_dim: int, dtype: Any, causal: bool,
-                   mean_walk: float | None = None) -> ForwardConfig:
+                   mean_walk: float | None = None,
+                   uniform_walks: bool = False) -> ForwardConfig:
     """The tuned config for a (padded) head dim; bf16 and fp16 share one table.
 
     ``mean_walk``: the mask's mean count of active kv-blocks per q-block, when known
     at trace time (a concrete mask); short walks get several q-blocks per CTA.
+    ``uniform_walks``: the mask's q-blocks all walk the same FULL kv-blocks
+    (`uniform_full_walks`), which lets CTAs of three consumers span q-blocks.
     """
     del dtype  # Same tile sizes for both 16-bit types.
-    config = _CONFIGS[(padded_head_dim(head_dim), bool(causal))]
+    dim = padded_head_dim(head_dim)
+    config = _CONFIGS[(dim, bool(causal))]
+    if uniform_walks and not causal and dim in THREE_CONSUMER_HEAD_DIMS:
+        return dataclasses.replace(config, num_consumers=3)
     short_walks = mean_walk is not None and mean_walk <= SHORT_WALK
-    if short_walks and padded_head_dim(head_dim) <= 128 and config.q_blocks_per_cta == 1:
+    if short_walks and dim <= 128 and config.q_blocks_per_cta == 1:
         config = dataclasses.replace(config, q_blocks_per_cta=2)
     return config
+
+
+def uniform_full_walks(kmask: KernelMask, layout: MaskLayout, has_partial: bool) -> bool:
+    """Whether, known at trace time, every q-block of each (batch, head) walks the same
+    kv-blocks, all FULL, with no mask data (stored tiles, mask_mod leaves): then any
+    q-block's walk serves a CTA whose rows span several (`ForwardConfig.num_consumers`)."""
+    arrays = (kmask.kv_num_blocks, kmask.kv_num_full, kmask.kv_indices)
+    if (has_partial or layout.mask_mod_treedef is not None or layout.ragged_kv
+            or any(isinstance(x, jax.core.Tracer) for x in arrays)):
+        return False
+    count, num_full, indices = map(np.asarray, arrays)
+    return bool((num_full == count).all() and (count == count[..., :1]).all()
+                and (indices == indices[..., :1, :]).all())
 
 
 def q_buffers(config: ForwardConfig, head_dim: int, head_dim_v: int, itemsize: int,
@@ -216,7 +273,7 @@ def smem_bytes(config: ForwardConfig, head_dim: int, head_dim_v: int, itemsize: 
     """Shared memory of one CTA (the producer's ring dominates; paged K/V add the
     sequence's page table row of ``pages_per_seq`` ids; the two walk buffers hold rows
     over ``walk_blocks`` kv-blocks)."""
-    qo = config.block_q * (num_q_buffers * head_dim
+    qo = config.cta_rows * (num_q_buffers * head_dim
                            + (head_dim_v if head_dim_v != head_dim else 0)) * itemsize
     ring = config.num_stages * config.block_kv * (head_dim + head_dim_v) * itemsize
     if has_partial:
@@ -248,6 +305,8 @@ class _Statics(common.LeafCounts):
     # For each mask_mod leaf, in leaf order: ("q" | "kv", row in its stacked leaf array).
     leaf_slots: tuple[tuple[str, int], ...]
     interpret: bool
+    q_len: int
+    num_row_blocks: int  # Of ``config.cta_rows`` query rows (q-blocks with two consumers).
     # Paged K/V (`attention_forward`'s page_table): tokens per page, and the page
     # table row's lines of `common.WALK_LINE` ids; None and 0 for contiguous K/V.
     page_size: int | None = None
@@ -268,20 +327,28 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
      kv_leaf_barriers, k_consumed, v_consumed, q_block_done, schedule,
      captured_barrier, table_barrier) = barriers
 
-    # This CTA computes the q-blocks at positions first .. first + num_q_blocks - 1 of
-    # its head's launch order, in turn. Per q-block i, its walk and q leaves sit in
-    # buffer i % 2, released by both consumers on q_block_done[i % 2] when done. With
-    # kv_splits, consecutive CTAs take the shares of one head's walks.
+    # This CTA computes the row blocks (of cta_rows: its q-blocks with two consumers) at
+    # positions first .. first + blocks_here - 1 of its head's launch order, in turn.
+    # Per row block i, its walk and q leaves sit in buffer i % 2, released by every
+    # consumer on q_block_done[i % 2] when done. With kv_splits, consecutive CTAs take
+    # the shares of one head's walks.
     splits = cfg.kv_splits
     program = lax.axis_index("batch_head")
     split = lax.rem(program, splits)
     batch, head, kv_head = common.head_program(s, lax.div(program, splits))
-    per_cta = cfg.q_blocks_per_cta
+    per_cta, consumers, cta_rows = cfg.q_blocks_per_cta, cfg.num_consumers, cfg.cta_rows
     first = lax.axis_index("q_blocks") * per_cta
-    num_q_blocks = jnp.minimum(per_cta, s.layout.num_q_blocks - first)
+    blocks_here = jnp.minimum(per_cta, s.num_row_blocks - first)
 
-    def q_block_of(i):
-        return common.q_block_at(s.layout.num_q_blocks, first + i, interleaved=per_cta > 1)
+    def row_block_of(i):
+        return common.q_block_at(s.num_row_blocks, first + i, interleaved=per_cta > 1)
+
+    def walk_q_block(row_block):
+        """The q-block whose walk a row block takes: its own with two consumers; else
+        (all walks alike) the one holding its first row."""
+        if cta_rows == cfg.block_q:
+            return row_block
+        return lax.div(row_block * cta_rows, cfg.block_q)
 
     wg = lax.axis_index("wg")
     offsets = walk_offsets(s.layout.num_kv_blocks)
@@ -291,9 +358,11 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
         """(first walk position, steps, FULL steps) of this CTA's share of a walk."""
         return kv_splits.share(walk_count, walk_num_full, split, splits)
 
-    @pl.when(wg == NUM_CONSUMERS)
+    producer_registers, consumer_registers = _REGISTERS[consumers]
+
+    @pl.when(wg == consumers)
     def _producer():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(producer_registers, action="decrease")
         common.load_captured(s, captured_ref, captured_smem, captured_barrier)
         pages = None
         if s.page_size is not None:
@@ -313,7 +382,8 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
                 s, walk_ref, walk_smem.at[buffer], walk_barriers.at[buffer],
                 ((q_leaf_ref, q_leaf_smem.at[buffer], q_leaf_barriers.at[buffer])
                  if s.num_q_leaves else None),
-                batch=batch, head=head, q_block=q_block_of(i), block_q=cfg.block_q)
+                batch=batch, head=head, q_block=walk_q_block(row_block_of(i)),
+                block_q=cfg.block_q)
             begin, count, _ = split_of(walk_count, walk_count)
             common.produce_kv_blocks(
                 walk_smem.at[buffer], count, stages=stages, block_kv=block_kv, batch=batch,
@@ -327,18 +397,18 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
                 first_step=first_step, pages=pages)
             return first_step + count
 
-        ring_steps = lax.fori_loop(0, num_q_blocks, q_block_loads, jnp.int32(0))
+        ring_steps = lax.fori_loop(0, blocks_here, q_block_loads, jnp.int32(0))
         common.drain_ring(ring_steps, stages, k_consumed, v_consumed)
 
         # Observe the consumers' release of the last two buffers too (the interpreter
         # requires every phase of a barrier to be waited for).
-        @pl.loop(jnp.maximum(num_q_blocks - 2, 0), num_q_blocks)
+        @pl.loop(jnp.maximum(blocks_here - 2, 0), blocks_here)
         def _(i):
             plgpu.barrier_wait(q_block_done.at[lax.rem(i, 2)])
 
-    @pl.when(wg < NUM_CONSUMERS)
+    @pl.when(wg < consumers)
     def _consumer():
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(consumer_registers, action="increase")
         row_layout = compat.wgmma_row_layout()
         tile = (rows, block_kv)
         # Plain scores stay raw until the softmax, which folds the scale into the
@@ -350,21 +420,21 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
 
         def q_buffer(i):
             buffer = lax.rem(i, s.num_q_buffers)
-            return q_smem.at[buffer, wg], q_barriers.at[buffer * NUM_CONSUMERS + wg]
+            return q_smem.at[buffer, wg], q_barriers.at[buffer * consumers + wg]
 
         def load_q(i):
-            q_start = q_block_of(i) * cfg.block_q + wg * rows
+            q_start = row_block_of(i) * cta_rows + wg * rows
             plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, rows), head], *q_buffer(i))
 
         def load_next_q(i):
-            @pl.when(i + 1 < num_q_blocks)
+            @pl.when(i + 1 < blocks_here)
             def _():
                 load_q(i + 1)
 
         def compute_q_block(i, first_step):
             buffer = lax.rem(i, 2)
             walk = walk_smem.at[buffer]
-            q_start = q_block_of(i) * cfg.block_q + wg * rows
+            q_start = row_block_of(i) * cta_rows + wg * rows
             if s.num_q_buffers == 2:
                 # Its buffer held Q and O of q-block i - 1, whose store has read it.
                 load_next_q(i)
@@ -383,6 +453,13 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
                         interpret=s.interpret))
             plgpu.barrier_wait(walk_barriers.at[buffer])
             begin, count, num_full = split_of(walk[0, 0], walk[0, 1])
+            walk_steps, rows_past_end = count, None
+            if cta_rows != cfg.block_q:
+                # CTAs spanning q-blocks (walks of FULL tiles, no mask data): a consumer
+                # whose rows all lie past q_len (in the last row block) computes nothing
+                # and only releases each K and V tile once loaded (`release_walk`).
+                rows_past_end = q_start >= s.q_len
+                count, num_full = (jnp.where(rows_past_end, 0, x) for x in (count, num_full))
             q_tile, q_loaded = q_buffer(i)
             plgpu.barrier_wait(q_loaded)
             q_operand = (compat.mosaic_load(q_tile, plgpu.Layout.WGMMA, interpret=False)
@@ -422,6 +499,9 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
                 acc, row_max, row_sum = _pipelined_steps(consumer)
             else:
                 acc, row_max, row_sum = _serial_steps(consumer)
+            if rows_past_end is not None:
+                # After its (empty) steps, which let the next consumer start.
+                pl.when(rows_past_end)(functools.partial(release_walk, first_step, walk_steps))
 
             seen = row_sum > 0
             safe_sum = jnp.where(seen, row_sum, 1.0)
@@ -443,12 +523,23 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
             plgpu.barrier_arrive(q_block_done.at[buffer])
             if s.num_q_buffers == 1:
                 load_next_q(i)
-            return first_step + count
+            return first_step + walk_steps
+
+        def release_walk(first_step, walk_steps):
+            """Each K and V tile of the walk released once loaded: the waits keep the
+            arrivals one per tile (the ring refills a slot only after every consumer
+            released it)."""
+            @pl.loop(0, walk_steps)
+            def _(step):
+                slot = lax.rem(first_step + step, stages)
+                for loaded, consumed in ((k_barriers, k_consumed), (v_barriers, v_consumed)):
+                    plgpu.barrier_wait(loaded.at[slot])
+                    plgpu.barrier_arrive(consumed.at[slot])
 
         load_q(0)
         common.wait_captured(s, captured_barrier)
         score_spec = common.with_captured_read(s.scores, captured_smem, batch, head)
-        lax.fori_loop(0, num_q_blocks, compute_q_block, jnp.int32(0))
+        lax.fori_loop(0, blocks_here, compute_q_block, jnp.int32(0))
         plgpu.wait_smem_to_gmem(0)
 
 
@@ -465,7 +556,8 @@ class _Consumer:
     v_barriers: Any
     k_consumed: Any
     v_consumed: Any
-    # The serial schedule's ping-pong barrier; pipelined, the stagger barrier (or None).
+    # The serial schedule's ping-pong barrier; pipelined, the stagger barriers (consumer
+    # c + 1 waits on barrier c; or None).
     schedule: Any
     p_staging: Any  # Interpreted only: P staged in smem for the P @ V wgmma.
     first_step: Array  # The ring step of the q-block's first kv-block.
@@ -637,12 +729,15 @@ def _pipelined_steps(c: _Consumer):
                                plgpu.Layout.WGMMA))
         init = (_row_vector(-jnp.inf), _row_vector(0.0))
 
+        last_consumer = s.config.num_consumers - 1
+
         def stagger():
-            """Consumer 0 lets consumer 1 start, once per CTA (`ForwardConfig.staggered`):
-            one arrival and one wait in all, whatever the q-blocks' walks."""
+            """Each consumer but the last lets the next one start, once per CTA
+            (`ForwardConfig.staggered`): one arrival and one wait per stagger barrier in
+            all, whatever the q-blocks' walks."""
             if c.schedule is not None:
-                pl.when((c.wg == 0) & c.first_q_block)(
-                    lambda: plgpu.barrier_arrive(c.schedule))
+                pl.when((c.wg < last_consumer) & c.first_q_block)(
+                    lambda: plgpu.barrier_arrive(c.schedule.at[c.wg]))
 
         def first_step():
             # Step 0 may be FULL or not: the masked path is exact for FULL tiles too.
@@ -658,7 +753,8 @@ def _pipelined_steps(c: _Consumer):
             return plgpu.layout_cast(jnp.zeros(c.tile, s.dtype), plgpu.Layout.WGMMA), *init
 
         if c.schedule is not None:
-            pl.when((c.wg == 1) & c.first_q_block)(lambda: plgpu.barrier_wait(c.schedule))
+            pl.when((c.wg > 0) & c.first_q_block)(
+                lambda: plgpu.barrier_wait(c.schedule.at[c.wg - 1]))
         carry = (o, *lax.cond(c.count > 0, first_step, no_step))
         carry = c.loop(functools.partial(step_fn, o_ref=o_ref), carry, start=1)
         o, probs, row_max, row_sum = carry
@@ -715,6 +811,8 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
     # TMA boxes into 8-row-tiled smem need sequence lengths that are multiples of 8;
     # padded keys lie past kv_len, in the ragged (COMPUTED, hence masked) last block.
     q, k, v = common.pad_sequence(q), common.pad_sequence(k), common.pad_sequence(v)
+    if config.num_consumers != 2:
+        _check_spanning_ctas(config, kmask, layout, has_partial, (dim, dim_v), page_table)
     with trace_time_eval(layout, kmask):  # constants when the mask is concrete
         walk = common.packed_walk(kmask, "kv")
         q_leaves, kv_leaves, leaf_slots = common.stacked_leaves(kmask, layout, batch)
@@ -731,7 +829,10 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
             pages_per_seq=0 if page_table is None else page_table.shape[1] * common.WALK_LINE,
             walk_blocks=layout.num_kv_blocks),
         leaf_slots=leaf_slots,
-        interpret=interpret, page_size=page_size,
+        interpret=interpret, q_len=q_len,
+        num_row_blocks=(layout.num_q_blocks if config.cta_rows == BLOCK_Q
+                        else -(-q_len // config.cta_rows)),
+        page_size=page_size,
         table_lines=0 if page_table is None else page_table.shape[1])
 
     operands = [q, k, v, walk]
@@ -740,7 +841,7 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
     if has_partial:
         operands.append(partial_tiles)
     operands += [x for x in (q_leaves, kv_leaves, packed_captured) if x is not None]
-    q_padded, splits = layout.padded_q_len, config.kv_splits
+    q_padded, splits = statics.num_row_blocks * config.cta_rows, config.kv_splits
     out_type = (jax.ShapeDtypeStruct((splits, batch, q.shape[1], num_q_heads, dim_v), q.dtype),
                 jax.ShapeDtypeStruct((splits, batch, num_q_heads, q_padded), jnp.float32))
     out, lse = compat.mosaic_kernel(
@@ -749,14 +850,39 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
         # The last grid axis varies fastest: the CTAs running at once are q-blocks of one
         # or a few heads, which then share those heads' K/V in L2.
         grid=(batch * num_q_heads * splits,
-              pl.cdiv(layout.num_q_blocks, config.q_blocks_per_cta)),
+              pl.cdiv(statics.num_row_blocks, config.q_blocks_per_cta)),
         grid_names=("batch_head", "q_blocks"),
-        num_threads=NUM_CONSUMERS + 1, thread_name="wg",
+        num_threads=config.num_consumers + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret_params,
     )(*operands)
     out, lse = kv_splits.combine(out[..., :q_len, :, :head_dim_v], lse[..., :q_len], q.dtype)
     return out, lse
+
+
+def _check_spanning_ctas(config: ForwardConfig, kmask: KernelMask, layout: MaskLayout,
+                         has_partial: bool, dims: tuple[int, int],
+                         page_table: Array | None) -> None:
+    """Raises unless CTAs of ``config.num_consumers`` consumers (rows spanning q-blocks)
+    can serve the call (`ForwardConfig.num_consumers`)."""
+    name = f"config.num_consumers={config.num_consumers}"
+    if not (config.pipelined and config.block_kv <= 128 and config.q_blocks_per_cta == 1
+            and config.kv_splits == 1):
+        raise ValueError(f"{name} needs pipelined=True, block_kv <= 128, q_blocks_per_cta=1 "
+                         f"and kv_splits=1; got pipelined={config.pipelined}, block_kv="
+                         f"{config.block_kv}, q_blocks_per_cta={config.q_blocks_per_cta}, "
+                         f"kv_splits={config.kv_splits}")
+    with trace_time_eval(layout, kmask):
+        uniform = uniform_full_walks(kmask, layout, has_partial)
+    if not uniform:
+        raise ValueError(f"{name} needs a mask known at trace time whose q-blocks all walk "
+                         f"the same FULL kv-blocks (no stored tiles, mask_mod or ragged "
+                         f"kv-block), got has_partial={has_partial}, mask_mod "
+                         f"{layout.mask_mod_treedef}, kv_len={layout.kv_len}")
+    if dims != (64, 64):
+        raise ValueError(f"{name} needs head dims of 64 (after padding), got {dims}")
+    if page_table is not None:
+        raise ValueError(f"{name} needs contiguous K/V, got a page_table")
 
 
 def _paged_operands(k_pages: Array, v_pages: Array, page_table: Array, num_kv_blocks: int,
@@ -784,23 +910,26 @@ def _paged_operands(k_pages: Array, v_pages: Array, page_table: Array, num_kv_bl
 
 
 def _schedule_barrier(cfg: ForwardConfig) -> Any:
-    """The serial schedule's ping-pong barrier, the pipelined one's stagger barrier (one
-    arrival, once per CTA), or None (pipelined, not staggered)."""
+    """The serial schedule's ping-pong barrier, the pipelined one's stagger barriers (one
+    per consumer but the last, one arrival each, once per CTA), or None (pipelined, not
+    staggered)."""
     if not cfg.pipelined:
-        return plgpu.Barrier(num_arrivals=NUM_CONSUMERS)
-    return plgpu.Barrier(num_arrivals=1) if cfg.staggered else None
+        return plgpu.Barrier(num_arrivals=cfg.num_consumers)
+    if not cfg.staggered:
+        return None
+    return plgpu.Barrier(num_arrivals=1, num_barriers=cfg.num_consumers - 1)
 
 
 def _scratch(s: _Statics):
     cfg = s.config
     captured_smem, captured_barrier = common.captured_scratch(s)
-    stages, rows = cfg.num_stages, ROWS_PER_CONSUMER
+    stages, rows, consumers = cfg.num_stages, ROWS_PER_CONSUMER, cfg.num_consumers
     # Walks and q leaves of two q-blocks: the next one's load under the current one.
     smem = (
-        common.swizzled((s.num_q_buffers, NUM_CONSUMERS, rows, s.head_dim), s.dtype),
+        common.swizzled((s.num_q_buffers, consumers, rows, s.head_dim), s.dtype),
         (None if s.head_dim_v == s.head_dim
-         else common.swizzled((NUM_CONSUMERS, rows, s.head_dim_v), s.dtype)),
-        plgpu.SMEM((NUM_CONSUMERS, rows), jnp.float32),
+         else common.swizzled((consumers, rows, s.head_dim_v), s.dtype)),
+        plgpu.SMEM((consumers, rows), jnp.float32),
         plgpu.SMEM((2, s.walk_lines, common.WALK_LINE), jnp.int32),
         common.swizzled((stages, cfg.block_kv, s.head_dim), s.dtype),
         common.swizzled((stages, cfg.block_kv, s.head_dim_v), s.dtype),
@@ -809,19 +938,19 @@ def _scratch(s: _Statics):
         (plgpu.SMEM((stages, s.num_kv_leaves, cfg.block_kv), jnp.int32)
          if s.num_kv_leaves else None),
         # Interpreted only: P staged in smem for the P @ V wgmma.
-        common.swizzled((NUM_CONSUMERS, rows, cfg.block_kv), s.dtype) if s.interpret else None,
+        common.swizzled((consumers, rows, cfg.block_kv), s.dtype) if s.interpret else None,
         captured_smem,
         (plgpu.SMEM((s.table_lines, common.WALK_LINE), jnp.int32)
          if s.page_size is not None else None),
     )
-    consumed = plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages)
+    consumed = plgpu.Barrier(num_arrivals=consumers, num_barriers=stages)
     # A K (V) tile is loaded by one TMA, or paged by one per page, each arriving.
     loaded = plgpu.Barrier(num_arrivals=common.page_copies(cfg.block_kv, s.page_size),
                            num_barriers=stages)
     barriers = (
         plgpu.Barrier(num_barriers=2),
         plgpu.Barrier(num_barriers=2),
-        plgpu.Barrier(num_barriers=s.num_q_buffers * NUM_CONSUMERS),
+        plgpu.Barrier(num_barriers=s.num_q_buffers * consumers),
         loaded,
         loaded,
         plgpu.Barrier(num_barriers=stages),
@@ -829,7 +958,7 @@ def _scratch(s: _Statics):
         consumed,
         consumed,
         # A q-block's walk and q leaves (and Q, O, lse) are no longer read.
-        plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=2),
+        plgpu.Barrier(num_arrivals=consumers, num_barriers=2),
         _schedule_barrier(cfg),
         captured_barrier,
         plgpu.Barrier(num_barriers=1) if s.page_size is not None else None,

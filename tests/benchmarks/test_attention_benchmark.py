@@ -168,6 +168,19 @@ def test_forced_mosaic_impls_force_the_config(impl, backward, fields, monkeypatc
     assert {name: getattr(configs[0], name) for name in fields} == fields
 
 
+@pytest.mark.parametrize("impl,consumers", [("omni_mosaic", 3),
+                                             ("omni_mosaic/num_consumers=2", 2)])
+def test_forced_mosaic_impls_set_the_consumer_count(impl, consumers, monkeypatch):
+    """The A/B of the dense head-dim-64 forward's CTAs: three consumers by default, two
+    (the kernel before them) forced."""
+    monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
+    configs = record_configs(monkeypatch, fwd, "attention_forward")
+    case = attention.Case(2, 2048, 8, 64, "dense", backward=False)
+    q = jax.ShapeDtypeStruct((2, 2048, 8, 64), jnp.bfloat16)
+    jax.eval_shape(attention._timed_fn(attention.builder(impl)(case), False), q, q, q)
+    assert [c.num_consumers for c in configs] == [consumers]
+
+
 @pytest.mark.parametrize("impl", ["omni_mosaic/stages=2", "omni_mosaic/pipelined=yes",
                                   "omni_mosaic/bwd.block_q=x", "cuDNN"])
 def test_unknown_impls_are_named(impl):

@@ -349,6 +349,23 @@ def test_wide_head_dims_compiled(case, head_dim, head_dim_v, q_blocks_per_cta, m
     assert backends == {"mosaic"}, backends
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(runtime.interpret_requested() or runtime.gpu_compute_capability() != (9, 0),
+                    reason="needs an sm90 GPU (compiled Mosaic-GPU kernels)")
+@pytest.mark.parametrize("num_consumers", [3, 2])
+@pytest.mark.parametrize("q_len", [768, 1000])
+def test_dense_head_dim_64_consumers_compiled(q_len, num_consumers, monkeypatch):
+    """Dense head dim 64 by CTAs of three consumers (192 rows, the default) and of two
+    (forced; the kernel before them): output, lse and gradients against float64, rows
+    a multiple of 192 and a ragged tail, GQA."""
+    if num_consumers == 2:
+        force_config_fields(monkeypatch, fwd, "forward_config", num_consumers=2)
+    configs = record_configs(monkeypatch, fwd, "attention_forward")
+    check_case("mosaic", Case("dense_head_dim_64", batch=2, q_len=q_len, kv_len=1024, heads=4,
+                              kv_heads=2, head_dim=64), "bfloat16", (128, 128), block_rows=32)
+    assert {c.num_consumers for c in configs} == {num_consumers}
+
+
 _SPLIT_CASES = ("decode_step_gqa_sinks", "causal_ragged", "generic_block_mask_and_causal")
 
 

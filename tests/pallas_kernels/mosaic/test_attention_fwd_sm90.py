@@ -13,13 +13,16 @@ import numpy as np
 import pytest
 
 import omni_jax
+from omni_jax.backends import mosaic as mosaic_backend
+from omni_jax.masks import BlockGrid, BlockMask, Causal
+from omni_jax.masks.construct import structured_tile_flags
 from pallas_kernels import compat, runtime
 from pallas_kernels.block_sparse import kernel_mask
 from pallas_kernels.mosaic import attention_fwd_sm90 as fwd
 from pallas_kernels.mosaic import attention_sm90_common as common
 from tests.forced_configs import force_config_fields, record_configs
 from tests.mosaic_interpret import interpreted_mosaic
-from tests.reference import relative_error
+from tests.reference import reference_attention, relative_error
 
 TOLERANCE = {"bfloat16": 2e-2, "float16": 4e-3}
 pytestmark = pytest.mark.interpreted
@@ -108,7 +111,8 @@ def test_poisoned_outputs_are_all_written(pipelined, staggered, kv_splits):
 @pytest.mark.parametrize("fields,message", [
     (dict(block_kv=96), "block_kv"), (dict(num_stages=1), "num_stages"),
     (dict(q_blocks_per_cta=0), "q_blocks_per_cta"), (dict(kv_splits=0), "kv_splits"),
-    (dict(kv_splits=2, q_blocks_per_cta=2), "kv_splits")])
+    (dict(kv_splits=2, q_blocks_per_cta=2), "kv_splits"),
+    (dict(num_consumers=4), "num_consumers must be one of")])
 def test_config_rejects_what_the_kernel_cannot_run(fields, message):
     with pytest.raises(ValueError, match=message):
         fwd.ForwardConfig(**{"block_kv": 128, "num_stages": 2, **fields})
@@ -290,3 +294,125 @@ def test_captured_arrays_read_by_element():
     _compare("bfloat16", q, k, v, is_causal=True,
              score_mod=lambda s, b, h, i, j: (s - slopes[h] * (i - j) + table[b, h])
              * temperature)
+
+
+def _poisoned_interpreter(monkeypatch) -> None:
+    """The backend's interpreted kernels start with every buffer NaN (HBM outputs too):
+    a row the kernel never writes reads as NaN."""
+    params = mosaic_backend.interpret_params
+    monkeypatch.setattr(mosaic_backend, "interpret_params", lambda: dataclasses.replace(
+        params(), uninitialized_memory="nan"))
+
+
+@pytest.mark.parametrize("batch,q_len,kv_len,heads,kv_heads", [
+    (1, 384, 256, 1, 1),  # two CTAs of 192 rows: the second starts inside q-block 1
+    (2, 200, 256, 4, 2),  # ragged: consumers 1 and 2 of the second CTA lie past q_len; GQA
+    # Ragged inside the second CTA's consumer 1; its consumer 2, past q_len, only releases
+    # the K/V tiles of 5 kv steps through a ring of 3.
+    (1, 320, 640, 2, 2),
+])
+def test_three_consumers_dense_head_dim_64(batch, q_len, kv_len, heads, kv_heads,
+                                           monkeypatch):
+    """Dense head dim 64 runs CTAs of three consumers (192 rows, spanning q-blocks):
+    against float64, every row written (buffers poisoned with NaN), lse included."""
+    configs = record_configs(monkeypatch, fwd, "attention_forward")
+    _poisoned_interpreter(monkeypatch)
+    rng = np.random.default_rng()
+    q, k, v = _inputs(rng, "bfloat16", batch, q_len, kv_len, heads, kv_heads, 64)
+    out, lse = omni_jax.attention(q, k, v, return_lse=True, implementation="mosaic")
+    assert [(c.num_consumers, c.staggered) for c in configs] == [(3, True)]
+    out, lse = np.asarray(out, np.float64), np.asarray(lse)
+    assert not np.isnan(out).any() and not np.isnan(lse).any()
+    with jax.enable_x64(True):
+        ref_out, ref_lse = reference_attention(q, k, v, None)
+    assert relative_error(out, ref_out) < TOLERANCE["bfloat16"]
+    assert relative_error(lse, ref_lse) < 1e-3
+
+
+def test_three_consumers_unstaggered(monkeypatch):
+    """Without the stagger barriers the three consumers start together."""
+    force_config_fields(monkeypatch, fwd, "forward_config", staggered=False)
+    configs = record_configs(monkeypatch, fwd, "attention_forward")
+    rng = np.random.default_rng()
+    q, k, v = _inputs(rng, "bfloat16", 1, 200, 256, 2, 1, 64)
+    _compare("bfloat16", q, k, v)
+    assert [c.num_consumers for c in configs] == [3]
+
+
+@pytest.mark.parametrize("head_dim,kwargs,expected", [
+    (64, dict(), 3),  # dense
+    (48, dict(), 3),  # padded to 64
+    (64, dict(is_causal=True), 2),
+    (64, dict(local_window_size=(256, 0)), 2),
+    (64, dict(kv_len=1000), 2),  # ragged kv: the last kv-block is COMPUTED
+    (64, dict(segments=True), 2),  # mask_mod leaves (documents)
+    (64, dict(user_mask=True), 2),  # a BlockMask of the caller's (stored tiles), even dense
+    (64, dict(batch=1, heads=1, q_len=256, kv_len=4096), 2),  # few q-blocks: kv splits
+    (128, dict(), 2),
+])
+def test_backend_picks_three_consumers_for_dense_head_dim_64(head_dim, kwargs, expected,
+                                                             monkeypatch):
+    """Traced only: the backend's choice of consumers per mask and head dim."""
+    configs = record_configs(monkeypatch, fwd, "attention_forward")
+    kwargs = dict(kwargs)
+    batch, heads = kwargs.pop("batch", 2), kwargs.pop("heads", 8)
+    q_len = kwargs.pop("q_len", 2048)
+    kv_len = kwargs.pop("kv_len", q_len)
+    if kwargs.pop("segments", False):
+        kwargs["q_segment_ids"] = kwargs["kv_segment_ids"] = jnp.zeros((batch, q_len), jnp.int32)
+    if kwargs.pop("user_mask", False):
+        kwargs["mask"] = omni_jax.create_block_mask(lambda b, h, i, j: i >= 0, None, None,
+                                                    q_len, kv_len, (128, 128))
+    q = jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((batch, kv_len, heads, head_dim), jnp.bfloat16)
+    jax.eval_shape(lambda q, k, v: omni_jax.attention(q, k, v, implementation="mosaic",
+                                                      **kwargs), q, kv, kv)
+    assert [c.num_consumers for c in configs] == [expected]
+    assert all(c.kv_splits == 1 for c in configs if c.num_consumers == 3)
+
+
+@pytest.mark.parametrize("causal,fields,message", [
+    # q-blocks walking different kv-blocks
+    (True, dict(), "num_consumers=3 needs a mask known at trace time"),
+    (False, dict(pipelined=False), "needs pipelined=True.*got pipelined=False"),
+    (False, dict(q_blocks_per_cta=2), "q_blocks_per_cta=2"),
+    (False, dict(kv_splits=2), "kv_splits=2"),
+    (False, dict(block_kv=256), "block_kv=256"),
+])
+def test_three_consumers_decline_what_they_cannot_run(causal, fields, message):
+    """Forced where they cannot serve, three consumers are refused at trace time."""
+    block_kv = fields.get("block_kv", 128)
+    mask_mod = Causal() if causal else None
+    block_mask = BlockMask.from_tile_flags(
+        structured_tile_flags(mask_mod, BlockGrid(512, 512, 128, block_kv)), mask_mod=mask_mod,
+        q_len=512, kv_len=512, block_size=(128, block_kv))
+    kmask, layout = kernel_mask(block_mask)
+    q = jax.ShapeDtypeStruct((1, 512, 2, 64), jnp.bfloat16)
+    config = dataclasses.replace(fwd.forward_config(64, jnp.bfloat16, False), num_consumers=3,
+                                 **fields)
+    with pytest.raises(ValueError, match=message):
+        jax.eval_shape(lambda q: fwd.attention_forward(
+            q, q, q, kmask, layout, scale=0.125, softcap=None, score_mod=None,
+            has_partial=False, config=config), q)
+
+
+def test_three_consumers_shared_memory_counts_the_third_q_buffer():
+    two = fwd.forward_config(64, jnp.bfloat16, False)
+    three = fwd.forward_config(64, jnp.bfloat16, False, uniform_walks=True)
+    assert (two.num_consumers, three.num_consumers) == (2, 3)
+    assert fwd.smem_bytes(three, 64, 64, 2, False) - fwd.smem_bytes(two, 64, 64, 2, False) \
+        == common.ROWS_PER_CONSUMER * 64 * 2
+
+
+def test_trace_key_covers_the_consumer_count(monkeypatch):
+    """An A/B of the consumer count (``omni_mosaic/num_consumers=2``) must trace afresh."""
+    from omni_jax.backends.mosaic import MosaicBackend
+    from omni_jax.problem import AttentionProblem
+
+    problem = AttentionProblem(
+        batch=2, q_len=2048, kv_len=2048, num_q_heads=8, num_kv_heads=8, head_dim=64,
+        head_dim_v=64, dtype=np.dtype(jnp.bfloat16), scale=0.1, softcap=None,
+        score_mod=None, has_sinks=False, has_user_mask=False)
+    default_key = MosaicBackend().trace_key(problem)
+    force_config_fields(monkeypatch, fwd, "forward_config", num_consumers=2)
+    assert MosaicBackend().trace_key(problem) != default_key

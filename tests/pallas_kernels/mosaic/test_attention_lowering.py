@@ -287,6 +287,27 @@ def test_a_variant_lowers_the_register_q_path():
     assert fwd.forward_config(64, jnp.bfloat16, causal=True).q_in_registers
 
 
+@pytest.mark.parametrize("kv_len,consumers", [
+    (256, 3),  # dense: CTAs of three consumers (192 rows)
+    (300, 2),  # the ragged kv-block is COMPUTED: two consumers, as before
+])
+def test_dense_head_dim_64_lowers_with_its_consumer_count(kv_len, consumers, _compiled_mosaic,
+                                                          monkeypatch):
+    """The dense head-dim-64 forward (pipelined, staggered, Q in registers) lowers with
+    three consumers, and with two where it falls back."""
+    from pallas_kernels.mosaic import attention_fwd_sm90 as fwd
+
+    configs = record_configs(monkeypatch, fwd, "attention_forward")
+    q = jax.ShapeDtypeStruct((2, 320, 4, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, kv_len, 2, 64), jnp.bfloat16)
+
+    def run(q, k, v):
+        return omni_jax.attention(q, k, v, implementation="mosaic", return_lse=True)
+
+    text = jax.jit(run).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and [c.num_consumers for c in configs] == [consumers]
+
+
 @pytest.mark.parametrize("head_dim,page_size,q_len,heads,kwargs", [
     (64, 16, 1, 8, {}),  # pages of 16: eight TMAs fill a K (V) tile of 128 rows
     (128, 64, 4, 4, dict(local_window_size=(100, 0))),  # two TMAs per tile
