@@ -228,10 +228,13 @@ def paged_attention_mosaic(q: Array, k_pages: Array, v_pages: Array, page_table:
     config = _config(call, programs, pages_per_seq * page_size, overrides)
     kmask, layout = _kernel_mask(kv_lens, page_table, num_pages, scores, group=group,
                                  rows=rows, page_size=page_size, block_kv=config.block_kv)
-    if group > 1:
-        q = query_groups.pack_queries(q, group)
+    # Packed rows go heads first: for a decoding step a view of q, and the output one of
+    # the kernel's (no transposing kernel on either side).
+    packed = group > 1
+    if packed:
+        q = query_groups.pack_queries_heads_first(q, group)
     out, lse = fwd.attention_forward(
         q, k_pages, v_pages, kmask, layout, scale=scores.scale, softcap=scores.softcap,
         score_mod=None, has_partial=False, config=config,
-        interpret_params=interpret_params(), page_table=page_table)
-    return query_groups.unpack(out, lse, group) if group > 1 else (out, lse)
+        interpret_params=interpret_params(), page_table=page_table, heads_first=packed)
+    return query_groups.unpack(out, lse, group, heads_first=True) if packed else (out, lse)

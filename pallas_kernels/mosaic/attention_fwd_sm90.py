@@ -252,6 +252,8 @@ class _Statics(common.LeafCounts):
     # table row's lines of `common.WALK_LINE` ids; None and 0 for contiguous K/V.
     page_size: int | None = None
     table_lines: int = 0
+    # Q and O as [B, H, Sq, D] (`attention_forward`'s heads_first), else [B, Sq, H, D].
+    heads_first: bool = False
 
 
 def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
@@ -286,6 +288,11 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
     wg = lax.axis_index("wg")
     offsets = walk_offsets(s.layout.num_kv_blocks)
     index_offset, flags_offset, _ = offsets
+
+    def head_rows(ref, q_start):
+        """This CTA's ``ROWS_PER_CONSUMER`` rows of Q or O from ``q_start`` in ``ref``."""
+        sequence = pl.ds(q_start, rows)
+        return ref.at[batch, head, sequence] if s.heads_first else ref.at[batch, sequence, head]
 
     def split_of(walk_count, walk_num_full):
         """(first walk position, steps, FULL steps) of this CTA's share of a walk."""
@@ -354,7 +361,7 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
 
         def load_q(i):
             q_start = q_block_of(i) * cfg.block_q + wg * rows
-            plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, rows), head], *q_buffer(i))
+            plgpu.copy_gmem_to_smem(head_rows(q_ref, q_start), *q_buffer(i))
 
         def load_next_q(i):
             @pl.when(i + 1 < num_q_blocks)
@@ -433,8 +440,7 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
             o_smem[...] = out.astype(s.dtype)
             lse_smem.at[wg][...] = lse
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem,
-                                    out_ref.at[split, batch, pl.ds(q_start, rows), head])
+            plgpu.copy_smem_to_gmem(o_smem, head_rows(out_ref.at[split], q_start))
             plgpu.copy_smem_to_gmem(lse_smem.at[wg],
                                     lse_ref.at[split, batch, head, pl.ds(q_start, rows)])
             # The stores have read O and lse: their buffers (and this q-block's walk and
@@ -684,9 +690,13 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
                       scale: float, softcap: float | None,
                       score_mod: ConvertedScoreMod | None, has_partial: bool,
                       config: ForwardConfig, captured: Sequence[Array] = (),
-                      interpret_params: Any = None,
-                      page_table: Array | None = None) -> tuple[Array, Array]:
-    """``(out [B, Sq, Hq, Dv], lse [B, Hq, Sq] float32)``; sinks are the caller's.
+                      interpret_params: Any = None, page_table: Array | None = None,
+                      heads_first: bool = False) -> tuple[Array, Array]:
+    """``(out [B, Sq, Hq, Dv], lse [B, Hq, Sq] float32)``; sinks are the caller's. With
+    ``heads_first``, q is ``[B, Hq, Sq, D]`` and out ``[B, Hq, Sq, Dv]``: the layout in
+    which a decoding step's packed query rows (`omni_jax.query_groups`) are a view of
+    its queries. Fewer than 8 rows are then read and written as they are (a TMA box
+    clips them), not padded.
 
     ``layout`` must tile by ``(config.block_q, config.block_kv)``; ``captured``
     are ``score_mod``'s captured arrays, which it may read only by element
@@ -701,6 +711,8 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
     must be the kernel's own (`padded_head_dims`): the cache is never copied.
     """
     batch, q_len, num_q_heads, head_dim = q.shape
+    if heads_first:
+        q_len, num_q_heads = num_q_heads, q_len
     num_kv_heads, head_dim_v = v.shape[2], v.shape[3]
     page_size = None
     if page_table is not None:
@@ -714,7 +726,9 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
     q, k, v = common.pad_last(q, dim), common.pad_last(k, dim), common.pad_last(v, dim_v)
     # TMA boxes into 8-row-tiled smem need sequence lengths that are multiples of 8;
     # padded keys lie past kv_len, in the ragged (COMPUTED, hence masked) last block.
-    q, k, v = common.pad_sequence(q), common.pad_sequence(k), common.pad_sequence(v)
+    q = (common.pad_sequence(q, axis=2, keep_short=True) if heads_first
+         else common.pad_sequence(q))
+    k, v = common.pad_sequence(k), common.pad_sequence(v)
     with trace_time_eval(layout, kmask):  # constants when the mask is concrete
         walk = common.packed_walk(kmask, "kv")
         q_leaves, kv_leaves, leaf_slots = common.stacked_leaves(kmask, layout, batch)
@@ -732,7 +746,7 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
             walk_blocks=layout.num_kv_blocks),
         leaf_slots=leaf_slots,
         interpret=interpret, page_size=page_size,
-        table_lines=0 if page_table is None else page_table.shape[1])
+        table_lines=0 if page_table is None else page_table.shape[1], heads_first=heads_first)
 
     operands = [q, k, v, walk]
     if page_table is not None:
@@ -741,7 +755,9 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
         operands.append(partial_tiles)
     operands += [x for x in (q_leaves, kv_leaves, packed_captured) if x is not None]
     q_padded, splits = layout.padded_q_len, config.kv_splits
-    out_type = (jax.ShapeDtypeStruct((splits, batch, q.shape[1], num_q_heads, dim_v), q.dtype),
+    q_rows = q.shape[2] if heads_first else q.shape[1]
+    out_shape = (batch, num_q_heads, q_rows) if heads_first else (batch, q_rows, num_q_heads)
+    out_type = (jax.ShapeDtypeStruct((splits, *out_shape, dim_v), q.dtype),
                 jax.ShapeDtypeStruct((splits, batch, num_q_heads, q_padded), jnp.float32))
     out, lse = compat.mosaic_kernel(
         functools.partial(_kernel, statics), out_type,
@@ -755,8 +771,8 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret_params,
     )(*operands)
-    out, lse = kv_splits.combine(out[..., :q_len, :, :head_dim_v], lse[..., :q_len], q.dtype)
-    return out, lse
+    out = out[..., :q_len, :head_dim_v] if heads_first else out[..., :q_len, :, :head_dim_v]
+    return kv_splits.combine(out, lse[..., :q_len], q.dtype, heads_first=heads_first)
 
 
 def _paged_operands(k_pages: Array, v_pages: Array, page_table: Array, num_kv_blocks: int,

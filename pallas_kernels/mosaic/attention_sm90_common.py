@@ -554,14 +554,18 @@ def pad_last(x: Array, size: int) -> Array:
     return jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, size - x.shape[-1]),))
 
 
-def pad_sequence(x: Array) -> Array:
-    """Pads axis 1 to a multiple of 8 (no copy when it is one).
+def pad_sequence(x: Array, axis: int = 1, keep_short: bool = False) -> Array:
+    """Pads ``axis`` to a multiple of 8 (no copy when it is one, or with ``keep_short``
+    when it is shorter than 8).
 
     TMA boxes into 8-row-tiled smem need sequence lengths that are multiples
-    of 8; rows past the true length lie in the ragged (masked) last block.
+    of 8 or (Mosaic's tiled view then takes the dimension as one short tile) below 8;
+    rows past the true length lie in the ragged (masked) last block.
     """
-    extra = -x.shape[1] % 8
-    return x if not extra else jnp.pad(x, ((0, 0), (0, extra), (0, 0), (0, 0)))
+    extra = -x.shape[axis] % 8
+    if not extra or (keep_short and x.shape[axis] < 8):
+        return x
+    return jnp.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)])
 
 
 def swizzle_bytes(row_elements: int, dtype) -> int:
