@@ -2,6 +2,8 @@
 forward with paged K/V, interpreted on any machine (a race found fails the test) and
 compiled on an sm90 GPU."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -229,6 +231,44 @@ def _producers(eqns, var) -> list[str]:
     return names
 
 
+_HLO_OP = re.compile(r"^\s*(?:ROOT )?(%[\w.-]+) = .*?[\]}\)] ([a-z][\w-]*)\((.*?)\)")
+# Ops that compute nothing: views, tuples, inputs.
+_NO_WORK = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple"}
+
+
+def _entry_ops(hlo: str) -> dict[str, tuple[str, list[str], set[str]]]:
+    """The ENTRY computation of compiled HLO text, in order: op name -> (opcode, operand
+    names, the opcodes inside it when it is a fusion)."""
+    bodies, name, entry = {}, None, {}
+    for line in hlo.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            name = "ENTRY" if line.startswith("ENTRY") else line.split()[0]
+            bodies[name] = []
+        elif name and (match := _HLO_OP.match(line)):
+            bodies[name].append(match.groups())
+    for op, opcode, operands in bodies["ENTRY"]:
+        called = re.search(r"calls=(%[\w.-]+)", next(
+            line for line in hlo.splitlines() if f"{op} = " in line))
+        inner = {o for _, o, _ in bodies.get(called.group(1), [])} if called else set()
+        entry[op] = (opcode, re.findall(r"%[\w.-]+", operands), inner)
+    return entry
+
+
+def _work(entry, op) -> bool:
+    """Whether ``op`` moves or computes data (a fusion of bitcasts and copies alone does
+    not: XLA on CPU copies a pure_callback result that the step returns, even a view)."""
+    opcode, _, inner = entry[op]
+    return opcode not in _NO_WORK and not (opcode == "fusion"
+                                           and inner <= {"parameter", "bitcast", "copy"})
+
+
+def _source(entry, op) -> str:
+    """``op`` seen through views (bitcasts)."""
+    while entry[op][0] == "bitcast":
+        op = entry[op][1][0]
+    return op
+
+
 # (batch, kv_len, page_size, splits): the decoding shapes of issue 49's ncu kernel lists.
 DECODE_STEPS = [(8, 8192, 16, 2), (64, 4096, 64, 1), (1, 131072, 64, 16)]
 
@@ -237,10 +277,13 @@ DECODE_STEPS = [(8, 8192, 16, 2), (64, 4096, 64, 1), (1, 131072, 64, 16)]
 def test_decoding_step_computes_little_around_the_kernel(monkeypatch, batch, kv_len, page_size,
                                                          splits):
     """Each XLA op around a decoding step's kernel can be a launch of its own (2-4 us on
-    a 0.1 ms step). Pinned: the kernel reads K, V and a table of whole lines as they
-    come (the producer clamps page ids), its mask is one kv leaf (no per-sequence leaf
-    broadcast along the queries), the walks need one reduction (the page check) and
-    the kv-split combine none."""
+    a 0.1 ms step). Pinned: the kernel reads q (packed heads first), K, V and a table of
+    whole lines as they come (the producer clamps page ids), its mask is one kv leaf (no
+    per-sequence leaf broadcast along the queries), the walks need one reduction (the
+    page check) and the kv-split combine none. Compiled by XLA (on CPU here), the step
+    computes before the kernel only the page check, one fusion for the walks and one for
+    the leaf (and one padding a table shorter than a line); after it nothing without kv
+    splits (the output is a view of the kernel's), with them the combine."""
     monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
     monkeypatch.setattr(runtime, "num_sms", lambda: 132)
 
@@ -255,8 +298,8 @@ def test_decoding_step_computes_little_around_the_kernel(monkeypatch, batch, kv_
         ((batch, 1, 32, 128), jnp.bfloat16), ((batch * pages, page_size, 8, 128), jnp.bfloat16),
         ((batch * pages, page_size, 8, 128), jnp.bfloat16), ((batch, pages), jnp.int32),
         ((batch,), jnp.int32))]
-    jaxpr = jax.make_jaxpr(lambda *a: omni_jax.paged_attention(*a, implementation="mosaic"))(
-        *args)
+    step = lambda *a: omni_jax.paged_attention(*a, implementation="mosaic")
+    jaxpr = jax.make_jaxpr(step)(*args)
     eqns = _eqns(jaxpr.jaxpr)
     (kernel,) = [e for e in eqns if e.primitive.name == "pure_callback"]
     assert kernel.outvars[1].aval.shape[0] == splits
@@ -269,3 +312,23 @@ def test_decoding_step_computes_little_around_the_kernel(monkeypatch, batch, kv_
     assert reductions == ["reduce_and"]
     after = eqns[eqns.index(kernel) + 1:]
     assert not [e for e in after if e.primitive.name.startswith("reduce")]
+
+    entry = _entry_ops(jax.jit(step).lower(*args).compile().as_text())
+    ops = list(entry)
+    (call,) = [op for op in ops if entry[op][0] == "custom-call"]
+    q, k, v, walk, table, key_lens = (_source(entry, op) for op in entry[call][1])
+    assert [entry[x][0] for x in (q, k, v)] == ["parameter"] * 3  # views, no copy
+    before = [op for op in ops[:ops.index(call)] if _work(entry, op)]
+    walk_inputs = {_source(entry, op) for op in entry[walk][1]}
+    page_check = [op for op in before if op not in (walk, key_lens, table)]
+    # The page check: a reduction (one or several reduce-windows and a reduce on CPU)
+    # of one fusion of the table, feeding the walks alone.
+    assert {entry[op][0] for op in page_check} == {"fusion"}
+    assert [op for op in page_check if op in walk_inputs] == [page_check[-1]]
+    assert "reduce" in entry[page_check[-1]][2]
+    assert {walk, key_lens} <= set(before)
+    assert (table in before) == (pages % 128 != 0)  # else a view
+    after = [op for op in ops[ops.index(call) + 1:] if _work(entry, op)]
+    # The combine: the total lse, the shares' weights, their weighted sum in the output
+    # layout (and with jax 0.10's XLA the shares' outputs converted to float32 apart).
+    assert len(after) <= (0 if splits == 1 else 4)
