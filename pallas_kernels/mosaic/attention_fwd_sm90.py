@@ -304,8 +304,10 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
         common.load_captured(s, captured_ref, captured_smem, captured_barrier)
         pages = None
         if s.page_size is not None:
-            # The sequence's page table row, read by this warpgroup alone.
-            plgpu.copy_gmem_to_smem(table_ref.at[batch], table_smem, table_barrier)
+            # The sequence's page table row, read by this warpgroup alone (a row shorter
+            # than a line fills the line's start: the ids past it are never used unclamped).
+            plgpu.copy_gmem_to_smem(table_ref.at[batch],
+                                    table_smem.at[:, :table_ref.shape[2]], table_barrier)
             plgpu.barrier_wait(table_barrier)
             pages = (table_smem, s.page_size)
 
@@ -781,7 +783,10 @@ def _paged_operands(k_pages: Array, v_pages: Array, page_table: Array, num_kv_bl
     table as the producer reads it: one id per page of every kv-block the mask may walk
     (past the table's pages: page 0, whose keys the mask hides), in lines of
     `common.WALK_LINE` (``[B, R, WALK_LINE]``). The producer clamps the ids into the
-    cache, so a table of whole lines is passed as it is (a view, no XLA kernel)."""
+    cache, so a table of whole lines is passed as it is (a view, no XLA kernel), and so
+    is one shorter than a line (``[B, 1, pages]``, a TMA box of 16-byte multiples: the
+    rest of the producer's line holds ids of pages past the table, hidden by the mask
+    and clamped into the cache)."""
     num_pages, page_size = k_pages.shape[:2]
     if page_size < 8 or page_size & (page_size - 1) or (
             block_kv % page_size and page_size % block_kv):
@@ -792,6 +797,10 @@ def _paged_operands(k_pages: Array, v_pages: Array, page_table: Array, num_kv_bl
         raise ValueError(f"paged head dims must be the kernel's own {SUPPORTED_HEAD_DIMS} "
                          f"(the cache is not padded), got {dims}")
     flat = lambda x: x.reshape(1, num_pages * page_size, *x.shape[2:])
+    batch, pages_per_seq = page_table.shape
+    if pages_per_seq <= common.WALK_LINE and pages_per_seq % 4 == 0:
+        table = page_table.astype(jnp.int32).reshape(batch, 1, pages_per_seq)
+        return flat(k_pages), flat(v_pages), table
     needed = -(-num_kv_blocks * block_kv // page_size)
     lines = table_lines(needed)
     table = jnp.pad(page_table.astype(jnp.int32),
