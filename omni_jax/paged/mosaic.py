@@ -9,15 +9,18 @@ outside the cache. The walks are built per call in closed form (`_kernel_mask`: 
 elementwise ops, no BlockMask construction, which costs a dozen small kernels around a
 decoding step): each q-block walks the kv-blocks its queries may see, the FULL ones
 (the kernel's mask-free loop) first, and split-KV comes with the forward. Grouped query
-heads are packed into rows (`omni_jax.query_groups`) when the group divides the
-kernel's 128-row q tile, else each head is its own CTA row.
+heads are packed into rows (`omni_jax.query_groups`), heads first (the forward's
+``heads_first``), when the group divides the kernel's 128-row q tile, else each head is
+its own CTA row.
 
 Each XLA kernel around a decoding step's 0.1 ms costs 2-4 us and a launch gap, so the
-call builds few arrays: the packed queries, the walks (after one reduction: whether a
-sequence uses a page id outside the cache) and the one mask leaf; K, V and a page
-table of whole 128-id lines reach the kernel as views (its producer clamps
-the ids), and the output is unpacked (with split-KV, combined) elementwise. A test
-pins this (`test_decoding_step_computes_little_around_the_kernel`).
+call builds two arrays: the walks, in one fusion (after one reduction: whether a
+sequence uses a page id outside the cache), and the one mask leaf. K, V, the page
+table (whole 128-id lines, or one shorter row) and, for one query per sequence, the
+packed queries reach the kernel as views (its producer clamps the ids; a TMA box clips
+query rows fewer than 8), and the output comes back as a view too (with split-KV,
+combined elementwise). A test pins this
+(`test_decoding_step_computes_little_around_the_kernel`).
 """
 
 from __future__ import annotations
