@@ -38,9 +38,9 @@ from omni_jax.backends.mosaic import interpret_params
 from omni_jax.masks import BlockGrid, MaskMod
 from omni_jax.masks.mask_mods import RepeatedQueries
 from pallas_kernels import kv_splits, runtime
-from pallas_kernels.block_sparse import KernelMask, MaskLayout, walk_offsets
+from pallas_kernels.block_sparse import KernelMask, MaskLayout
 from pallas_kernels.mosaic import attention_fwd_sm90 as fwd
-from pallas_kernels.mosaic.attention_sm90_common import SMEM_LIMIT, WALK_LINE, walk_row_lines
+from pallas_kernels.mosaic.attention_sm90_common import SMEM_LIMIT
 from pallas_kernels.paged import PagedScores
 from pallas_kernels.tile_classes import COMPUTED, FULL
 
@@ -156,22 +156,13 @@ def _kernel_mask(kv_lens: Array, page_table: Array, num_pages: int, scores: Page
     full_begin = jnp.clip(-(-shared_lo // block_kv), begin, end)
     full_end = jnp.where(all_real, jnp.clip(shared_hi // block_kv, full_begin, end),
                          full_begin)
-    # The walk rows as the kernel reads them (`walk_offsets`: counts, indices, flags,
-    # partial ids, zero-padded to whole lines), one elementwise expression over the row's
-    # entries: the KernelMask fields below are slices of it, which the forward's packing
-    # (a concatenation) puts back together, so that XLA builds the rows in one fusion.
-    index_at, flags_at, partial_at = walk_offsets(num_kv_blocks)
-    entry = jnp.arange(walk_row_lines(num_kv_blocks) * WALK_LINE)
+    step = jnp.arange(num_kv_blocks)
     num_full, before = (full_end - full_begin)[..., None], (full_begin - begin)[..., None]
-    step = jnp.where(entry < flags_at, entry - index_at, entry - flags_at)
-    index = jnp.where(step < num_full, full_begin[..., None] + step,
-                      jnp.where(step < num_full + before, begin[..., None] + step - num_full,
-                                full_end[..., None] + step - num_full - before))
-    flag = jnp.where(step < num_full, FULL, COMPUTED)
-    walk = jnp.where(entry < index_at, jnp.where(entry == 0, (end - begin)[..., None], num_full),
-                     jnp.where(entry < flags_at, jnp.minimum(index, num_kv_blocks - 1),
-                               jnp.where(entry < partial_at, flag, 0)))
-    walk = walk[:, None].astype(jnp.int32)  # [B, 1, ...]: one mask for all heads
+    indices = jnp.where(step < num_full, full_begin[..., None] + step,
+                        jnp.where(step < num_full + before, begin[..., None] + step - num_full,
+                                  full_end[..., None] + step - num_full - before))
+    flags = jnp.where(step < num_full, FULL, COMPUTED)
+    head = lambda x: x[:, None].astype(jnp.int32)  # [B, 1, ...]: one mask for all heads
     page_lens = jnp.where(real_pages, kv_lens[:, None], -1)
     key_lens = jnp.repeat(page_lens, page_size, axis=1)
     key_lens = jnp.pad(key_lens, ((0, 0), (0, num_kv_blocks * block_kv - kv_len)),
@@ -182,10 +173,10 @@ def _kernel_mask(kv_lens: Array, page_table: Array, num_pages: int, scores: Page
     leaves, treedef = jax.tree.flatten(mask_mod)
     # The forward walks kv-blocks only: the q walk (the backward's) stays empty.
     no_q_walk = np.zeros((1, 1, num_kv_blocks), np.int32)
+    indices = head(jnp.minimum(indices, num_kv_blocks - 1))
     kmask = KernelMask(
-        kv_num_blocks=walk[..., 0], kv_num_full=walk[..., 1],
-        kv_indices=walk[..., index_at:flags_at], kv_tile_flags=walk[..., flags_at:partial_at],
-        kv_partial_ids=walk[..., partial_at:partial_at + num_kv_blocks],
+        kv_num_blocks=head(end - begin), kv_num_full=head(num_full[..., 0]),
+        kv_indices=indices, kv_tile_flags=head(flags), kv_partial_ids=jnp.zeros_like(indices),
         q_num_blocks=no_q_walk, q_num_full=no_q_walk,
         q_indices=np.zeros((1, 1, num_kv_blocks, num_q_blocks), np.int32),
         q_tile_flags=np.zeros((1, 1, num_kv_blocks, num_q_blocks), np.int32),
