@@ -14,8 +14,8 @@ heads are packed into rows (`omni_jax.query_groups`), heads first (the forward's
 its own CTA row.
 
 Each XLA kernel around a decoding step's 0.1 ms costs 2-4 us and a launch gap, so the
-call builds two arrays: the walks, in one fusion (after one reduction: whether a
-sequence uses a page id outside the cache), and the one mask leaf. K, V, the page
+call builds two arrays: the walks (after one reduction: whether a sequence uses a page
+id outside the cache) and the one mask leaf. K, V, the page
 table (whole 128-id lines, or one shorter row) and, for one query per sequence, the
 packed queries reach the kernel as views (its producer clamps the ids; a TMA box clips
 query rows fewer than 8), and the output comes back as a view too (with split-KV,
