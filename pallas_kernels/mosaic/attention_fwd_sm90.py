@@ -5,8 +5,9 @@ q-blocks of one (batch, q head) in turn, with three warpgroups:
 
 * warpgroup 2 (producer, few registers) walks the q-block's active kv-blocks
   from the shared mask walker (`pallas_kernels.block_sparse`) and TMA-loads K
-  and V (plus, when the mask needs them, the kv-block's mask leaves and its
-  stored PARTIAL tile) into a ring of ``num_stages`` shared-memory slots. A
+  and V (plus, when the mask needs them, the kv-block's mask leaves, which a paged
+  call's producer computes instead, and its stored PARTIAL tile) into a ring of
+  ``num_stages`` shared-memory slots. A
   slot's K (V) is refilled only after both consumers arrived on its K (V)
   "consumed" barrier. MASKED tiles are never loaded at all;
 * warpgroups 0 and 1 (consumers) each own 64 of the 128 rows: Q once by TMA
@@ -254,6 +255,8 @@ class _Statics(common.LeafCounts):
     table_lines: int = 0
     # Q and O as [B, H, Sq, D] (`attention_forward`'s heads_first), else [B, Sq, H, D].
     heads_first: bool = False
+    # The kv leaf computed by the producer (`attention_forward`'s kv_lens).
+    kv_leaves_computed: bool = False
 
 
 def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
@@ -287,7 +290,7 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
 
     wg = lax.axis_index("wg")
     offsets = walk_offsets(s.layout.num_kv_blocks)
-    index_offset, flags_offset, _ = offsets
+    index_offset, flags_offset, partial_offset = offsets
 
     def head_rows(ref, q_start):
         """This CTA's ``ROWS_PER_CONSUMER`` rows of Q or O from ``q_start`` in ``ref``."""
@@ -323,6 +326,9 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
                 ((q_leaf_ref, q_leaf_smem.at[buffer], q_leaf_barriers.at[buffer])
                  if s.num_q_leaves else None),
                 batch=batch, head=head, q_block=q_block_of(i), block_q=cfg.block_q)
+            # A paged walk's partial ids are its sequence's length (`attention_forward`).
+            length = (common.walk_entry(walk_smem.at[buffer], partial_offset)
+                      if s.kv_leaves_computed else None)
             begin, count, _ = split_of(walk_count, walk_count)
             common.produce_kv_blocks(
                 walk_smem.at[buffer], count, stages=stages, block_kv=block_kv, batch=batch,
@@ -333,7 +339,7 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
                 kv_leaves=((kv_leaf_ref, kv_leaf_smem, kv_leaf_barriers)
                            if s.num_kv_leaves else None),
                 partial=(partial_ref, mask_smem, mask_barriers) if s.has_partial else None,
-                first_step=first_step, pages=pages)
+                first_step=first_step, pages=pages, key_lens=length)
             return first_step + count
 
         ring_steps = lax.fori_loop(0, num_q_blocks, q_block_loads, jnp.int32(0))
@@ -693,7 +699,8 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
                       score_mod: ConvertedScoreMod | None, has_partial: bool,
                       config: ForwardConfig, captured: Sequence[Array] = (),
                       interpret_params: Any = None, page_table: Array | None = None,
-                      heads_first: bool = False) -> tuple[Array, Array]:
+                      heads_first: bool = False,
+                      kv_lens: Array | None = None) -> tuple[Array, Array]:
     """``(out [B, Sq, Hq, Dv], lse [B, Hq, Sq] float32)``; sinks are the caller's. With
     ``heads_first``, q is ``[B, Hq, Sq, D]`` and out ``[B, Hq, Sq, Dv]``: the layout in
     which a decoding step's packed query rows (`omni_jax.query_groups`) are a view of
@@ -710,7 +717,10 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
     ``i % page_size`` of page ``page_table[b, i // page_size]``, ids outside the cache
     clamped into it by the kernel (the mask must hide their keys). ``page_size`` is a power of two
     of at least 8 that divides ``config.block_kv`` or that it divides, and the head dims
-    must be the kernel's own (`padded_head_dims`): the cache is never copied.
+    must be the kernel's own (`padded_head_dims`): the cache is never copied. With
+    ``kv_lens`` (int32 ``[B]``, paged only) the mask's one leaf, a kv leaf, is each key's
+    sequence length, or -1 on pages outside the cache: the producer computes it from the
+    page table (no array in memory); the walks carry the lengths as their partial ids.
     """
     batch, q_len, num_q_heads, head_dim = q.shape
     if heads_first:
@@ -721,6 +731,11 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
         page_size = k.shape[1]
         k, v, page_table = _paged_operands(k, v, page_table, layout.num_kv_blocks,
                                            config.block_kv)
+    if kv_lens is not None and (page_table is None or layout.leaf_kinds != ("kv",)
+                                or has_partial):
+        raise ValueError(f"kv_lens needs page_table, a mask of one kv leaf and no PARTIAL "
+                         f"tile; got page_table={page_table is not None}, leaf kinds "
+                         f"{layout.leaf_kinds}, has_partial={has_partial}")
     if (layout.block_q, layout.block_kv) != (config.block_q, config.block_kv):
         raise ValueError(f"mask tiles {(layout.block_q, layout.block_kv)} differ from the "
                          f"kernel's {(config.block_q, config.block_kv)}")
@@ -732,6 +747,9 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
          else common.pad_sequence(q))
     k, v = common.pad_sequence(k), common.pad_sequence(v)
     with trace_time_eval(layout, kmask):  # constants when the mask is concrete
+        if kv_lens is not None:
+            kmask = dataclasses.replace(kmask, kv_partial_ids=jnp.broadcast_to(
+                kv_lens.astype(jnp.int32)[:, None, None, None], kmask.kv_indices.shape))
         walk = common.packed_walk(kmask, "kv")
         q_leaves, kv_leaves, leaf_slots = common.stacked_leaves(kmask, layout, batch)
         partial_tiles = kmask.partial_masks.astype(jnp.int8)
@@ -748,13 +766,16 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
             walk_blocks=layout.num_kv_blocks),
         leaf_slots=leaf_slots,
         interpret=interpret, page_size=page_size,
-        table_lines=0 if page_table is None else page_table.shape[1], heads_first=heads_first)
+        table_lines=0 if page_table is None else page_table.shape[1], heads_first=heads_first,
+        kv_leaves_computed=kv_lens is not None)
 
     operands = [q, k, v, walk]
     if page_table is not None:
         operands.append(page_table)
     if has_partial:
         operands.append(partial_tiles)
+    if kv_lens is not None:
+        kv_leaves = None
     operands += [x for x in (q_leaves, kv_leaves, packed_captured) if x is not None]
     q_padded, splits = layout.padded_q_len, config.kv_splits
     q_rows = q.shape[2] if heads_first else q.shape[1]

@@ -294,11 +294,11 @@ def test_decoding_step_computes_little_around_the_kernel(monkeypatch, batch, kv_
     """Each XLA op around a decoding step's kernel can be a launch of its own (2-4 us on
     a 0.1 ms step). Pinned: the kernel reads q (packed heads first), K, V and the page
     table (whole lines, or one short row) as they come (the producer clamps page ids),
-    its mask is one kv leaf (no per-sequence leaf broadcast along the queries), the walks
-    need one reduction (the page check) and the kv-split combine none. Compiled by XLA
-    (on CPU here), the step computes before the kernel only the walks (the page check
-    included) and, in one fusion, the leaf; after it nothing without kv splits (the
-    output is a view of the kernel's), with them the combine."""
+    its mask's one leaf (the keys' sequence lengths) is computed by its producer (no
+    array), the walks need one reduction (the page check) and the kv-split combine none.
+    Compiled by XLA (on CPU here), the step computes before the kernel only the walks
+    (the page check included); after it nothing without kv splits (the output is a view
+    of the kernel's), with them the combine."""
     monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
     monkeypatch.setattr(runtime, "num_sms", lambda: 132)
 
@@ -318,7 +318,7 @@ def test_decoding_step_computes_little_around_the_kernel(monkeypatch, batch, kv_
     eqns = _eqns(jaxpr.jaxpr)
     (kernel,) = [e for e in eqns if e.primitive.name == "pure_callback"]
     assert kernel.outvars[1].aval.shape[0] == splits
-    q, k, v, walk, table, key_lens = kernel.invars  # no other operand
+    q, k, v, walk, table = kernel.invars  # no other operand
     assert set(_producers(eqns, k)) | set(_producers(eqns, v)) <= {"reshape"}
     assert set(_producers(eqns, table)) <= {"reshape", "convert_element_type"}
     before = eqns[:eqns.index(kernel)]
@@ -330,13 +330,12 @@ def test_decoding_step_computes_little_around_the_kernel(monkeypatch, batch, kv_
     entry = _entry_ops(jax.jit(step).lower(*args).compile().as_text())
     ops = list(entry)
     (call,) = [op for op in ops if entry[op][0] == "custom-call"]
-    q, k, v, walk, table, key_lens = (_source(entry, op) for op in entry[call][1])
+    q, k, v, walk, table = (_source(entry, op) for op in entry[call][1])
     assert [entry[x][0] for x in (q, k, v, table)] == ["parameter"] * 4  # views, no copy
     before = {op for op in ops[:ops.index(call)] if _work(entry, op)}
-    # Besides the leaf (one fusion of the inputs) only the walks: the page check and
-    # their pieces, which XLA on the GPU fuses with their concatenate (on CPU apart).
-    assert _upstream(entry, key_lens) == {key_lens}
-    assert before == _upstream(entry, walk) | {key_lens}
+    # Only the walks: the page check and their pieces, which XLA on the GPU fuses with
+    # their concatenate (on CPU apart).
+    assert before == _upstream(entry, walk)
     after = [op for op in ops[ops.index(call) + 1:] if _work(entry, op)]
     # The combine: the total lse, the shares' weights, their weighted sum in the output
     # layout (and with jax 0.10's XLA the shares' outputs converted to float32 apart).
