@@ -52,12 +52,27 @@ def pack_queries(query: Array, group: int) -> Array:
     return grouped.reshape(batch, q_len * group, heads // group, dim)
 
 
-def unpack(out: Array, lse: Array, group: int) -> tuple[Array, Array]:
-    """The packed call's ``out [B, Sq * G, Hkv, Dv]`` and ``lse [B, Hkv, Sq * G]`` in the
-    caller's layout: ``[B, Sq, Hkv * G, Dv]`` and ``[B, Hkv * G, Sq]``."""
-    batch, rows, kv_heads, dim_v = out.shape
-    q_len = rows // group
-    out = out.reshape(batch, q_len, group, kv_heads, dim_v).swapaxes(2, 3)
+def pack_queries_heads_first(query: Array, group: int) -> Array:
+    """``[B, Sq, Hkv * G, D]`` -> ``[B, Hkv, Sq * G, D]``: for one query (a decoding
+    step) a view, no copy."""
+    batch, q_len, heads, dim = query.shape
+    grouped = query.reshape(batch, q_len, heads // group, group, dim).swapaxes(1, 2)
+    return grouped.reshape(batch, heads // group, q_len * group, dim)
+
+
+def unpack(out: Array, lse: Array, group: int,
+           heads_first: bool = False) -> tuple[Array, Array]:
+    """The packed call's ``out [B, Sq * G, Hkv, Dv]`` (with ``heads_first``
+    ``[B, Hkv, Sq * G, Dv]``) and ``lse [B, Hkv, Sq * G]`` in the caller's layout:
+    ``[B, Sq, Hkv * G, Dv]`` and ``[B, Hkv * G, Sq]``."""
+    if heads_first:
+        batch, kv_heads, rows, dim_v = out.shape
+        q_len = rows // group
+        out = out.reshape(batch, kv_heads, q_len, group, dim_v).swapaxes(1, 2)
+    else:
+        batch, rows, kv_heads, dim_v = out.shape
+        q_len = rows // group
+        out = out.reshape(batch, q_len, group, kv_heads, dim_v).swapaxes(2, 3)
     lse = lse.reshape(batch, kv_heads, q_len, group).swapaxes(2, 3)
     return (out.reshape(batch, q_len, kv_heads * group, dim_v),
             lse.reshape(batch, kv_heads * group, q_len))

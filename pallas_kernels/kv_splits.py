@@ -43,10 +43,12 @@ def share(count: Array, num_full: Array, split: Array,
     return begin, length, jnp.clip(num_full - begin, 0, length)
 
 
-def combine(out: Array, lse: Array, dtype: Any) -> tuple[Array, Array]:
+def combine(out: Array, lse: Array, dtype: Any,
+            heads_first: bool = False) -> tuple[Array, Array]:
     """The result of the shares' ``out [S, B, Sq, H, Dv]`` (each normalised over its own
-    keys) and ``lse [S, B, H, Sq]``, as ``dtype``. A row no share saw keeps lse -inf and
-    output 0. Sinks join afterwards (`omni_jax.backends.base.fold_sinks`).
+    keys; with ``heads_first`` ``[S, B, H, Sq, Dv]``) and ``lse [S, B, H, Sq]``, as
+    ``dtype``. A row no share saw keeps lse -inf and output 0. Sinks join afterwards
+    (`omni_jax.backends.base.fold_sinks`).
 
     Written elementwise over the static shares (no reduction over S): XLA fuses the
     output's weighted sum with the caller's slicing, relayout and dtype cast (separate
@@ -58,6 +60,8 @@ def combine(out: Array, lse: Array, dtype: Any) -> tuple[Array, Array]:
     peak = jnp.where(peak == -jnp.inf, 0.0, peak)
     total = peak + jnp.log(sum(jnp.exp(lse[s] - peak) for s in shares))
     weights = jnp.exp(lse - jnp.where(total == -jnp.inf, 0.0, total))
-    weights = jnp.swapaxes(weights, 2, 3)[..., None]  # [S, B, Sq, H, 1]
+    if not heads_first:
+        weights = jnp.swapaxes(weights, 2, 3)
+    weights = weights[..., None]
     combined = sum(weights[s] * out[s].astype(jnp.float32) for s in shares)
     return combined.astype(dtype), total

@@ -9,15 +9,18 @@ outside the cache. The walks are built per call in closed form (`_kernel_mask`: 
 elementwise ops, no BlockMask construction, which costs a dozen small kernels around a
 decoding step): each q-block walks the kv-blocks its queries may see, the FULL ones
 (the kernel's mask-free loop) first, and split-KV comes with the forward. Grouped query
-heads are packed into rows (`omni_jax.query_groups`) when the group divides the
-kernel's 128-row q tile, else each head is its own CTA row.
+heads are packed into rows (`omni_jax.query_groups`), heads first (the forward's
+``heads_first``), when the group divides the kernel's 128-row q tile, else each head is
+its own CTA row.
 
 Each XLA kernel around a decoding step's 0.1 ms costs 2-4 us and a launch gap, so the
-call builds few arrays: the packed queries, the walks (after one reduction: whether a
-sequence uses a page id outside the cache) and the one mask leaf; K, V and a page
-table of whole 128-id lines reach the kernel as views (its producer clamps
-the ids), and the output is unpacked (with split-KV, combined) elementwise. A test
-pins this (`test_decoding_step_computes_little_around_the_kernel`).
+call builds one array: the walks (after one reduction: whether a sequence uses a page
+id outside the cache); the kernel's producer computes the mask's one leaf (each key's
+sequence length) from the page table. K, V, the page table (whole 128-id lines, or one
+shorter row) and, for one query per sequence, the packed queries reach the kernel as
+views (its producer clamps the ids; a TMA box clips query rows fewer than 8), and the
+output comes back as a view too (with split-KV, combined elementwise). A test pins
+this (`test_decoding_step_computes_little_around_the_kernel`).
 """
 
 from __future__ import annotations
@@ -55,9 +58,10 @@ class PagedKeys(MaskMod):
     the key's page is one of the cache, -1 (no key visible) when it is not (its K/V rows
     are then never read by the kernel either).
 
-    One kv leaf carries both the length and the page check: the kernel's only mask
-    operand, built by one fusion per call (a leaf per sequence would cost a broadcast
-    kernel of its own)."""
+    One kv leaf carries both the length and the page check. A paged call builds no
+    array for it: the forward's producer computes its values per tile from the page
+    table and ``kv_lens`` (`attention_forward`'s kv_lens), and the call passes a
+    stand-in (`_kernel_mask`)."""
 
     def __init__(self, key_lens: Array, scores: PagedScores):
         self.key_lens = key_lens
@@ -160,11 +164,8 @@ def _kernel_mask(kv_lens: Array, page_table: Array, num_pages: int, scores: Page
                                   full_end[..., None] + step - num_full - before))
     flags = jnp.where(step < num_full, FULL, COMPUTED)
     head = lambda x: x[:, None].astype(jnp.int32)  # [B, 1, ...]: one mask for all heads
-    page_lens = jnp.where(real_pages, kv_lens[:, None], -1)
-    key_lens = jnp.repeat(page_lens, page_size, axis=1)
-    key_lens = jnp.pad(key_lens, ((0, 0), (0, num_kv_blocks * block_kv - kv_len)),
-                       constant_values=-1)  # past the table
-    mask_mod = PagedKeys(key_lens, scores)
+    # The kernel computes the leaf's values itself (the forward's kv_lens): a stand-in.
+    mask_mod = PagedKeys(np.zeros((1, num_kv_blocks * block_kv), np.int32), scores)
     if group > 1:
         mask_mod = RepeatedQueries.of(mask_mod, group)
     leaves, treedef = jax.tree.flatten(mask_mod)
@@ -228,10 +229,14 @@ def paged_attention_mosaic(q: Array, k_pages: Array, v_pages: Array, page_table:
     config = _config(call, programs, pages_per_seq * page_size, overrides)
     kmask, layout = _kernel_mask(kv_lens, page_table, num_pages, scores, group=group,
                                  rows=rows, page_size=page_size, block_kv=config.block_kv)
-    if group > 1:
-        q = query_groups.pack_queries(q, group)
+    # Packed rows go heads first: for a decoding step a view of q, and the output one of
+    # the kernel's (no transposing kernel on either side).
+    packed = group > 1
+    if packed:
+        q = query_groups.pack_queries_heads_first(q, group)
     out, lse = fwd.attention_forward(
         q, k_pages, v_pages, kmask, layout, scale=scores.scale, softcap=scores.softcap,
         score_mod=None, has_partial=False, config=config,
-        interpret_params=interpret_params(), page_table=page_table)
-    return query_groups.unpack(out, lse, group) if group > 1 else (out, lse)
+        interpret_params=interpret_params(), page_table=page_table, heads_first=packed,
+        kv_lens=kv_lens)
+    return query_groups.unpack(out, lse, group, heads_first=True) if packed else (out, lse)

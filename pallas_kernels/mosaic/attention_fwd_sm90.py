@@ -7,13 +7,13 @@ head dim 64, FA3's 192-row tile) one and a half q-blocks. Its warpgroups:
 
 * the last warpgroup (producer, few registers) walks the row block's active kv-blocks
   from the shared mask walker (`pallas_kernels.block_sparse`) and TMA-loads K
-  and V (plus, when the mask needs them, the kv-block's mask leaves and its
-  stored PARTIAL tile) into a ring of ``num_stages`` shared-memory slots. A
-  slot's K (V) is refilled only after every consumer arrived on its K (V)
-  "consumed" barrier. MASKED tiles are never loaded at all. A 192-row block spans
-  two q-blocks: it is served only where every q-block walks the same FULL kv-blocks
-  (`uniform_full_walks`: a mask known at trace time, with no mask data), and takes the
-  walk of the q-block holding its first row;
+  and V (plus, when the mask needs them, the kv-block's mask leaves, which a paged
+  call's producer computes instead, and its stored PARTIAL tile) into a ring of
+  ``num_stages`` shared-memory slots. A slot's K (V) is refilled only after every
+  consumer arrived on its K (V) "consumed" barrier. MASKED tiles are never loaded at
+  all. A 192-row block spans two q-blocks: it is served only where every q-block walks
+  the same FULL kv-blocks (`uniform_full_walks`: a mask known at trace time, with no
+  mask data), and takes the walk of the q-block holding its first row;
 * warpgroups 0 .. num_consumers - 1 (consumers) each own 64 of the rows: Q once by TMA
   (at head dim 64 then held in registers, ``ForwardConfig.q_in_registers``),
   then per kv-block ``S = Q K^T`` by wgmma, the tile's mask (none for FULL
@@ -311,6 +311,10 @@ class _Statics(common.LeafCounts):
     # table row's lines of `common.WALK_LINE` ids; None and 0 for contiguous K/V.
     page_size: int | None = None
     table_lines: int = 0
+    # Q and O as [B, H, Sq, D] (`attention_forward`'s heads_first), else [B, Sq, H, D].
+    heads_first: bool = False
+    # The kv leaf computed by the producer (`attention_forward`'s kv_lens).
+    kv_leaves_computed: bool = False
 
 
 def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
@@ -352,7 +356,12 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
 
     wg = lax.axis_index("wg")
     offsets = walk_offsets(s.layout.num_kv_blocks)
-    index_offset, flags_offset, _ = offsets
+    index_offset, flags_offset, partial_offset = offsets
+
+    def head_rows(ref, q_start):
+        """This CTA's ``ROWS_PER_CONSUMER`` rows of Q or O from ``q_start`` in ``ref``."""
+        sequence = pl.ds(q_start, rows)
+        return ref.at[batch, head, sequence] if s.heads_first else ref.at[batch, sequence, head]
 
     def split_of(walk_count, walk_num_full):
         """(first walk position, steps, FULL steps) of this CTA's share of a walk."""
@@ -366,8 +375,10 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
         common.load_captured(s, captured_ref, captured_smem, captured_barrier)
         pages = None
         if s.page_size is not None:
-            # The sequence's page table row, read by this warpgroup alone.
-            plgpu.copy_gmem_to_smem(table_ref.at[batch], table_smem, table_barrier)
+            # The sequence's page table row, read by this warpgroup alone (a row shorter
+            # than a line fills the line's start: the ids past it are never used unclamped).
+            plgpu.copy_gmem_to_smem(table_ref.at[batch],
+                                    table_smem.at[:, :table_ref.shape[2]], table_barrier)
             plgpu.barrier_wait(table_barrier)
             pages = (table_smem, s.page_size)
 
@@ -384,6 +395,9 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
                  if s.num_q_leaves else None),
                 batch=batch, head=head, q_block=walk_q_block(row_block_of(i)),
                 block_q=cfg.block_q)
+            # A paged walk's partial ids are its sequence's length (`attention_forward`).
+            length = (common.walk_entry(walk_smem.at[buffer], partial_offset)
+                      if s.kv_leaves_computed else None)
             begin, count, _ = split_of(walk_count, walk_count)
             common.produce_kv_blocks(
                 walk_smem.at[buffer], count, stages=stages, block_kv=block_kv, batch=batch,
@@ -394,7 +408,7 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
                 kv_leaves=((kv_leaf_ref, kv_leaf_smem, kv_leaf_barriers)
                            if s.num_kv_leaves else None),
                 partial=(partial_ref, mask_smem, mask_barriers) if s.has_partial else None,
-                first_step=first_step, pages=pages)
+                first_step=first_step, pages=pages, key_lens=length)
             return first_step + count
 
         ring_steps = lax.fori_loop(0, blocks_here, q_block_loads, jnp.int32(0))
@@ -424,7 +438,7 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
 
         def load_q(i):
             q_start = row_block_of(i) * cta_rows + wg * rows
-            plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, rows), head], *q_buffer(i))
+            plgpu.copy_gmem_to_smem(head_rows(q_ref, q_start), *q_buffer(i))
 
         def load_next_q(i):
             @pl.when(i + 1 < blocks_here)
@@ -513,8 +527,7 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
             o_smem[...] = out.astype(s.dtype)
             lse_smem.at[wg][...] = lse
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem,
-                                    out_ref.at[split, batch, pl.ds(q_start, rows), head])
+            plgpu.copy_smem_to_gmem(o_smem, head_rows(out_ref.at[split], q_start))
             plgpu.copy_smem_to_gmem(lse_smem.at[wg],
                                     lse_ref.at[split, batch, head, pl.ds(q_start, rows)])
             # The stores have read O and lse: their buffers (and this q-block's walk and
@@ -780,9 +793,14 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
                       scale: float, softcap: float | None,
                       score_mod: ConvertedScoreMod | None, has_partial: bool,
                       config: ForwardConfig, captured: Sequence[Array] = (),
-                      interpret_params: Any = None,
-                      page_table: Array | None = None) -> tuple[Array, Array]:
-    """``(out [B, Sq, Hq, Dv], lse [B, Hq, Sq] float32)``; sinks are the caller's.
+                      interpret_params: Any = None, page_table: Array | None = None,
+                      heads_first: bool = False,
+                      kv_lens: Array | None = None) -> tuple[Array, Array]:
+    """``(out [B, Sq, Hq, Dv], lse [B, Hq, Sq] float32)``; sinks are the caller's. With
+    ``heads_first``, q is ``[B, Hq, Sq, D]`` and out ``[B, Hq, Sq, Dv]``: the layout in
+    which a decoding step's packed query rows (`omni_jax.query_groups`) are a view of
+    its queries. Fewer than 8 rows are then read and written as they are (a TMA box
+    clips them), not padded.
 
     ``layout`` must tile by ``(config.block_q, config.block_kv)``; ``captured``
     are ``score_mod``'s captured arrays, which it may read only by element
@@ -794,15 +812,25 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
     ``i % page_size`` of page ``page_table[b, i // page_size]``, ids outside the cache
     clamped into it by the kernel (the mask must hide their keys). ``page_size`` is a power of two
     of at least 8 that divides ``config.block_kv`` or that it divides, and the head dims
-    must be the kernel's own (`padded_head_dims`): the cache is never copied.
+    must be the kernel's own (`padded_head_dims`): the cache is never copied. With
+    ``kv_lens`` (int32 ``[B]``, paged only) the mask's one leaf, a kv leaf, is each key's
+    sequence length, or -1 on pages outside the cache: the producer computes it from the
+    page table (no array in memory); the walks carry the lengths as their partial ids.
     """
     batch, q_len, num_q_heads, head_dim = q.shape
+    if heads_first:
+        q_len, num_q_heads = num_q_heads, q_len
     num_kv_heads, head_dim_v = v.shape[2], v.shape[3]
     page_size = None
     if page_table is not None:
         page_size = k.shape[1]
         k, v, page_table = _paged_operands(k, v, page_table, layout.num_kv_blocks,
                                            config.block_kv)
+    if kv_lens is not None and (page_table is None or layout.leaf_kinds != ("kv",)
+                                or has_partial):
+        raise ValueError(f"kv_lens needs page_table, a mask of one kv leaf and no PARTIAL "
+                         f"tile; got page_table={page_table is not None}, leaf kinds "
+                         f"{layout.leaf_kinds}, has_partial={has_partial}")
     if (layout.block_q, layout.block_kv) != (config.block_q, config.block_kv):
         raise ValueError(f"mask tiles {(layout.block_q, layout.block_kv)} differ from the "
                          f"kernel's {(config.block_q, config.block_kv)}")
@@ -810,10 +838,15 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
     q, k, v = common.pad_last(q, dim), common.pad_last(k, dim), common.pad_last(v, dim_v)
     # TMA boxes into 8-row-tiled smem need sequence lengths that are multiples of 8;
     # padded keys lie past kv_len, in the ragged (COMPUTED, hence masked) last block.
-    q, k, v = common.pad_sequence(q), common.pad_sequence(k), common.pad_sequence(v)
+    q = (common.pad_sequence(q, axis=2, keep_short=True) if heads_first
+         else common.pad_sequence(q))
+    k, v = common.pad_sequence(k), common.pad_sequence(v)
     if config.num_consumers != 2:
         _check_spanning_ctas(config, kmask, layout, has_partial, (dim, dim_v), page_table)
     with trace_time_eval(layout, kmask):  # constants when the mask is concrete
+        if kv_lens is not None:
+            kmask = dataclasses.replace(kmask, kv_partial_ids=jnp.broadcast_to(
+                kv_lens.astype(jnp.int32)[:, None, None, None], kmask.kv_indices.shape))
         walk = common.packed_walk(kmask, "kv")
         q_leaves, kv_leaves, leaf_slots = common.stacked_leaves(kmask, layout, batch)
         partial_tiles = kmask.partial_masks.astype(jnp.int8)
@@ -833,16 +866,21 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
         num_row_blocks=(layout.num_q_blocks if config.cta_rows == BLOCK_Q
                         else -(-q_len // config.cta_rows)),
         page_size=page_size,
-        table_lines=0 if page_table is None else page_table.shape[1])
+        table_lines=0 if page_table is None else page_table.shape[1], heads_first=heads_first,
+        kv_leaves_computed=kv_lens is not None)
 
     operands = [q, k, v, walk]
     if page_table is not None:
         operands.append(page_table)
     if has_partial:
         operands.append(partial_tiles)
+    if kv_lens is not None:
+        kv_leaves = None
     operands += [x for x in (q_leaves, kv_leaves, packed_captured) if x is not None]
     q_padded, splits = statics.num_row_blocks * config.cta_rows, config.kv_splits
-    out_type = (jax.ShapeDtypeStruct((splits, batch, q.shape[1], num_q_heads, dim_v), q.dtype),
+    q_rows = q.shape[2] if heads_first else q.shape[1]
+    out_shape = (batch, num_q_heads, q_rows) if heads_first else (batch, q_rows, num_q_heads)
+    out_type = (jax.ShapeDtypeStruct((splits, *out_shape, dim_v), q.dtype),
                 jax.ShapeDtypeStruct((splits, batch, num_q_heads, q_padded), jnp.float32))
     out, lse = compat.mosaic_kernel(
         functools.partial(_kernel, statics), out_type,
@@ -856,8 +894,8 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret_params,
     )(*operands)
-    out, lse = kv_splits.combine(out[..., :q_len, :, :head_dim_v], lse[..., :q_len], q.dtype)
-    return out, lse
+    out = out[..., :q_len, :head_dim_v] if heads_first else out[..., :q_len, :, :head_dim_v]
+    return kv_splits.combine(out, lse[..., :q_len], q.dtype, heads_first=heads_first)
 
 
 def _check_spanning_ctas(config: ForwardConfig, kmask: KernelMask, layout: MaskLayout,
@@ -891,7 +929,10 @@ def _paged_operands(k_pages: Array, v_pages: Array, page_table: Array, num_kv_bl
     table as the producer reads it: one id per page of every kv-block the mask may walk
     (past the table's pages: page 0, whose keys the mask hides), in lines of
     `common.WALK_LINE` (``[B, R, WALK_LINE]``). The producer clamps the ids into the
-    cache, so a table of whole lines is passed as it is (a view, no XLA kernel)."""
+    cache, so a table of whole lines is passed as it is (a view, no XLA kernel), and so
+    is one shorter than a line (``[B, 1, pages]``, a TMA box of 16-byte multiples: the
+    rest of the producer's line holds ids of pages past the table, hidden by the mask
+    and clamped into the cache)."""
     num_pages, page_size = k_pages.shape[:2]
     if page_size < 8 or page_size & (page_size - 1) or (
             block_kv % page_size and page_size % block_kv):
@@ -902,6 +943,10 @@ def _paged_operands(k_pages: Array, v_pages: Array, page_table: Array, num_kv_bl
         raise ValueError(f"paged head dims must be the kernel's own {SUPPORTED_HEAD_DIMS} "
                          f"(the cache is not padded), got {dims}")
     flat = lambda x: x.reshape(1, num_pages * page_size, *x.shape[2:])
+    batch, pages_per_seq = page_table.shape
+    if pages_per_seq <= common.WALK_LINE and pages_per_seq % 4 == 0:
+        table = page_table.astype(jnp.int32).reshape(batch, 1, pages_per_seq)
+        return flat(k_pages), flat(v_pages), table
     needed = -(-num_kv_blocks * block_kv // page_size)
     lines = table_lines(needed)
     table = jnp.pad(page_table.astype(jnp.int32),

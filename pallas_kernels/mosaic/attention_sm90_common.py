@@ -103,6 +103,9 @@ class LeafCounts:
     (per mask_mod leaf: ("q" | "kv", row in its stacked leaf array))."""
 
     leaf_slots: tuple[tuple[str, int], ...]
+    # The kv leaf is computed by the producer (paged keys' sequence lengths,
+    # `produce_kv_blocks`' key_lens), not an operand.
+    kv_leaves_computed: bool = False
 
     @property
     def num_q_leaves(self) -> int:
@@ -118,13 +121,14 @@ def split_optional_refs(refs, statics) -> tuple[Any, Any, Any, Any, list]:
     kernel's trailing refs.
 
     The optional operands come first, in that order, each only when ``statics``
-    (``has_partial``, ``num_q_leaves``, ``num_kv_leaves``, ``scores.captured``) says
-    the kernel has it.
+    (``has_partial``, ``num_q_leaves``, ``num_kv_leaves`` and not
+    ``kv_leaves_computed``, ``scores.captured``) says the kernel has it.
     """
     refs = list(refs)
     partial_ref = refs.pop(0) if statics.has_partial else None
     q_leaf_ref = refs.pop(0) if statics.num_q_leaves else None
-    kv_leaf_ref = refs.pop(0) if statics.num_kv_leaves else None
+    kv_leaf_ref = (refs.pop(0) if statics.num_kv_leaves and not statics.kv_leaves_computed
+                   else None)
     captured_ref = refs.pop(0) if statics.scores.captured is not None else None
     return partial_ref, q_leaf_ref, kv_leaf_ref, captured_ref, refs
 
@@ -427,7 +431,7 @@ def page_copies(block_kv: int, page_size: int | None) -> int:
 def produce_kv_blocks(walk_smem, count, *, stages: int, block_kv: int, batch, kv_head,
                       offsets: tuple[int, int, int], k, v, consumed, interpret: bool,
                       kv_leaves=None, partial=None, first_step=0, v_first=False,
-                      pages=None) -> None:
+                      pages=None, key_lens=None) -> None:
     """The producer loop of one q-block: TMA-loads its active kv-blocks into the ring.
 
     ``k`` and ``v`` are (gmem ref, smem ring, "loaded" barriers); ``consumed``
@@ -445,7 +449,9 @@ def produce_kv_blocks(walk_smem, count, *, stages: int, block_kv: int, batch, kv
     the sequence is row ``i % page_size`` of page ``table[i // page_size]``, clamped
     here into the cache (no TMA leaves it, whatever the table holds; the mask hides the
     keys of ids outside it). A tile then takes `page_copies` TMAs, each of one page (or
-    of the part of one page the tile covers) into consecutive rows of the slot.
+    of the part of one page the tile covers) into consecutive rows of the slot. With
+    ``key_lens`` (the sequence's length) the one kv leaf is not loaded but computed here
+    (``kv_leaves``' ref None): per key the length, or -1 on a page outside the cache.
     """
     index_offset, flags_offset, partial_offset = offsets
     k_consumed, v_consumed = consumed
@@ -491,8 +497,13 @@ def produce_kv_blocks(walk_smem, count, *, stages: int, block_kv: int, batch, kv
         wait_slot(v_consumed)
         if kv_leaves is not None:
             leaf_ref, leaf_smem, leaf_barriers = kv_leaves
-            plgpu.copy_gmem_to_smem(leaf_ref.at[batch, :, rows_kv], leaf_smem.at[slot],
-                                    leaf_barriers.at[slot])
+            if leaf_ref is None:
+                _store_paged_key_lens(leaf_smem.at[slot, 0], kv_block, key_lens, pages,
+                                      num_pages=v[0].shape[1] // pages[1])
+                plgpu.barrier_arrive(leaf_barriers.at[slot])
+            else:
+                plgpu.copy_gmem_to_smem(leaf_ref.at[batch, :, rows_kv], leaf_smem.at[slot],
+                                        leaf_barriers.at[slot])
         if partial is not None:
             partial_ref, mask_smem, mask_barriers = partial
 
@@ -505,6 +516,26 @@ def produce_kv_blocks(walk_smem, count, *, stages: int, block_kv: int, batch, kv
         load_tile(*v)
         if v_first:
             load_k()
+
+
+def _store_paged_key_lens(leaf_smem, kv_block, length, pages, *, num_pages: int) -> None:
+    """Writes the paged key lengths of kv-block ``kv_block`` (`produce_kv_blocks`) into
+    ``leaf_smem`` (``[block_kv]``), visible to the consumers once they waited for the
+    producer's next arrival. Written in vectors of 64 keys (a consumer row's layout: one
+    register a thread, where the producer has few)."""
+    table, page_size = pages
+    block_kv = leaf_smem.shape[0]
+    span = min(page_size, block_kv)  # keys of the tile on one page
+    keys = plgpu.broadcasted_iota(jnp.int32, (ROWS_PER_CONSUMER,), 0,
+                                  layout=compat.wgmma_row_layout())
+    for start in range(0, block_kv, ROWS_PER_CONSUMER):
+        lens = keys * 0
+        for j in range(start // span, (start + ROWS_PER_CONSUMER - 1) // span + 1):
+            page = walk_entry(table, lax.div(kv_block * block_kv + j * span, page_size))
+            page_len = jnp.where((page >= 0) & (page < num_pages), length, -1)
+            lens = jnp.where((keys + start) // span == j, page_len, lens)
+        leaf_smem.at[pl.ds(start, ROWS_PER_CONSUMER)][...] = lens
+    plgpu.commit_smem()  # every thread's store lands before the arrival
 
 
 def load_q_step(statics, sources, rings, ready, *, slot, batch, head, q_start, rows: int,
@@ -554,14 +585,18 @@ def pad_last(x: Array, size: int) -> Array:
     return jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, size - x.shape[-1]),))
 
 
-def pad_sequence(x: Array) -> Array:
-    """Pads axis 1 to a multiple of 8 (no copy when it is one).
+def pad_sequence(x: Array, axis: int = 1, keep_short: bool = False) -> Array:
+    """Pads ``axis`` to a multiple of 8 (no copy when it is one, or with ``keep_short``
+    when it is shorter than 8).
 
     TMA boxes into 8-row-tiled smem need sequence lengths that are multiples
-    of 8; rows past the true length lie in the ragged (masked) last block.
+    of 8 or (Mosaic's tiled view then takes the dimension as one short tile) below 8;
+    rows past the true length lie in the ragged (masked) last block.
     """
-    extra = -x.shape[1] % 8
-    return x if not extra else jnp.pad(x, ((0, 0), (0, extra), (0, 0), (0, 0)))
+    extra = -x.shape[axis] % 8
+    if not extra or (keep_short and x.shape[axis] < 8):
+        return x
+    return jnp.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)])
 
 
 def swizzle_bytes(row_elements: int, dtype) -> int:

@@ -2,6 +2,8 @@
 forward with paged K/V, interpreted on any machine (a race found fails the test) and
 compiled on an sm90 GPU."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,6 +32,10 @@ CASES = {
                                       dict(local_window_size=(20, 0), softcap=2.0)),
     "not_causal_window_both_sides": (dict(kv_lens=[70, 100], q_len=4, page_size=64),
                                      dict(is_causal=False, local_window_size=(30, 5))),
+    # A table row of 12 ids, read as it is into the start of the producer's line (the
+    # last kv-block's pages 12-15 lie past it).
+    "decode_gqa_short_table": (dict(kv_lens=[60, 190], heads=8, kv_heads=2,
+                                    pages_per_seq=12), {}),
 }
 
 
@@ -229,6 +235,55 @@ def _producers(eqns, var) -> list[str]:
     return names
 
 
+_HLO_OP = re.compile(r"^\s*(?:ROOT )?(%[\w.-]+) = .*?[\]}\)] ([a-z][\w-]*)\((.*?)\)")
+# Ops that compute nothing: views, tuples, inputs.
+_NO_WORK = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple"}
+
+
+def _entry_ops(hlo: str) -> dict[str, tuple[str, list[str], set[str]]]:
+    """The ENTRY computation of compiled HLO text, in order: op name -> (opcode, operand
+    names, the opcodes inside it when it is a fusion)."""
+    bodies, name, entry = {}, None, {}
+    for line in hlo.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            name = "ENTRY" if line.startswith("ENTRY") else line.split()[0]
+            bodies[name] = []
+        elif name and (match := _HLO_OP.match(line)):
+            bodies[name].append(match.groups())
+    for op, opcode, operands in bodies["ENTRY"]:
+        called = re.search(r"calls=(%[\w.-]+)", next(
+            line for line in hlo.splitlines() if f"{op} = " in line))
+        inner = {o for _, o, _ in bodies.get(called.group(1), [])} if called else set()
+        entry[op] = (opcode, re.findall(r"%[\w.-]+", operands), inner)
+    return entry
+
+
+def _work(entry, op) -> bool:
+    """Whether ``op`` moves or computes data (a fusion of bitcasts and copies alone does
+    not: XLA on CPU copies a pure_callback result that the step returns, even a view)."""
+    opcode, _, inner = entry[op]
+    return opcode not in _NO_WORK and not (opcode == "fusion"
+                                           and inner <= {"parameter", "bitcast", "copy"})
+
+
+def _source(entry, op) -> str:
+    """``op`` seen through views (bitcasts)."""
+    while entry[op][0] == "bitcast":
+        op = entry[op][1][0]
+    return op
+
+
+def _upstream(entry, op) -> set[str]:
+    """The ops that do work (`_work`) among ``op`` and what it is computed from."""
+    found, stack = set(), [op]
+    while stack:
+        op = stack.pop()
+        if op not in found and op in entry:
+            found.add(op)
+            stack += entry[op][1]
+    return {op for op in found if _work(entry, op)}
+
+
 # (batch, kv_len, page_size, splits): the decoding shapes of issue 49's ncu kernel lists.
 DECODE_STEPS = [(8, 8192, 16, 2), (64, 4096, 64, 1), (1, 131072, 64, 16)]
 
@@ -237,10 +292,13 @@ DECODE_STEPS = [(8, 8192, 16, 2), (64, 4096, 64, 1), (1, 131072, 64, 16)]
 def test_decoding_step_computes_little_around_the_kernel(monkeypatch, batch, kv_len, page_size,
                                                          splits):
     """Each XLA op around a decoding step's kernel can be a launch of its own (2-4 us on
-    a 0.1 ms step). Pinned: the kernel reads K, V and a table of whole lines as they
-    come (the producer clamps page ids), its mask is one kv leaf (no per-sequence leaf
-    broadcast along the queries), the walks need one reduction (the page check) and
-    the kv-split combine none."""
+    a 0.1 ms step). Pinned: the kernel reads q (packed heads first), K, V and the page
+    table (whole lines, or one short row) as they come (the producer clamps page ids),
+    its mask's one leaf (the keys' sequence lengths) is computed by its producer (no
+    array), the walks need one reduction (the page check) and the kv-split combine none.
+    Compiled by XLA (on CPU here), the step computes before the kernel only the walks
+    (the page check included); after it nothing without kv splits (the output is a view
+    of the kernel's), with them the combine."""
     monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
     monkeypatch.setattr(runtime, "num_sms", lambda: 132)
 
@@ -255,17 +313,30 @@ def test_decoding_step_computes_little_around_the_kernel(monkeypatch, batch, kv_
         ((batch, 1, 32, 128), jnp.bfloat16), ((batch * pages, page_size, 8, 128), jnp.bfloat16),
         ((batch * pages, page_size, 8, 128), jnp.bfloat16), ((batch, pages), jnp.int32),
         ((batch,), jnp.int32))]
-    jaxpr = jax.make_jaxpr(lambda *a: omni_jax.paged_attention(*a, implementation="mosaic"))(
-        *args)
+    step = lambda *a: omni_jax.paged_attention(*a, implementation="mosaic")
+    jaxpr = jax.make_jaxpr(step)(*args)
     eqns = _eqns(jaxpr.jaxpr)
     (kernel,) = [e for e in eqns if e.primitive.name == "pure_callback"]
     assert kernel.outvars[1].aval.shape[0] == splits
-    q, k, v, walk, table, key_lens = kernel.invars  # no other operand
+    q, k, v, walk, table = kernel.invars  # no other operand
     assert set(_producers(eqns, k)) | set(_producers(eqns, v)) <= {"reshape"}
-    if pages % 128 == 0:
-        assert set(_producers(eqns, table)) <= {"reshape", "convert_element_type"}
+    assert set(_producers(eqns, table)) <= {"reshape", "convert_element_type"}
     before = eqns[:eqns.index(kernel)]
     reductions = [e.primitive.name for e in before if e.primitive.name.startswith("reduce")]
     assert reductions == ["reduce_and"]
     after = eqns[eqns.index(kernel) + 1:]
     assert not [e for e in after if e.primitive.name.startswith("reduce")]
+
+    entry = _entry_ops(jax.jit(step).lower(*args).compile().as_text())
+    ops = list(entry)
+    (call,) = [op for op in ops if entry[op][0] == "custom-call"]
+    q, k, v, walk, table = (_source(entry, op) for op in entry[call][1])
+    assert [entry[x][0] for x in (q, k, v, table)] == ["parameter"] * 4  # views, no copy
+    before = {op for op in ops[:ops.index(call)] if _work(entry, op)}
+    # Only the walks: the page check and their pieces, which XLA on the GPU fuses with
+    # their concatenate (on CPU apart).
+    assert before == _upstream(entry, walk)
+    after = [op for op in ops[ops.index(call) + 1:] if _work(entry, op)]
+    # The combine: the total lse, the shares' weights, their weighted sum in the output
+    # layout (and with jax 0.10's XLA the shares' outputs converted to float32 apart).
+    assert len(after) <= (0 if splits == 1 else 4)

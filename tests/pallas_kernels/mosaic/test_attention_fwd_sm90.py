@@ -108,6 +108,35 @@ def test_poisoned_outputs_are_all_written(pipelined, staggered, kv_splits):
     assert relative_error(out[:, :128], ref[:, :128]) < TOLERANCE["bfloat16"]
 
 
+@pytest.mark.parametrize("q_len,kv_splits", [(4, 1), (4, 3), (12, 1)])
+def test_heads_first_layout_writes_what_sequence_major_does(q_len, kv_splits):
+    """q and out ``[B, H, Sq, D]`` (`attention_forward`'s heads_first, a packed decoding
+    step's layout): the sequence-major call's result, transposed, with every row written
+    (outputs poisoned); 4 rows reach the kernel unpadded (the TMA box clips them), 12
+    padded to 16."""
+    rng = np.random.default_rng()
+    q, k, v = _inputs(rng, "bfloat16", 2, q_len, 300, 4, 2, 64)
+    block_mask = omni_jax.create_block_mask(lambda b, h, i, j: j <= i + 200, None, None,
+                                            q_len, 300, (128, 128))
+    kmask, layout = kernel_mask(block_mask)
+    params = dataclasses.replace(
+        compat.tma_faithful_interpret_params(runtime.mosaic_interpret_params()),
+        uninitialized_memory="nan")
+    config = fwd.ForwardConfig(block_kv=128, num_stages=2, pipelined=True, kv_splits=kv_splits)
+    call = lambda q, heads_first: fwd.attention_forward(
+        q, k, v, kmask, layout, scale=0.125, softcap=None, score_mod=None, has_partial=True,
+        config=config, interpret_params=params, heads_first=heads_first)
+    out, lse = call(q.swapaxes(1, 2), True)
+    ref_out, ref_lse = call(q, False)
+    assert out.shape == (2, 4, q_len, 64) and lse.shape == (2, 4, q_len)
+    assert not np.isnan(np.asarray(out, np.float32)).any()
+    np.testing.assert_array_equal(np.asarray(out.swapaxes(1, 2)), np.asarray(ref_out))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(ref_lse))
+    ref = omni_jax.attention(q.astype(jnp.float32), k.astype(jnp.float32),
+                             v.astype(jnp.float32), mask=block_mask, implementation="xla")
+    assert relative_error(out.swapaxes(1, 2), ref) < TOLERANCE["bfloat16"]
+
+
 @pytest.mark.parametrize("fields,message", [
     (dict(block_kv=96), "block_kv"), (dict(num_stages=1), "num_stages"),
     (dict(q_blocks_per_cta=0), "q_blocks_per_cta"), (dict(kv_splits=0), "kv_splits"),
