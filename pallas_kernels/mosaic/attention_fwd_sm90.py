@@ -218,7 +218,10 @@ SHORT_WALK = 12
 # FA4's tile: the two-consumer kernel measured latency-bound on the H200 (b4 s4096 h16,
 # 2026-11-28: 2186 cycles a kv step against 1088 of exp2 and 1024 of tensor work, the
 # consumers stalled on exp2 and max dependencies), and longer kv tiles, more stages, Q
-# from smem and the serial schedule were all 7-16% slower. Not measured yet.
+# from smem and the serial schedule were all 7-16% slower. Three consumers keep Q in
+# shared memory (160 registers a consumer thread): H200, 2026-11-28 23:50, b4 s4096 /
+# b1 s16384 dense d64 forward 0.594 / 2.257 ms, against 0.704 / 2.463 with Q in registers
+# (benchmarks/RESULTS.md).
 THREE_CONSUMER_HEAD_DIMS = (64,)
 
 
@@ -236,7 +239,7 @@ def forward_config(head_dim: int, dtype: Any, causal: bool,
     dim = padded_head_dim(head_dim)
     config = _CONFIGS[(dim, bool(causal))]
     if uniform_walks and not causal and dim in THREE_CONSUMER_HEAD_DIMS:
-        return dataclasses.replace(config, num_consumers=3)
+        return dataclasses.replace(config, num_consumers=3, q_in_registers=False)
     short_walks = mean_walk is not None and mean_walk <= SHORT_WALK
     if short_walks and dim <= 128 and config.q_blocks_per_cta == 1:
         config = dataclasses.replace(config, q_blocks_per_cta=2)
