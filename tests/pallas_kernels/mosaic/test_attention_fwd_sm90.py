@@ -208,20 +208,22 @@ def test_forward_picks_q_blocks_per_cta_by_walk_length(kwargs, traced_mask, expe
     assert [c.q_blocks_per_cta for c in configs] == [expected]
 
 
-def test_trace_key_covers_the_short_walk_config(monkeypatch):
-    """A config forced for short walks only (a benchmark's A/B) must trace afresh: the
-    compiled calls are keyed by the backend's trace key."""
-    import numpy as np
-
+@pytest.mark.parametrize("head_dim,fields", [
+    (128, {"q_blocks_per_cta": 1}),  # forced for short walks only
+    (64, {"num_consumers": 2}),  # dense head dim 64's consumer count
+])
+def test_trace_key_covers_forced_configs(head_dim, fields, monkeypatch):
+    """A config forced for a benchmark's A/B must trace afresh: the compiled calls are
+    keyed by the backend's trace key."""
     from omni_jax.backends.mosaic import MosaicBackend
     from omni_jax.problem import AttentionProblem
 
     problem = AttentionProblem(
-        batch=1, q_len=2048, kv_len=2048, num_q_heads=2, num_kv_heads=2, head_dim=128,
-        head_dim_v=128, dtype=np.dtype(jnp.bfloat16), scale=0.1, softcap=None,
+        batch=2, q_len=2048, kv_len=2048, num_q_heads=8, num_kv_heads=8, head_dim=head_dim,
+        head_dim_v=head_dim, dtype=np.dtype(jnp.bfloat16), scale=0.1, softcap=None,
         score_mod=None, has_sinks=False, has_user_mask=False)
     default_key = MosaicBackend().trace_key(problem)
-    force_config_fields(monkeypatch, fwd, "forward_config", q_blocks_per_cta=1)
+    force_config_fields(monkeypatch, fwd, "forward_config", **fields)
     assert MosaicBackend().trace_key(problem) != default_key
 
 
@@ -431,17 +433,3 @@ def test_three_consumers_shared_memory_counts_the_third_q_buffer():
     assert (two.num_consumers, three.num_consumers) == (2, 3)
     assert fwd.smem_bytes(three, 64, 64, 2, False) - fwd.smem_bytes(two, 64, 64, 2, False) \
         == common.ROWS_PER_CONSUMER * 64 * 2
-
-
-def test_trace_key_covers_the_consumer_count(monkeypatch):
-    """An A/B of the consumer count (``omni_mosaic/num_consumers=2``) must trace afresh."""
-    from omni_jax.backends.mosaic import MosaicBackend
-    from omni_jax.problem import AttentionProblem
-
-    problem = AttentionProblem(
-        batch=2, q_len=2048, kv_len=2048, num_q_heads=8, num_kv_heads=8, head_dim=64,
-        head_dim_v=64, dtype=np.dtype(jnp.bfloat16), scale=0.1, softcap=None,
-        score_mod=None, has_sinks=False, has_user_mask=False)
-    default_key = MosaicBackend().trace_key(problem)
-    force_config_fields(monkeypatch, fwd, "forward_config", num_consumers=2)
-    assert MosaicBackend().trace_key(problem) != default_key
