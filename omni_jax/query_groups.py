@@ -45,19 +45,14 @@ def packed_problem(problem: AttentionProblem, group: int) -> AttentionProblem:
                                num_q_heads=problem.num_kv_heads, has_sinks=False)
 
 
-def pack_queries(query: Array, group: int) -> Array:
-    """``[B, Sq, Hkv * G, D]`` -> ``[B, Sq * G, Hkv, D]``."""
+def pack_queries(query: Array, group: int, heads_first: bool = False) -> Array:
+    """``[B, Sq, Hkv * G, D]`` -> ``[B, Sq * G, Hkv, D]``; with ``heads_first``
+    ``[B, Hkv, Sq * G, D]`` (for one query, a decoding step, a view: no copy)."""
     batch, q_len, heads, dim = query.shape
-    grouped = query.reshape(batch, q_len, heads // group, group, dim).swapaxes(2, 3)
-    return grouped.reshape(batch, q_len * group, heads // group, dim)
-
-
-def pack_queries_heads_first(query: Array, group: int) -> Array:
-    """``[B, Sq, Hkv * G, D]`` -> ``[B, Hkv, Sq * G, D]``: for one query (a decoding
-    step) a view, no copy."""
-    batch, q_len, heads, dim = query.shape
-    grouped = query.reshape(batch, q_len, heads // group, group, dim).swapaxes(1, 2)
-    return grouped.reshape(batch, heads // group, q_len * group, dim)
+    grouped = query.reshape(batch, q_len, heads // group, group, dim)
+    if heads_first:
+        return grouped.swapaxes(1, 2).reshape(batch, heads // group, q_len * group, dim)
+    return grouped.swapaxes(2, 3).reshape(batch, q_len * group, heads // group, dim)
 
 
 def unpack(out: Array, lse: Array, group: int,

@@ -233,7 +233,7 @@ def paged_attention_mosaic(q: Array, k_pages: Array, v_pages: Array, page_table:
     # the kernel's (no transposing kernel on either side).
     packed = group > 1
     if packed:
-        q = query_groups.pack_queries_heads_first(q, group)
+        q = query_groups.pack_queries(q, group, heads_first=True)
     out, lse = fwd.attention_forward(
         q, k_pages, v_pages, kmask, layout, scale=scores.scale, softcap=scores.softcap,
         score_mod=None, has_partial=False, config=config,
