@@ -350,6 +350,12 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
     def row_block_of(i):
         return common.q_block_at(s.num_row_blocks, first + i, interleaved=per_cta > 1)
 
+    # Consumers whose rows may all lie past q_len skip their walk (`release_walk`): in
+    # the pipelined schedule (the serial one's consumers take turns) without stored mask
+    # tiles (their loads follow the walk's flags).
+    skips_rows_past_end = (cfg.pipelined and not s.has_partial
+                           and s.num_row_blocks * cta_rows - s.q_len >= rows)
+
     def walk_q_block(row_block):
         """The q-block whose walk a row block takes: its own with two consumers; else
         (all walks alike) the one holding its first row."""
@@ -380,9 +386,10 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
         if s.page_size is not None:
             # The sequence's page table row, read by this warpgroup alone (a row shorter
             # than a line fills the line's start: the ids past it are never used unclamped).
+            # Awaited with the first walk, whose load runs beside it: a short decoding
+            # CTA pays one round trip to global memory before its first K/V load, not two.
             plgpu.copy_gmem_to_smem(table_ref.at[batch],
                                     table_smem.at[:, :table_ref.shape[2]], table_barrier)
-            plgpu.barrier_wait(table_barrier)
             pages = (table_smem, s.page_size)
 
         def q_block_loads(i, first_step):
@@ -398,6 +405,8 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
                  if s.num_q_leaves else None),
                 batch=batch, head=head, q_block=walk_q_block(row_block_of(i)),
                 block_q=cfg.block_q)
+            if pages is not None:
+                pl.when(i == 0)(lambda: plgpu.barrier_wait(table_barrier))
             # A paged walk's partial ids are its sequence's length (`attention_forward`).
             length = (common.walk_entry(walk_smem.at[buffer], partial_offset)
                       if s.kv_leaves_computed else None)
@@ -471,10 +480,11 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
             plgpu.barrier_wait(walk_barriers.at[buffer])
             begin, count, num_full = split_of(walk[0, 0], walk[0, 1])
             walk_steps, rows_past_end = count, None
-            if cta_rows != cfg.block_q:
-                # CTAs spanning q-blocks (walks of FULL tiles, no mask data): a consumer
-                # whose rows all lie past q_len (in the last row block) computes nothing
-                # and only releases each K and V tile once loaded (`release_walk`).
+            if skips_rows_past_end:
+                # A consumer whose rows all lie past q_len (in the last row block: a
+                # decoding step's packed rows fill one consumer's) computes nothing and
+                # only releases each tile once loaded (`release_walk`), so that the ring
+                # refills at the pace of the consumers that compute.
                 rows_past_end = q_start >= s.q_len
                 count, num_full = (jnp.where(rows_past_end, 0, x) for x in (count, num_full))
             q_tile, q_loaded = q_buffer(i)
@@ -548,6 +558,8 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
             @pl.loop(0, walk_steps)
             def _(step):
                 slot = lax.rem(first_step + step, stages)
+                if s.num_kv_leaves:
+                    plgpu.barrier_wait(kv_leaf_barriers.at[slot])
                 for loaded, consumed in ((k_barriers, k_consumed), (v_barriers, v_consumed)):
                     plgpu.barrier_wait(loaded.at[slot])
                     plgpu.barrier_arrive(consumed.at[slot])
@@ -555,8 +567,9 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
         load_q(0)
         common.wait_captured(s, captured_barrier)
         score_spec = common.with_captured_read(s.scores, captured_smem, batch, head)
+        # Each q-block's stores were awaited until they had read shared memory; the CTA
+        # exits without waiting for their writes, so that the SM's next CTA starts sooner.
         lax.fori_loop(0, blocks_here, compute_q_block, jnp.int32(0))
-        plgpu.wait_smem_to_gmem(0)
 
 
 @dataclasses.dataclass(frozen=True)

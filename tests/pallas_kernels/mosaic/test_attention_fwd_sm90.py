@@ -360,6 +360,25 @@ def test_three_consumers_dense_head_dim_64(batch, q_len, kv_len, heads, kv_heads
     assert relative_error(lse, ref_lse) < 1e-3
 
 
+@pytest.mark.parametrize("staggered,kv_splits", [(True, 1), (False, 3)])
+def test_consumer_past_q_len_only_releases_its_walk(staggered, kv_splits, monkeypatch):
+    """40 query rows (a decoding step's packed rows): the second consumer's rows all lie
+    past q_len, so it releases each K/V tile and kv leaf (document ids) once loaded and
+    computes nothing; against float64, every row written (buffers poisoned)."""
+    force_config_fields(monkeypatch, fwd, "forward_config", staggered=staggered,
+                        kv_splits=kv_splits, q_blocks_per_cta=1)
+    configs = record_configs(monkeypatch, fwd, "attention_forward")
+    _poisoned_interpreter(monkeypatch)
+    rng = np.random.default_rng()
+    q, k, v = _inputs(rng, "bfloat16", 2, 40, 640, 4, 2, 128)
+    kv_ids = jnp.asarray(rng.integers(0, 2, (2, 640)), jnp.int32)
+    q_ids = jnp.ones((2, 40), jnp.int32)
+    out, lse = _compare("bfloat16", q, k, v, q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+    assert [(c.num_consumers, c.pipelined, c.kv_splits) for c in configs] == [
+        (2, True, kv_splits)]
+    assert not np.isnan(np.asarray(lse)).any()
+
+
 def test_three_consumers_unstaggered(monkeypatch):
     """Without the stagger barriers the three consumers start together."""
     force_config_fields(monkeypatch, fwd, "forward_config", staggered=False)
