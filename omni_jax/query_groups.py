@@ -60,6 +60,9 @@ def unpack(out: Array, lse: Array, group: int,
     """The packed call's ``out [B, Sq * G, Hkv, Dv]`` (with ``heads_first``
     ``[B, Hkv, Sq * G, Dv]``) and ``lse [B, Hkv, Sq * G]`` in the caller's layout:
     ``[B, Sq, Hkv * G, Dv]`` and ``[B, Hkv * G, Sq]``."""
+    # One reshape and one transpose per layout: swapping a heads-first output into the
+    # sequence-major one first leaves XLA a transpose pair it copies, where this keeps a
+    # decoding step's output a view of the kernel's (the paged decoding-step test).
     if heads_first:
         batch, kv_heads, rows, dim_v = out.shape
         q_len = rows // group
