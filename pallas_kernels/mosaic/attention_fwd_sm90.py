@@ -21,7 +21,10 @@ head dim 64, FA3's 192-row tile) one and a half q-blocks. Its warpgroups:
   indices and mask leaves for COMPUTED tiles; the stored tile for PARTIAL
   ones), online softmax in registers (base 2, running max kept in
   log2 units) and ``O += P V`` by wgmma. Output goes registers -> smem -> TMA
-  store (the hardware clips rows past ``q_len``), lse likewise. With three consumers
+  store (the hardware clips rows past ``q_len``), lse likewise. A consumer whose rows
+  all lie past ``q_len`` (a decoding step's few packed rows leave the second one none)
+  computes nothing and releases each tile as it lands, so that the ring refills at
+  the pace of those that compute (pipelined schedule, no stored tiles). With three consumers
   each SM sub-partition runs three consumer warps, so that one's exp2 and max latency
   hides under the others' work, and each K/V tile loaded serves 192 rows; registers
   are 24 a producer thread and 160 a consumer thread (40 and 232 with two).
