@@ -14,11 +14,9 @@ heads are packed into rows (`omni_jax.query_groups`), heads first (the forward's
 its own CTA row.
 
 Each XLA kernel around a decoding step's 0.1 ms costs 2-4 us and a launch gap, so the
-call builds one array: the walks; the kernel's producer computes the mask's one leaf
-(each key's sequence length, -1 on pages outside the cache) from the page table. Calls
-of more query rows than one consumer's list FULL tiles, which need one reduction first
-(whether a sequence uses a page id outside the cache); a decoding step's walks do not
-(`full_tiles`). K, V, the page table (whole 128-id lines, or one
+call builds one array: the walks (after one reduction: whether a sequence uses a page
+id outside the cache); the kernel's producer computes the mask's one leaf (each key's
+sequence length) from the page table. K, V, the page table (whole 128-id lines, or one
 shorter row) and, for one query per sequence, the packed queries reach the kernel as
 views (its producer clamps the ids; a TMA box clips query rows fewer than 8), and the
 output comes back as a view too (with split-KV, combined elementwise). A test pins
@@ -42,7 +40,7 @@ from omni_jax.masks.mask_mods import RepeatedQueries
 from pallas_kernels import kv_splits, runtime
 from pallas_kernels.block_sparse import KernelMask, MaskLayout
 from pallas_kernels.mosaic import attention_fwd_sm90 as fwd
-from pallas_kernels.mosaic.attention_sm90_common import ROWS_PER_CONSUMER, SMEM_LIMIT
+from pallas_kernels.mosaic.attention_sm90_common import SMEM_LIMIT
 from pallas_kernels.paged import PagedScores
 from pallas_kernels.tile_classes import COMPUTED, FULL
 
@@ -128,16 +126,6 @@ def _config(call: _Call, programs: int, kv_len: int,
                                           for name, value in overrides.items()})
 
 
-def full_tiles(rows: int) -> bool:
-    """Whether the walks of a call of ``rows`` packed query rows list FULL tiles (the
-    kernel's mask-free loop), which takes a reduction over the page table before the
-    kernel (a launch of its own). Not when the rows fit one consumer (a decoding step):
-    that kernel is bound by K/V's bandwidth with compute to spare, so every tile is
-    COMPUTED, and the mask, whose key lengths are -1 on pages outside the cache, hides
-    bad pages without a check. H200, 2026-11-29 (benchmarks/RESULTS.md)."""
-    return rows > ROWS_PER_CONSUMER
-
-
 def _kernel_mask(kv_lens: Array, page_table: Array, num_pages: int, scores: PagedScores, *,
                  group: int, rows: int, page_size: int,
                  block_kv: int) -> tuple[KernelMask, MaskLayout]:
@@ -150,8 +138,7 @@ def _kernel_mask(kv_lens: Array, page_table: Array, num_pages: int, scores: Page
     range every one of its queries sees (`PagedScores.shared_key_range`), in order,
     then the others (COMPUTED, masked by `PagedKeys`). A sequence that holds a page id
     outside the cache among its tokens (garbage under ``jit``) walks its range with
-    every tile COMPUTED, so that those pages' keys are masked; so do all sequences of
-    a call without `full_tiles`.
+    every tile COMPUTED, so that those pages' keys are masked.
     """
     pages_per_seq = page_table.shape[1]
     kv_len = pages_per_seq * page_size
@@ -163,16 +150,13 @@ def _kernel_mask(kv_lens: Array, page_table: Array, num_pages: int, scores: Page
     lo, hi = scores.key_range(lens, first_t, last_t)  # [B, nq]
     begin = lo // block_kv
     end = jnp.where(hi > lo, -(-hi // block_kv), begin)
-    if full_tiles(rows):
-        shared_lo, shared_hi = scores.shared_key_range(lens, first_t, last_t)
-        real_pages = (page_table >= 0) & (page_table < num_pages)
-        in_use = jnp.arange(pages_per_seq)[None, :] * page_size < lens
-        all_real = jnp.all(real_pages | ~in_use, axis=1, keepdims=True)
-        full_begin = jnp.clip(-(-shared_lo // block_kv), begin, end)
-        full_end = jnp.where(all_real, jnp.clip(shared_hi // block_kv, full_begin, end),
-                             full_begin)
-    else:
-        full_begin = full_end = begin = jnp.broadcast_to(begin, end.shape)
+    shared_lo, shared_hi = scores.shared_key_range(lens, first_t, last_t)
+    real_pages = (page_table >= 0) & (page_table < num_pages)
+    in_use = jnp.arange(pages_per_seq)[None, :] * page_size < lens
+    all_real = jnp.all(real_pages | ~in_use, axis=1, keepdims=True)
+    full_begin = jnp.clip(-(-shared_lo // block_kv), begin, end)
+    full_end = jnp.where(all_real, jnp.clip(shared_hi // block_kv, full_begin, end),
+                         full_begin)
     step = jnp.arange(num_kv_blocks)
     num_full, before = (full_end - full_begin)[..., None], (full_begin - begin)[..., None]
     indices = jnp.where(step < num_full, full_begin[..., None] + step,
