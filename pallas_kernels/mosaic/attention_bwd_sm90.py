@@ -187,14 +187,17 @@ class BackwardConfig:
     # and never waits for the TMA engine. False: each consumer issues its own reduction
     # and waits for it to read its stage before the next store.
     dq_reducer_warp: bool = True
-    # The fused dQ's float32 stages in 128-byte swizzled 8 x 32 tiles instead of plain
-    # rows. A consumer stores its 64 x 64 product in the wgmma accumulator layout: a
-    # warp's store then writes 8 rows x 32 bytes, and rows 256 bytes apart fall in the
-    # same 8 banks (an 8-way conflict: 4 times the wavefronts, up to ~770 cycles of the
-    # shared-memory pipe a step, under dK's wgmma). Swizzled, the store is conflict-free
-    # and each TMA reduction goes as two 32-column boxes. Off until an H200 A/B (no
-    # device time was left when it was written, 2026-11-29).
-    swizzled_dq_stage: bool = False
+    # Pallas's automatic warpgroup barriers: one before and one after every register-to-
+    # smem store (in the fused dK/dV step, two for dS^T and two for the dQ stage) and one
+    # before each TMA load. The kernels order their shared memory themselves: a tile is
+    # rewritten only once an mbarrier says its readers (wgmma, TMA) are done, and
+    # `commit_smem` (a warpgroup barrier and a proxy fence) publishes it; the gradients'
+    # staging tiles are read and written by each thread in one layout. So they compile
+    # without them (`CompilerParams.unsafe_no_auto_barriers`). H200, 2026-11-29
+    # (benchmarks/RESULTS.md), fwd+bwd with the fused dQ: dense 2-4% faster, causal
+    # s16384 1-2%. The interpreter runs the same either way: only compiled GPU tests check
+    # this.
+    auto_barriers: bool = False
 
     def __post_init__(self):
         if self.block_q != BLOCK_Q:
@@ -1145,7 +1148,8 @@ def _backward(q: Array, k: Array, v: Array, kmask: KernelMask, out: Array, lse: 
         return [q, k, v, do, stats, walk, *extra,
                 *(x for x in (*leaves, packed_captured) if x is not None)]
 
-    params = plgpu.CompilerParams(approx_math=True)
+    params = plgpu.CompilerParams(approx_math=True,
+                                  unsafe_no_auto_barriers=not config.auto_barriers)
 
     def dkv_kernel(s: _Statics, *extra):
         shapes = {"dk": jax.ShapeDtypeStruct(k.shape, k.dtype),
@@ -1218,7 +1222,7 @@ def _dkv_scratch(s: _Statics):
         # consumer's float32 dQ stage (interpreted, only the reducer's).
         (common.swizzled((2, consumers, rows, q_step), s.dtype,
                          common.swizzle_bytes(s.head_dim, s.dtype)) if s.fused_dq else None),
-        (_dq_stage_smem((consumers, *_dq_share(s)), cfg.swizzled_dq_stage)
+        (plgpu.SMEM((consumers, *_dq_share(s)), jnp.float32)
          if s.fused_dq and (cfg.dq_reducer_warp or not s.interpret) else None),
     )
     ring = lambda: plgpu.Barrier(num_barriers=stages)
@@ -1271,13 +1275,6 @@ def fused_dq_splits(head_dim: int, consumers: int, q_step: int = ROWS_PER_CONSUM
     if q_step == BLOCK_Q:
         return head_dim <= ROW_SPLIT_MAX_HEAD_DIM
     return consumers == 1 or head_dim // consumers >= 64
-
-
-def _dq_stage_smem(shape: tuple[int, ...], swizzled: bool) -> Any:
-    """The fused dQ's float32 stages (`BackwardConfig.swizzled_dq_stage`)."""
-    if swizzled:
-        return common.swizzled(shape, jnp.float32)
-    return plgpu.SMEM(shape, jnp.float32)
 
 
 def _dq_share(s: _Statics) -> tuple[int, int]:

@@ -89,8 +89,7 @@ CASES = (
 # dK/dV launch (in the overlapped step order, with the scale folded into the sums or
 # not, or in the serial one, dQ issued after dV and dK or with them; its reductions
 # issued by the producer or, "_consumer_adds", by each consumer; "_two_commits": dS^T
-# published apart from the dQ stage; "_swizzled_stage": the float32 dQ stages in
-# swizzled tiles), or dK and dV in launches
+# published apart from the dQ stage), or dK and dV in launches
 # of their own (with the dQ kernel's V-first order, as the wide head dims' config has
 # it); "_q128": the dK/dV kernel walking whole q-blocks (head dim 64's steps), where the
 # fused dQ splits dQ's rows.
@@ -101,15 +100,12 @@ VARIANTS = {"dq_kernel": {}, "fused_dq": {"fused_dq": True},
                                              "serial_dq_with_dkdv": True},
             "fused_dq_two_commits": {"fused_dq": True, "one_commit_a_step": False},
             "fused_dq_consumer_adds": {"fused_dq": True, "dq_reducer_warp": False},
-            "fused_dq_swizzled_stage": {"fused_dq": True, "swizzled_dq_stage": True},
             "fused_dq_serial_consumer_adds": {"fused_dq": True, "overlapped_step": False,
                                               "dq_reducer_warp": False},
             "split_dkdv": {"split_dkdv": True, "dq_v_first": True},
             "dq_kernel_q128": {"q_step": 128}, "fused_dq_q128": {"fused_dq": True, "q_step": 128},
             "fused_dq_q128_consumer_adds": {"fused_dq": True, "q_step": 128,
-                                            "dq_reducer_warp": False},
-            "fused_dq_q128_swizzled_stage": {"fused_dq": True, "q_step": 128,
-                                             "swizzled_dq_stage": True}}
+                                            "dq_reducer_warp": False}}
 
 
 def _score_mod(s, b, h, i, j):
