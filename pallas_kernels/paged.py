@@ -32,13 +32,15 @@ class PagedScores:
         return kv_len - self.q_len + t
 
     def visible(self, q_pos: Array, k_pos: Array, kv_len: Array) -> Array:
-        """Whether the key at ``k_pos`` counts for the query at ``q_pos`` (broadcasting)."""
+        """Whether the key at ``k_pos`` counts for the query at ``q_pos`` (broadcasting).
+        Window sides (up to int32's max) meet differences of positions, which cannot
+        overflow where a position plus a side could."""
         seen = (k_pos < kv_len) & (k_pos >= 0)
         if self.is_causal:
             seen &= k_pos <= q_pos
         if self.window is not None:
             left, right = self.window
-            seen &= (k_pos >= q_pos - left) & (k_pos <= q_pos + right)
+            seen &= (q_pos - k_pos <= left) & (k_pos - q_pos <= right)
         return seen
 
     def key_range(self, kv_len: Array, first_t: Array, last_t: Array) -> tuple[Array, Array]:
@@ -58,9 +60,12 @@ class PagedScores:
         edge (or the causal diagonal) as seen from query ``high_t``."""
         lo, hi = jnp.int32(0), kv_len
         if self.window is not None:
-            lo = jnp.maximum(self.query_position(kv_len, low_t) - self.window[0], 0)
-            if not self.is_causal:
-                hi = jnp.minimum(hi, self.query_position(kv_len, high_t) + self.window[1] + 1)
+            left, right = self.window
+            low_pos = self.query_position(kv_len, low_t)
+            lo = jnp.where(low_pos > left, low_pos - left, 0)
+            if not self.is_causal:  # min(hi, high_pos + right + 1), without overflowing
+                high_pos = self.query_position(kv_len, high_t)
+                hi = jnp.where(hi - high_pos > right, high_pos + right + 1, hi)
         if self.is_causal:
             hi = jnp.minimum(hi, self.query_position(kv_len, high_t) + 1)
         return lo, hi

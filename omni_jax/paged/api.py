@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from omni_jax import validation as common
+from omni_jax.masks.mask_mods import INT32_MAX
 from omni_jax.paged import backends, validation
 from pallas_kernels import runtime
 from pallas_kernels.paged import PagedScores
@@ -61,6 +62,8 @@ def paged_attention(q: Array, k_pages: Array, v_pages: Array, page_table: Array,
     is_causal = common.check_flag("is_causal", is_causal)
     return_lse = common.check_flag("return_lse", return_lse)
     window = common.check_window(local_window_size)
+    if window is not None:  # wider than any cache: as wide as int32 positions reach
+        window = (min(window[0], INT32_MAX), min(window[1], INT32_MAX))
     softcap = common.check_scalar("softcap", softcap, positive=True)
     scale = common.check_scalar("scale", scale, positive=False)
     sinks = common.check_sinks(sinks, q.shape[2])

@@ -27,6 +27,10 @@ CASES = {
     "window": (dict(kv_lens=[70, 45], q_len=4), dict(local_window_size=(9, 0))),
     "window_both_sides_not_causal": (dict(kv_lens=[70, 45], q_len=4),
                                      dict(is_causal=False, local_window_size=(5, 2))),
+    # Sides past int32 (a window wider than any cache) must not overflow positions.
+    "window_beyond_int32": (dict(kv_lens=[70, 45], q_len=4), dict(local_window_size=(2**40, 0))),
+    "window_beyond_int32_not_causal": (dict(kv_lens=[70, 45], q_len=4),
+                                       dict(is_causal=False, local_window_size=(2**40, 2**40))),
     "softcap_scale": (dict(kv_lens=[33, 48]), dict(softcap=3.0, scale=0.4)),
     "small_pages": (dict(kv_lens=[35, 7, 90], page_size=4, heads=8, kv_heads=2), {}),
     "large_pages_spare_table": (dict(kv_lens=[70, 130], page_size=64, pages_per_seq=5), {}),

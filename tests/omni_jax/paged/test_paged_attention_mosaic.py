@@ -32,6 +32,9 @@ CASES = {
                                       dict(local_window_size=(20, 0), softcap=2.0)),
     "not_causal_window_both_sides": (dict(kv_lens=[70, 100], q_len=4, page_size=64),
                                      dict(is_causal=False, local_window_size=(30, 5))),
+    # Sides past int32: the walks' key ranges must not overflow positions.
+    "not_causal_window_beyond_int32": (dict(kv_lens=[70, 100], q_len=4, page_size=64),
+                                       dict(is_causal=False, local_window_size=(2**40, 2**40))),
     # A table row of 12 ids, read as it is into the start of the producer's line (the
     # last kv-block's pages 12-15 lie past it).
     "decode_gqa_short_table": (dict(kv_lens=[60, 190], heads=8, kv_heads=2,
