@@ -3,10 +3,11 @@
 The cache is preallocated ``[batch, max_len, kv_heads, head_dim]`` with one
 current length per sequence. A decode step appends ``n`` tokens (one while
 sampling; a whole prompt or a chunk of it while prefilling) at slots
-``[index, index + n)`` and attends to the whole cache through `CachedCausal`:
-query ``t`` of the step sees slots ``j <= index + t``. Being a structured
-`MaskMod`, it is classified tile by tile, so unfilled cache blocks are skipped
-by every backend, and it is jittable with a traced ``index``.
+``[index, index + n)``; query ``t`` of the step sees slots ``j <= index + t``.
+That is a paged-attention call on the cache viewed as pages (`as_pages`): its
+walks are built in closed form, where `CachedCausal`'s BlockMask (which packed
+documents need) takes sorts and scatters at every step under ``jit``. Either way
+unfilled cache blocks are skipped by every backend.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 
 from omni_jax.masks import BlockGrid, BlockMask, MaskMod, create_block_mask
 from omni_jax.masks.mask_mods import INT32_MAX
+from omni_jax.paged.mosaic import PAGE_SIZES
 
 Array = Any
 
@@ -69,6 +71,26 @@ def decode_mask(index: Array, num_new: int, max_len: int,
     index = jnp.asarray(index, jnp.int32)
     return create_block_mask(CachedCausal(index, window_left), index.shape[0], None, num_new,
                              max_len)
+
+
+def as_pages(keys: Array, values: Array, *, mosaic_only: bool = False,
+             ) -> tuple[Array, Array, Array] | None:
+    """``(k_pages, v_pages, page_table)``: contiguous caches ``[batch, max_len, ...]`` as
+    `omni_jax.paged_attention` reads them, sequence ``b`` on pages ``b * n .. b * n + n
+    - 1`` (views, no copy). Pages are of the largest size the Mosaic kernel tiles that
+    divides ``max_len``, else one per sequence; None then with ``mosaic_only`` (a call
+    forcing the Mosaic kernel, which takes the contiguous path instead)."""
+    batch, max_len = keys.shape[:2]
+    page = next((size for size in reversed(PAGE_SIZES) if max_len % size == 0), None)
+    if page is None:
+        if mosaic_only:
+            return None
+        page = max_len
+    pages = max_len // page
+    table = (jnp.arange(batch, dtype=jnp.int32)[:, None] * pages
+             + jnp.arange(pages, dtype=jnp.int32)[None])
+    view = lambda cache: cache.reshape(batch * pages, page, *cache.shape[2:])
+    return view(keys), view(values), table
 
 
 def write_cache(cache: Array, new: Array, slots: Array) -> Array:

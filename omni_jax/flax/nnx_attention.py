@@ -22,7 +22,7 @@ from flax import nnx
 import omni_jax
 from omni_jax import context_parallel, explicit_sharding
 from omni_jax.context_parallel.layout import shard_positions
-from omni_jax.flax.cache import decode_mask, write_cache
+from omni_jax.flax.cache import as_pages, decode_mask, write_cache
 from omni_jax.flax.rope import apply_rope, segment_positions
 from omni_jax.masks import BlockMask
 from omni_jax.validation import check_flag, check_implementation, check_window
@@ -183,6 +183,9 @@ class Attention(nnx.Module):
             under jit, where it is traced, the outputs of the positions past
             the end are NaN, no cached token is overwritten, and
             ``cache_index`` keeps counting, so every later step is NaN too.
+            Without ``segment_ids`` the step is an `omni_jax.paged_attention` call on
+            the cache viewed as pages (`omni_jax.flax.cache.as_pages`), which, serving
+            inference, has no derivative.
 
         Returns:
           ``[batch, seq, out_features]``.
@@ -309,10 +312,19 @@ class Attention(nnx.Module):
         values = write_cache(self.cached_value[...], value, slots)
         self.cached_key[...], self.cached_value[...] = keys, values
         self.cache_index[...] = index + num_new
-        step_mask = decode_mask(index, num_new, max_len, None if window is None else window[0])
-        out = omni_jax.attention(query, keys.astype(query.dtype), values.astype(query.dtype),
-                                 mask=step_mask, q_segment_ids=segment_ids,
-                                 kv_segment_ids=kv_segments, **common)
+        window_left = None if window is None else window[0]
+        keys, values = keys.astype(query.dtype), values.astype(query.dtype)
+        pages = None if segment_ids is not None else as_pages(
+            keys, values, mosaic_only=common["implementation"] == "mosaic")
+        if pages is not None:
+            out = omni_jax.paged_attention(
+                query, *pages, index + num_new,
+                local_window_size=None if window_left is None else (window_left, 0), **common)
+        else:
+            out = omni_jax.attention(query, keys, values,
+                                     mask=decode_mask(index, num_new, max_len, window_left),
+                                     q_segment_ids=segment_ids, kv_segment_ids=kv_segments,
+                                     **common)
         # Past the end under jit: the step's tokens there were dropped, so poison them.
         return jnp.where((slots < max_len)[:, :, None, None], out, jnp.nan)
 

@@ -12,6 +12,8 @@ from flax import nnx
 
 import omni_jax
 from omni_jax.flax import Attention, AxisNames, segment_positions
+from omni_jax.flax.cache import as_pages
+from omni_jax.paged.mosaic import PAGE_SIZES
 from tests.omni_jax.flax.reference_layer import layer_params, reference_layer
 from tests.reference import dense_mask, relative_error
 
@@ -183,6 +185,40 @@ def test_decode_past_the_cache_end_under_jit_gives_nan(seed):
     assert np.isnan(np.asarray(step(layer, x[:, 6:7]))).all()
     with pytest.raises(ValueError, match="max_len=4"):
         layer(x[:, 6:7], decode=True)
+
+
+@pytest.mark.parametrize("max_len,page", [(4096, 256), (48, 16), (20, 20)])
+def test_cache_as_pages_views_each_sequence_in_order(max_len, page):
+    """The contiguous cache as paged attention reads it: pages of the largest size the
+    Mosaic kernel tiles that divides max_len (else one a sequence), in order."""
+    keys = jnp.arange(2 * max_len * 3, dtype=jnp.float32).reshape(2, max_len, 3, 1)
+    k_pages, v_pages, table = as_pages(keys, -keys)
+    assert k_pages.shape == (2 * max_len // page, page, 3, 1)
+    np.testing.assert_array_equal(k_pages[table].reshape(keys.shape), keys)
+    np.testing.assert_array_equal(v_pages[table].reshape(keys.shape), -keys)
+    mosaic_pages = as_pages(keys, keys, mosaic_only=True)
+    assert (mosaic_pages is None) == (page not in PAGE_SIZES)
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_decode_step_is_a_paged_call_unless_documents(documents, monkeypatch, seed):
+    """Under jit a step on the contiguous cache calls paged attention (walks in closed
+    form: no sort); packed documents keep the cache's BlockMask, built every step."""
+    paged_calls = []
+    paged = omni_jax.paged_attention
+    monkeypatch.setattr(omni_jax, "paged_attention",
+                        lambda *args, **kwargs: paged_calls.append(1) or paged(*args, **kwargs))
+    layer = make_layer(CASES[1], seed=seed)
+    layer.init_cache(BATCH, 64)
+    graphdef, state = nnx.split(layer)
+    kwargs = {"segment_ids": jnp.ones((BATCH, 1), jnp.int32)} if documents else {}
+
+    def step(state, x):
+        return nnx.merge(graphdef, state)(x, decode=True, local_window_size=(8, 0), **kwargs)
+
+    text = jax.jit(step).lower(state, jnp.ones((BATCH, 1, FEATURES))).as_text()
+    assert bool(paged_calls) != documents
+    assert ("stablehlo.sort" in text) == documents
 
 
 def test_nnx_scan_over_stacked_layers(seed):
