@@ -172,9 +172,13 @@ class BackwardConfig:
     # before the next step) with its dQ stage, by one fence and warpgroup barrier, not a
     # commit_smem each (each a BAR.SYNC, MEMBAR.ALL.CTA, FENCE.VIEW.ASYNC.S, BAR.SYNC).
     one_commit_a_step: bool = True
-    # With overlapped_step: dS^T without the softmax scale (one multiply an element
-    # fewer), which dK takes once before its store and dQ in the wrapper's conversion
-    # of the float32 sum, as FlashAttention-3 does.
+    # dS^T (dS in the dQ kernel) without the softmax scale, one multiply an element
+    # fewer, which the sums take once: dK before its store, dQ before its store or, fused,
+    # in the wrapper's conversion of the float32 sum (FlashAttention-3's form). The
+    # fused dQ's serial order (`overlapped_step=False`) keeps the scale in dS^T. The
+    # unfused kernels fold it since 2026-11-29, not yet timed on a GPU (an A/B:
+    # `bwd.fold_scale=0`); their elementwise work is on the critical path (H200: two
+    # conversions an element more cost the d64 dK/dV kernel 13%, benchmarks/RESULTS.md).
     fold_scale: bool = True
     # q rows a dK/dV step walks: 64 (a q-block in two halves; the fused dQ splits dQ's
     # columns between the consumers in 64-column tiles) or 128 (a q-block a step, two
@@ -365,7 +369,7 @@ class _Statics(common.LeafCounts):
     def folds_scale(self) -> bool:
         """Whether dS^T leaves out the scale, applied to the sums instead
         (`BackwardConfig.fold_scale`)."""
-        return self.fused_dq and self.config.overlapped_step and self.config.fold_scale
+        return self.config.fold_scale and (self.config.overlapped_step or not self.fused_dq)
 
     @property
     def dkv_walk_heads(self) -> int:
@@ -868,7 +872,7 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
             @pl.loop(jnp.maximum(num_steps_done - 2, -1), num_steps_done)
             def _(t):
                 plgpu.barrier_wait(ds_free.at[lax.rem(t + 2, 2)])
-        if s.folds_scale:
+        if s.folds_scale and sums_dk:
             dk = dk * s.scores.scale
         if full_sums is not None:
             # The FULL steps' dK and dV, through the K and V buffers nothing reads any more.
@@ -998,7 +1002,9 @@ def _dq_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *r
             dscores = probs * (dprobs - lax.broadcast_in_dim(delta, tile, [0]))
             if slope is not None:
                 dscores = dscores * slope
-            dscores = (dscores * s.scores.scale).astype(s.dtype)
+            if not s.folds_scale:
+                dscores = dscores * s.scores.scale
+            dscores = dscores.astype(s.dtype)
             dq = compat.wgmma_accumulate(dq, _staged(stage, dscores), k_block,
                                          interpret=s.interpret)
             plgpu.barrier_arrive(k_consumed.at[slot])
@@ -1007,6 +1013,8 @@ def _dq_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *r
         dq = plgpu.layout_cast(jnp.zeros((rows, s.head_dim), jnp.float32), plgpu.Layout.WGMMA)
         for start, stop, full in walk_loops(s, walk_smem[0, 1], count):
             dq = lax.fori_loop(start, stop, functools.partial(step_fn, full=full), dq)
+        if s.folds_scale:
+            dq = dq * s.scores.scale
         # Q is no longer read: its buffer stages dQ for the TMA store (clipped at q_len).
         q_tile[...] = dq.astype(s.dtype)
         plgpu.commit_smem()

@@ -85,7 +85,8 @@ CASES = (
     Case("causal_ragged_d64_v40", "bfloat16", 1, 200, 250, 2, 1, 64, 40, 128, False,
          "causal"),
 )
-# How dK, dV and dQ are summed: one dK/dV launch and the dQ kernel, dQ fused into the
+# How dK, dV and dQ are summed: one dK/dV launch and the dQ kernel (the scale folded
+# into the sums or, "_scaled_ds", into dS), dQ fused into the
 # dK/dV launch (in the overlapped step order, with the scale folded into the sums or
 # not, or in the serial one, dQ issued after dV and dK or with them; its reductions
 # issued by the producer or, "_consumer_adds", by each consumer; "_two_commits": dS^T
@@ -93,7 +94,8 @@ CASES = (
 # of their own (with the dQ kernel's V-first order, as the wide head dims' config has
 # it); "_q128": the dK/dV kernel walking whole q-blocks (head dim 64's steps), where the
 # fused dQ splits dQ's rows.
-VARIANTS = {"dq_kernel": {}, "fused_dq": {"fused_dq": True},
+VARIANTS = {"dq_kernel": {}, "dq_kernel_scaled_ds": {"fold_scale": False},
+            "fused_dq": {"fused_dq": True},
             "fused_dq_scaled_ds": {"fused_dq": True, "fold_scale": False},
             "fused_dq_serial_step": {"fused_dq": True, "overlapped_step": False},
             "fused_dq_serial_dq_with_dkdv": {"fused_dq": True, "overlapped_step": False,
