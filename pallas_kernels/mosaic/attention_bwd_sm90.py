@@ -14,9 +14,10 @@ dense masks and long walks the dK/dV kernel adding dQ too (fused dQ, below):
   step a consumer computes ``S^T = K Q^T`` and ``dP^T = V dO^T`` by wgmma,
   ``P^T = exp2(S^T - lse)``
   (scores in log2 units), ``dV += P^T dO`` and
-  ``dS^T = P^T (dP^T - delta)`` (times the softcap/score_mod derivative and
-  the scale), ``dK += dS^T Q``. dK and dV stay in registers across the whole
-  group, so the GQA reduction needs no atomics.
+  ``dS^T = P^T (dP^T - delta)`` (times the softcap/score_mod derivative; the
+  scale multiplies the sums once, `BackwardConfig.fold_scale`), ``dK += dS^T Q``.
+  dK and dV stay in registers across the whole group, so the GQA reduction needs
+  no atomics.
 * dQ: one CTA per (q-block, batch, q head), structured as the forward: the
   producer fetches K and V of the active kv-blocks (q-major view) through
   the same ring code (`attention_sm90_common.produce_kv_blocks`), two
