@@ -10,9 +10,12 @@ evaluate the same expressions.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.tile_classes import COMPUTED, FULL
 
 Array = Any
 
@@ -76,6 +79,99 @@ class PagedScores:
         if self.softcap is not None:
             s = self.softcap * jnp.tanh(s / self.softcap)
         return s
+
+
+class WalkSteps(NamedTuple):
+    """One q-block's walk over kv-blocks ``[begin, end)``: first the FULL ones, ``[full_begin,
+    full_end)`` in order, then the others (COMPUTED) in order."""
+
+    begin: Any
+    full_begin: Any
+    full_end: Any
+    end: Any
+
+    @property
+    def count(self) -> Any:
+        return self.end - self.begin
+
+    @property
+    def num_full(self) -> Any:
+        return self.full_end - self.full_begin
+
+    def index(self, step: Any) -> Any:
+        """The kv-block of walk step ``step`` (``0 <= step < count``)."""
+        before = self.full_begin - self.begin
+        return jnp.where(step < self.num_full, self.full_begin + step,
+                         jnp.where(step < self.num_full + before,
+                                   self.begin + step - self.num_full,
+                                   self.full_end + step - self.num_full - before))
+
+    def flags(self, step: Any) -> Any:
+        return jnp.where(step < self.num_full, FULL, COMPUTED)
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedWalk:
+    """The kv-blocks each q-block of a paged call walks, in closed form from its
+    sequence's length: a kernel evaluates it on scalars per CTA, instead of reading
+    walks an XLA kernel built before it (one launch less around a decoding step).
+
+    Packed row ``r`` of a q-block (``block_q`` rows) is query ``r // group`` of the
+    ``rows`` = q_len * group. A q-block walks the kv-blocks of its queries' key range
+    (`PagedScores.key_range`); those inside the range every one of its queries sees
+    (`PagedScores.shared_key_range`) are FULL, unless the sequence uses a page id
+    outside the cache (``pages_real`` 0, `walk_seeds`): then every tile is COMPUTED, so
+    that those pages' keys are masked. No walk passes the table's ``table_tokens`` keys
+    (with a length past them, garbage under ``jit``, the queries keep their positions).
+    """
+
+    scores: PagedScores
+    group: int
+    rows: int
+    block_q: int
+    block_kv: int
+    table_tokens: int
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return -(-self.table_tokens // self.block_kv)
+
+    def steps(self, kv_len: Any, pages_real: Any, q_block: Any) -> WalkSteps:
+        """The walk of ``q_block`` for a sequence of ``kv_len`` tokens (broadcasting;
+        integer divisions of non-negative values only, which a kernel's scalars have)."""
+        first_row = q_block * self.block_q
+        first_t = lax.div(first_row, self.group)
+        last_t = lax.div(jnp.minimum(first_row + self.block_q, self.rows) - 1, self.group)
+        # Queries sit at their positions; no key lies past the table (a length past it
+        # is garbage under jit, whose keys there are masked).
+        lo, hi = self.scores.key_range(kv_len, first_t, last_t)
+        hi = jnp.minimum(hi, self.table_tokens)
+        lo = jnp.minimum(lo, hi)
+        begin = lax.div(lo, self.block_kv)
+        end = jnp.where(hi > lo, lax.div(hi + self.block_kv - 1, self.block_kv), begin)
+        shared_lo, shared_hi = self.scores.shared_key_range(kv_len, first_t, last_t)
+        shared_hi = jnp.minimum(shared_hi, self.table_tokens)
+        # A negative shared_hi (queries before the first key) clips to full_begin either way.
+        full_begin = jnp.clip(lax.div(shared_lo + self.block_kv - 1, self.block_kv), begin, end)
+        full_end = jnp.where(pages_real != 0,
+                             jnp.clip(lax.div(shared_hi, self.block_kv), full_begin, end),
+                             full_begin)
+        return WalkSteps(begin, full_begin, full_end, end)
+
+
+def walk_seeds(kv_lens: Array, page_table: Array, *, num_pages: int, page_size: int,
+               width: int) -> Array:
+    """``[batch, width]`` int32: per sequence its length, then 1 when every page id it
+    uses (of its first ``kv_lens`` tokens) lies in the cache, else 0 (`PagedWalk.steps`'
+    ``pages_real``), then zeros. One reduction over the table (the minimum of each lane):
+    XLA computes it in one kernel, the line a kernel loads as it is."""
+    slots = page_table.shape[1]
+    in_use = (jnp.arange(slots) * page_size)[None, :] < kv_lens[:, None]
+    real = ((page_table >= 0) & (page_table < num_pages)) | ~in_use
+    lane = jnp.arange(width)[None, None, :]
+    lanes = jnp.where(lane == 0, kv_lens.astype(jnp.int32)[:, None, None],
+                      jnp.where(lane == 1, real.astype(jnp.int32)[:, :, None], 0))
+    return lanes.min(axis=1)
 
 
 def page_rows(k_pos: Array, *, page_size: int, num_pages: int,

@@ -5,18 +5,20 @@ two differences, both outside its kernel body's attention code: its producer TMA
 each K/V tile through the sequence's page table (``page_table`` there), and its mask is
 `PagedKeys`, the call's visibility rules (`pallas_kernels.paged.PagedScores`:
 per-sequence ``kv_lens``, bottom-right causal, windows) plus the keys of page ids
-outside the cache. The walks are built per call in closed form (`_kernel_mask`: a few
-elementwise ops, no BlockMask construction, which costs a dozen small kernels around a
-decoding step): each q-block walks the kv-blocks its queries may see, the FULL ones
-(the kernel's mask-free loop) first, and split-KV comes with the forward. Grouped query
+outside the cache. The kernel computes the walks itself, per CTA in closed form from
+its sequence's length (`pallas_kernels.paged.PagedWalk`: no BlockMask construction,
+which costs a dozen small kernels around a decoding step): each q-block walks the
+kv-blocks its queries may see, the FULL ones (the kernel's mask-free loop) first, and
+split-KV comes with the forward. Grouped query
 heads are packed into rows (`omni_jax.query_groups`), heads first (the forward's
 ``heads_first``), when the group divides the kernel's 128-row q tile, else each head is
 its own CTA row.
 
 Each XLA kernel around a decoding step's 0.1 ms costs 2-4 us and a launch gap, so the
-call builds one array: the walks (after one reduction: whether a sequence uses a page
-id outside the cache); the kernel's producer computes the mask's one leaf (each key's
-sequence length) from the page table. K, V, the page table (whole 128-id lines, or one
+call computes one line per sequence before the kernel, in one reduction
+(`pallas_kernels.paged.walk_seeds`: its length and whether it uses a page id outside
+the cache); the kernel's producer computes the mask's one leaf (each key's sequence
+length) from the page table. K, V, the page table (whole 128-id lines, or one
 shorter row) and, for one query per sequence, the packed queries reach the kernel as
 views (its producer clamps the ids; a TMA box clips query rows fewer than 8), and the
 output comes back as a view too (with split-KV, combined elementwise). A test pins
@@ -41,8 +43,7 @@ from pallas_kernels import kv_splits, runtime
 from pallas_kernels.block_sparse import KernelMask, MaskLayout
 from pallas_kernels.mosaic import attention_fwd_sm90 as fwd
 from pallas_kernels.mosaic.attention_sm90_common import SMEM_LIMIT
-from pallas_kernels.paged import PagedScores
-from pallas_kernels.tile_classes import COMPUTED, FULL
+from pallas_kernels.paged import PagedScores, PagedWalk
 
 Array = Any
 _DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
@@ -126,65 +127,35 @@ def _config(call: _Call, programs: int, kv_len: int,
                                           for name, value in overrides.items()})
 
 
-def _kernel_mask(kv_lens: Array, page_table: Array, num_pages: int, scores: PagedScores, *,
+def _kernel_mask(page_table: Array, scores: PagedScores, *,
                  group: int, rows: int, page_size: int,
-                 block_kv: int) -> tuple[KernelMask, MaskLayout]:
-    """The kernel's walks and mask of a paged call, in closed form: a handful of
-    elementwise ops per call (a generic BlockMask's construction sorts and scatters,
-    a dozen small kernels around a decoding step of 0.1 ms).
-
-    Packed row ``r`` is query ``r // group``. A q-block walks the kv-blocks of its
-    queries' key range (`PagedScores.key_range`), first the FULL ones: those inside the
-    range every one of its queries sees (`PagedScores.shared_key_range`), in order,
-    then the others (COMPUTED, masked by `PagedKeys`). A sequence that holds a page id
-    outside the cache among its tokens (garbage under ``jit``) walks its range with
-    every tile COMPUTED, so that those pages' keys are masked.
-    """
+                 block_kv: int) -> tuple[KernelMask, MaskLayout, PagedWalk]:
+    """The kernel's mask of a paged call: its layout, a stand-in `KernelMask` (constants:
+    the kernel computes the walks and the mask's one leaf from the sequences' lengths
+    and the page table) and the walks' rule (`PagedWalk`)."""
     pages_per_seq = page_table.shape[1]
     kv_len = pages_per_seq * page_size
     num_q_blocks, num_kv_blocks = -(-rows // fwd.BLOCK_Q), -(-kv_len // block_kv)
-    row0 = np.arange(num_q_blocks) * fwd.BLOCK_Q
-    first_t = jnp.asarray(row0 // group, jnp.int32)
-    last_t = jnp.asarray((np.minimum(row0 + fwd.BLOCK_Q, rows) - 1) // group, jnp.int32)
-    lens = jnp.minimum(kv_lens, kv_len)[:, None]  # no walk past the table
-    lo, hi = scores.key_range(lens, first_t, last_t)  # [B, nq]
-    begin = lo // block_kv
-    end = jnp.where(hi > lo, -(-hi // block_kv), begin)
-    shared_lo, shared_hi = scores.shared_key_range(lens, first_t, last_t)
-    real_pages = (page_table >= 0) & (page_table < num_pages)
-    in_use = jnp.arange(pages_per_seq)[None, :] * page_size < lens
-    all_real = jnp.all(real_pages | ~in_use, axis=1, keepdims=True)
-    full_begin = jnp.clip(-(-shared_lo // block_kv), begin, end)
-    full_end = jnp.where(all_real, jnp.clip(shared_hi // block_kv, full_begin, end),
-                         full_begin)
-    step = jnp.arange(num_kv_blocks)
-    num_full, before = (full_end - full_begin)[..., None], (full_begin - begin)[..., None]
-    indices = jnp.where(step < num_full, full_begin[..., None] + step,
-                        jnp.where(step < num_full + before, begin[..., None] + step - num_full,
-                                  full_end[..., None] + step - num_full - before))
-    flags = jnp.where(step < num_full, FULL, COMPUTED)
-    head = lambda x: x[:, None].astype(jnp.int32)  # [B, 1, ...]: one mask for all heads
-    # The kernel computes the leaf's values itself (the forward's kv_lens): a stand-in.
+    walk = PagedWalk(scores, group=group, rows=rows, block_q=fwd.BLOCK_Q, block_kv=block_kv,
+                     table_tokens=kv_len)
     mask_mod = PagedKeys(np.zeros((1, num_kv_blocks * block_kv), np.int32), scores)
     if group > 1:
         mask_mod = RepeatedQueries.of(mask_mod, group)
     leaves, treedef = jax.tree.flatten(mask_mod)
-    # The forward walks kv-blocks only: the q walk (the backward's) stays empty.
+    walks = np.zeros((1, 1, num_q_blocks, num_kv_blocks), np.int32)
     no_q_walk = np.zeros((1, 1, num_kv_blocks), np.int32)
-    indices = head(jnp.minimum(indices, num_kv_blocks - 1))
+    no_q_tiles = np.zeros((1, 1, num_kv_blocks, num_q_blocks), np.int32)
     kmask = KernelMask(
-        kv_num_blocks=head(end - begin), kv_num_full=head(num_full[..., 0]),
-        kv_indices=indices, kv_tile_flags=head(flags), kv_partial_ids=jnp.zeros_like(indices),
-        q_num_blocks=no_q_walk, q_num_full=no_q_walk,
-        q_indices=np.zeros((1, 1, num_kv_blocks, num_q_blocks), np.int32),
-        q_tile_flags=np.zeros((1, 1, num_kv_blocks, num_q_blocks), np.int32),
-        q_partial_ids=np.zeros((1, 1, num_kv_blocks, num_q_blocks), np.int32),
-        partial_masks=np.zeros((0, fwd.BLOCK_Q, block_kv), np.int8), leaves=tuple(leaves))
+        kv_num_blocks=walks[..., 0], kv_num_full=walks[..., 0], kv_indices=walks,
+        kv_tile_flags=walks, kv_partial_ids=walks, q_num_blocks=no_q_walk,
+        q_num_full=no_q_walk, q_indices=no_q_tiles, q_tile_flags=no_q_tiles,
+        q_partial_ids=no_q_tiles, partial_masks=np.zeros((0, fwd.BLOCK_Q, block_kv), np.int8),
+        leaves=tuple(leaves))
     layout = MaskLayout(q_len=rows, kv_len=kv_len, block_q=fwd.BLOCK_Q, block_kv=block_kv,
                         num_q_blocks=num_q_blocks, num_kv_blocks=num_kv_blocks,
                         mask_mod_treedef=treedef, leaf_kinds=mask_mod.leaf_kinds(),
                         contiguous_full=False)
-    return kmask, layout
+    return kmask, layout, walk
 
 
 def unsupported_reason(dtype: Any, head_dim: int, head_dim_v: int, page_size: int,
@@ -218,7 +189,7 @@ def paged_attention_mosaic(q: Array, k_pages: Array, v_pages: Array, page_table:
     """Sink-free (out ``[B, Sq, Hq, Dv]``, lse ``[B, Hq, Sq]`` float32) of a paged call;
     ``overrides``: `ForwardConfig` fields forced over the chosen config (benchmarks)."""
     batch, q_len, num_heads, head_dim = q.shape
-    num_pages, page_size, num_kv_heads, head_dim_v = v_pages.shape
+    page_size, num_kv_heads, head_dim_v = v_pages.shape[1:]
     pages_per_seq = page_table.shape[1]
     group = num_heads // num_kv_heads
     if fwd.BLOCK_Q % group:  # packed rows need whole groups in a q tile
@@ -227,8 +198,8 @@ def paged_attention_mosaic(q: Array, k_pages: Array, v_pages: Array, page_table:
     rows = q_len * group
     programs = batch * (num_heads // group) * -(-rows // fwd.BLOCK_Q)
     config = _config(call, programs, pages_per_seq * page_size, overrides)
-    kmask, layout = _kernel_mask(kv_lens, page_table, num_pages, scores, group=group,
-                                 rows=rows, page_size=page_size, block_kv=config.block_kv)
+    kmask, layout, walk = _kernel_mask(page_table, scores, group=group, rows=rows,
+                                       page_size=page_size, block_kv=config.block_kv)
     # Packed rows go heads first: for a decoding step a view of q, and the output one of
     # the kernel's (no transposing kernel on either side).
     packed = group > 1
@@ -238,5 +209,5 @@ def paged_attention_mosaic(q: Array, k_pages: Array, v_pages: Array, page_table:
         q, k_pages, v_pages, kmask, layout, scale=scores.scale, softcap=scores.softcap,
         score_mod=None, has_partial=False, config=config,
         interpret_params=interpret_params(), page_table=page_table, heads_first=packed,
-        kv_lens=kv_lens)
+        kv_lens=kv_lens, paged_walk=walk)
     return query_groups.unpack(out, lse, group, heads_first=True) if packed else (out, lse)

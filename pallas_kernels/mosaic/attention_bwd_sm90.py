@@ -928,8 +928,8 @@ def _dq_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *r
             (q_leaf_ref, q_leaf_smem, q_leaf_barrier) if s.num_q_leaves else None,
             batch=batch, head=head, q_block=q_block, block_q=BLOCK_Q)
         common.produce_kv_blocks(
-            walk_smem, count, stages=stages, block_kv=block_kv, batch=batch,
-            kv_head=kv_head, offsets=offsets, k=(k_ref, k_ring, k_ready),
+            common.SmemWalk(walk_smem, s.layout.num_kv_blocks), count, stages=stages,
+            block_kv=block_kv, batch=batch, kv_head=kv_head, k=(k_ref, k_ring, k_ready),
             v=(v_ref, v_ring, v_ready), consumed=(k_consumed, v_consumed),
             interpret=s.interpret,
             kv_leaves=((kv_leaf_ref, kv_leaf_ring, kv_leaf_ready)

@@ -77,7 +77,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import compat, kv_splits
-from pallas_kernels.block_sparse import KernelMask, MaskLayout, walk_offsets
+from pallas_kernels.block_sparse import KernelMask, MaskLayout
 from pallas_kernels.mosaic import attention_sm90_common as common
 from pallas_kernels.mosaic.attention_sm90_common import (
     BLOCK_Q,
@@ -88,6 +88,7 @@ from pallas_kernels.mosaic.attention_sm90_common import (
     padded_head_dim,
     padded_head_dims,
 )
+from pallas_kernels.paged import PagedWalk, walk_seeds
 from pallas_kernels.score_pipeline import ConvertedScoreMod
 from pallas_kernels.tile_classes import trace_time_eval
 
@@ -321,6 +322,8 @@ class _Statics(common.LeafCounts):
     heads_first: bool = False
     # The kv leaf computed by the producer (`attention_forward`'s kv_lens).
     kv_leaves_computed: bool = False
+    # A paged call's walks in closed form (`attention_forward`'s paged_walk).
+    paged_walk: PagedWalk | None = None
 
 
 def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
@@ -367,8 +370,15 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
         return lax.div(row_block * cta_rows, cfg.block_q)
 
     wg = lax.axis_index("wg")
-    offsets = walk_offsets(s.layout.num_kv_blocks)
-    index_offset, flags_offset, partial_offset = offsets
+
+    def q_block_walk(walk_smem, i):
+        """Row block ``i``'s walk, once its buffer landed: as loaded, or for a paged call
+        computed from its sequence's length and page check (`PagedWalk`), which the
+        buffer holds instead."""
+        q_block = walk_q_block(row_block_of(i))
+        if s.paged_walk is None:
+            return common.SmemWalk(walk_smem, s.layout.num_kv_blocks)
+        return s.paged_walk.steps(walk_smem[0, 0], walk_smem[0, 1], q_block)
 
     def head_rows(ref, q_start):
         """This CTA's ``ROWS_PER_CONSUMER`` rows of Q or O from ``q_start`` in ``ref``."""
@@ -402,22 +412,22 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
             def _():
                 plgpu.barrier_wait(q_block_done.at[buffer])
 
-            walk_count = common.load_q_block_walk(
+            common.load_q_block_walk(
                 s, walk_ref, walk_smem.at[buffer], walk_barriers.at[buffer],
                 ((q_leaf_ref, q_leaf_smem.at[buffer], q_leaf_barriers.at[buffer])
                  if s.num_q_leaves else None),
-                batch=batch, head=head, q_block=walk_q_block(row_block_of(i)),
+                batch=batch, head=head,
+                q_block=0 if s.paged_walk else walk_q_block(row_block_of(i)),
                 block_q=cfg.block_q)
+            walk = q_block_walk(walk_smem.at[buffer], i)
             if pages is not None:
                 pl.when(i == 0)(lambda: plgpu.barrier_wait(table_barrier))
-            # A paged walk's partial ids are its sequence's length (`attention_forward`).
-            length = (common.walk_entry(walk_smem.at[buffer], partial_offset)
-                      if s.kv_leaves_computed else None)
-            begin, count, _ = split_of(walk_count, walk_count)
+            # A paged walk's buffer holds its sequence's length (`attention_forward`).
+            length = walk_smem.at[buffer][0, 0] if s.kv_leaves_computed else None
+            begin, count, _ = split_of(walk.count, walk.count)
             common.produce_kv_blocks(
-                walk_smem.at[buffer], count, stages=stages, block_kv=block_kv, batch=batch,
-                kv_head=kv_head, offsets=tuple(offset + begin for offset in offsets),
-                k=(k_ref, k_smem, k_barriers),
+                walk, count, stages=stages, block_kv=block_kv, batch=batch,
+                kv_head=kv_head, begin=begin, k=(k_ref, k_smem, k_barriers),
                 v=(v_ref, v_smem, v_barriers), consumed=(k_consumed, v_consumed),
                 interpret=s.interpret,
                 kv_leaves=((kv_leaf_ref, kv_leaf_smem, kv_leaf_barriers)
@@ -462,7 +472,6 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
 
         def compute_q_block(i, first_step):
             buffer = lax.rem(i, 2)
-            walk = walk_smem.at[buffer]
             q_start = row_block_of(i) * cta_rows + wg * rows
             if s.num_q_buffers == 2:
                 # Its buffer held Q and O of q-block i - 1, whose store has read it.
@@ -481,7 +490,8 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
                         q_leaf_smem.at[buffer, leaf, pl.ds(wg * rows, rows)], row_layout,
                         interpret=s.interpret))
             plgpu.barrier_wait(walk_barriers.at[buffer])
-            begin, count, num_full = split_of(walk[0, 0], walk[0, 1])
+            walk = q_block_walk(walk_smem.at[buffer], i)
+            begin, count, num_full = split_of(walk.count, walk.num_full)
             walk_steps, rows_past_end = count, None
             if skips_rows_past_end:
                 # A consumer whose rows all lie past q_len (in the last row block: a
@@ -498,7 +508,7 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
             def softmax(scores, step, row_max, row_sum, full: bool):
                 """(P in float32, alpha, new max, new sum) of the step's raw scores."""
                 slot = lax.rem(first_step + step, stages)
-                kv_block = common.walk_entry(walk, index_offset + begin + step)
+                kv_block = walk.index(begin + step)
                 if not fold_scale:
                     scores = common.log2_scores(score_spec, scores, batch, head,
                                                 functools.partial(indices, kv_block))
@@ -507,7 +517,7 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
                 if not full:
                     partial = ((mask_smem.at[slot, pl.ds(wg * rows, rows)],
                                 mask_barriers.at[slot]) if s.has_partial else None)
-                    flags = common.walk_entry(walk, flags_offset + begin + step)
+                    flags = walk.flags(begin + step)
                     scores = common.masked_q_major_scores(s, scores, flags,
                                                           functools.partial(indices, kv_block),
                                                           q_leaf_rows, kv_leaf_columns, partial)
@@ -813,8 +823,8 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
                       score_mod: ConvertedScoreMod | None, has_partial: bool,
                       config: ForwardConfig, captured: Sequence[Array] = (),
                       interpret_params: Any = None, page_table: Array | None = None,
-                      heads_first: bool = False,
-                      kv_lens: Array | None = None) -> tuple[Array, Array]:
+                      heads_first: bool = False, kv_lens: Array | None = None,
+                      paged_walk: PagedWalk | None = None) -> tuple[Array, Array]:
     """``(out [B, Sq, Hq, Dv], lse [B, Hq, Sq] float32)``; sinks are the caller's. With
     ``heads_first``, q is ``[B, Hq, Sq, D]`` and out ``[B, Hq, Sq, Dv]``: the layout in
     which a decoding step's packed query rows (`omni_jax.query_groups`) are a view of
@@ -834,7 +844,9 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
     must be the kernel's own (`padded_head_dims`): the cache is never copied. With
     ``kv_lens`` (int32 ``[B]``, paged only) the mask's one leaf, a kv leaf, is each key's
     sequence length, or -1 on pages outside the cache: the producer computes it from the
-    page table (no array in memory); the walks carry the lengths as their partial ids.
+    page table (no array in memory). ``paged_walk`` comes with it: the kernel computes
+    its walks from each sequence's length and page check (`PagedWalk`, `walk_seeds`: the
+    walk operand, one line per sequence) and ``kmask``'s walk arrays are not read.
     """
     batch, q_len, num_q_heads, head_dim = q.shape
     if heads_first:
@@ -843,6 +855,9 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
     page_size = None
     if page_table is not None:
         page_size = k.shape[1]
+        if paged_walk is not None:
+            seeds = walk_seeds(kv_lens, page_table, num_pages=k.shape[0],
+                               page_size=page_size, width=common.WALK_LINE)
         k, v, page_table = _paged_operands(k, v, page_table, layout.num_kv_blocks,
                                            config.block_kv)
     if kv_lens is not None and (page_table is None or layout.leaf_kinds != ("kv",)
@@ -850,6 +865,12 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
         raise ValueError(f"kv_lens needs page_table, a mask of one kv leaf and no PARTIAL "
                          f"tile; got page_table={page_table is not None}, leaf kinds "
                          f"{layout.leaf_kinds}, has_partial={has_partial}")
+    if (paged_walk is None) != (kv_lens is None) or (paged_walk is not None and (
+            paged_walk.block_kv, paged_walk.num_kv_blocks)
+            != (config.block_kv, layout.num_kv_blocks)):
+        raise ValueError(f"kv_lens and paged_walk come together, the walk over the "
+                         f"layout's {layout.num_kv_blocks} kv-blocks of {config.block_kv}; "
+                         f"got paged_walk={paged_walk}, kv_lens={kv_lens is not None}")
     if (layout.block_q, layout.block_kv) != (config.block_q, config.block_kv):
         raise ValueError(f"mask tiles {(layout.block_q, layout.block_kv)} differ from the "
                          f"kernel's {(config.block_q, config.block_kv)}")
@@ -863,10 +884,9 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
     if config.num_consumers != 2:
         _check_spanning_ctas(config, kmask, layout, has_partial, (dim, dim_v), page_table)
     with trace_time_eval(layout, kmask):  # constants when the mask is concrete
-        if kv_lens is not None:
-            kmask = dataclasses.replace(kmask, kv_partial_ids=jnp.broadcast_to(
-                kv_lens.astype(jnp.int32)[:, None, None, None], kmask.kv_indices.shape))
-        walk = common.packed_walk(kmask, "kv")
+        # A paged walk: one line per sequence ([B, 1, 1, 1, WALK_LINE]), walk_lines 1.
+        walk = (common.packed_walk(kmask, "kv") if paged_walk is None
+                else seeds[:, None, None, None])
         q_leaves, kv_leaves, leaf_slots = common.stacked_leaves(kmask, layout, batch)
         partial_tiles = kmask.partial_masks.astype(jnp.int8)
     interpret = interpret_params is not None
@@ -886,7 +906,7 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
                         else -(-q_len // config.cta_rows)),
         page_size=page_size,
         table_lines=0 if page_table is None else page_table.shape[1], heads_first=heads_first,
-        kv_leaves_computed=kv_lens is not None)
+        kv_leaves_computed=kv_lens is not None, paged_walk=paged_walk)
 
     operands = [q, k, v, walk]
     if page_table is not None:

@@ -98,6 +98,36 @@ def walk_entry(walk_smem, i):
     return walk_smem[lax.div(i, WALK_LINE), lax.rem(i, WALK_LINE)]
 
 
+@dataclasses.dataclass(frozen=True)
+class SmemWalk:
+    """A packed walk row (`block_sparse.packed_walk`) held in smem as ``[R, WALK_LINE]``,
+    read as the kernels read any walk (`pallas_kernels.paged.WalkSteps` is the other
+    kind): its count, its FULL count, and per step the block, flags and partial id."""
+
+    smem: Any
+    num_blocks: int
+
+    @property
+    def count(self) -> Array:
+        return self.smem[0, 0]
+
+    @property
+    def num_full(self) -> Array:
+        return self.smem[0, 1]
+
+    def _entry(self, field: int, step) -> Array:
+        return walk_entry(self.smem, block_sparse.walk_offsets(self.num_blocks)[field] + step)
+
+    def index(self, step) -> Array:
+        return self._entry(0, step)
+
+    def flags(self, step) -> Array:
+        return self._entry(1, step)
+
+    def partial_id(self, step) -> Array:
+        return self._entry(2, step)
+
+
 class LeafCounts:
     """``num_q_leaves``/``num_kv_leaves`` of a kernel's statics, from its ``leaf_slots``
     (per mask_mod leaf: ("q" | "kv", row in its stacked leaf array))."""
@@ -428,11 +458,11 @@ def page_copies(block_kv: int, page_size: int | None) -> int:
     return 1 if page_size is None else max(1, block_kv // page_size)
 
 
-def produce_kv_blocks(walk_smem, count, *, stages: int, block_kv: int, batch, kv_head,
-                      offsets: tuple[int, int, int], k, v, consumed, interpret: bool,
-                      kv_leaves=None, partial=None, first_step=0, v_first=False,
-                      pages=None, key_lens=None) -> None:
-    """The producer loop of one q-block: TMA-loads its active kv-blocks into the ring.
+def produce_kv_blocks(walk, count, *, stages: int, block_kv: int, batch, kv_head, k, v,
+                      consumed, interpret: bool, begin=0, kv_leaves=None, partial=None,
+                      first_step=0, v_first=False, pages=None, key_lens=None) -> None:
+    """The producer loop of one q-block: TMA-loads steps ``begin .. begin + count - 1`` of
+    its ``walk`` (`SmemWalk`, or `pallas_kernels.paged.WalkSteps`) into the ring.
 
     ``k`` and ``v`` are (gmem ref, smem ring, "loaded" barriers); ``consumed``
     the (K, V) "consumed" barriers the consumers arrive on. The q-block's steps
@@ -453,14 +483,13 @@ def produce_kv_blocks(walk_smem, count, *, stages: int, block_kv: int, batch, kv
     ``key_lens`` (the sequence's length) the one kv leaf is not loaded but computed here
     (``kv_leaves``' ref None): per key the length, or -1 on a page outside the cache.
     """
-    index_offset, flags_offset, partial_offset = offsets
     k_consumed, v_consumed = consumed
 
     @pl.loop(0, count)
     def _fetch(step):
         ring_step = first_step + step
         slot = lax.rem(ring_step, stages)
-        kv_block = walk_entry(walk_smem, index_offset + step)
+        kv_block = walk.index(begin + step)
         rows_kv = pl.ds(kv_block * block_kv, block_kv)
 
         # K and V are refilled independently, each once every consumer released the
@@ -507,9 +536,9 @@ def produce_kv_blocks(walk_smem, count, *, stages: int, block_kv: int, batch, kv
         if partial is not None:
             partial_ref, mask_smem, mask_barriers = partial
 
-            @pl.when((walk_entry(walk_smem, flags_offset + step) & PARTIAL) != 0)
+            @pl.when((walk.flags(begin + step) & PARTIAL) != 0)
             def _():
-                partial_id = walk_entry(walk_smem, partial_offset + step)
+                partial_id = walk.partial_id(begin + step)
                 plgpu.copy_gmem_to_smem(partial_ref.at[partial_id], mask_smem.at[slot],
                                         mask_barriers.at[slot])
 

@@ -104,6 +104,20 @@ def test_bad_page_ids_under_jit_are_masked_not_read(implementation, seed):
         assert relative_error(out[b], _reference_without_slot(case, b, bad_slot)) < 2e-5
 
 
+def test_lengths_past_the_table_under_jit_see_its_tokens_alone(implementation, seed):
+    """A length past the table's pages (garbage under jit, unchecked) reads nothing past
+    the table, and the query keeps its position: a decoding step sees every token."""
+    case = random_case(seed, kv_lens=[40, 48], spare_pages=0)
+    too_long = jnp.array([58, 148], jnp.int32)
+    out = jax.jit(lambda *a: omni_jax.paged_attention(*a, implementation=implementation))(
+        case.q, case.k_pages, case.v_pages, case.page_table, too_long)
+    full = case.__class__(case.q, case.k_pages, case.v_pages, case.page_table,
+                          jnp.array([48, 48], jnp.int32))
+    with jax.enable_x64(True):
+        ref_out, _ = dense_paged_reference(full)
+    assert relative_error(out, ref_out) < 2e-5
+
+
 def _reference_without_slot(case, b, slot):
     """Float64 output of sequence ``b`` (one query, which sees every token) with the tokens
     of its table slot ``slot`` left out."""
