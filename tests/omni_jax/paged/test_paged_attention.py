@@ -104,18 +104,25 @@ def test_bad_page_ids_under_jit_are_masked_not_read(implementation, seed):
         assert relative_error(out[b], _reference_without_slot(case, b, bad_slot)) < 2e-5
 
 
-def test_lengths_past_the_table_under_jit_see_its_tokens_alone(implementation, seed):
+@pytest.mark.parametrize("window", [None, 30])
+def test_lengths_past_the_table_under_jit_keep_their_positions(implementation, window, seed):
     """A length past the table's pages (garbage under jit, unchecked) reads nothing past
-    the table, and the query keeps its position: a decoding step sees every token."""
-    case = random_case(seed, kv_lens=[40, 48], spare_pages=0)
-    too_long = jnp.array([58, 148], jnp.int32)
-    out = jax.jit(lambda *a: omni_jax.paged_attention(*a, implementation=implementation))(
-        case.q, case.k_pages, case.v_pages, case.page_table, too_long)
-    full = case.__class__(case.q, case.k_pages, case.v_pages, case.page_table,
-                          jnp.array([48, 48], jnp.int32))
-    with jax.enable_x64(True):
-        ref_out, _ = dense_paged_reference(full)
-    assert relative_error(out, ref_out) < 2e-5
+    the table, and the query keeps its position: it sees the table's tokens within its
+    window (with none, all of them)."""
+    case = random_case(seed, kv_lens=[40, 48], spare_pages=0)  # a table of 48 tokens
+    too_long = [58, 70]
+    out = jax.jit(lambda *a: omni_jax.paged_attention(
+        *a, local_window_size=None if window is None else (window, 0),
+        implementation=implementation))(
+        case.q, case.k_pages, case.v_pages, case.page_table, jnp.array(too_long, jnp.int32))
+    for b, length in enumerate(too_long):
+        # The same keys as a query at the table's end with a window reaching as far back.
+        one = case.__class__(case.q[b:b + 1], case.k_pages, case.v_pages,
+                             case.page_table[b:b + 1], jnp.array([48], jnp.int32))
+        with jax.enable_x64(True):
+            ref_out, _ = dense_paged_reference(
+                one, window=None if window is None else (48 - length + window, 0))
+        assert relative_error(out[b:b + 1], ref_out) < 2e-5
 
 
 def _reference_without_slot(case, b, slot):
