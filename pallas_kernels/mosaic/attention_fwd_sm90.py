@@ -852,14 +852,6 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
     if heads_first:
         q_len, num_q_heads = num_q_heads, q_len
     num_kv_heads, head_dim_v = v.shape[2], v.shape[3]
-    page_size = None
-    if page_table is not None:
-        page_size = k.shape[1]
-        if paged_walk is not None:
-            seeds = walk_seeds(kv_lens, page_table, num_pages=k.shape[0],
-                               page_size=page_size, width=common.WALK_LINE)
-        k, v, page_table = _paged_operands(k, v, page_table, layout.num_kv_blocks,
-                                           config.block_kv)
     if kv_lens is not None and (page_table is None or layout.leaf_kinds != ("kv",)
                                 or has_partial):
         raise ValueError(f"kv_lens needs page_table, a mask of one kv leaf and no PARTIAL "
@@ -871,6 +863,14 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
         raise ValueError(f"kv_lens and paged_walk come together, the walk over the "
                          f"layout's {layout.num_kv_blocks} kv-blocks of {config.block_kv}; "
                          f"got paged_walk={paged_walk}, kv_lens={kv_lens is not None}")
+    page_size = seeds = None
+    if page_table is not None:
+        page_size = k.shape[1]
+        if paged_walk is not None:
+            seeds = walk_seeds(kv_lens, page_table, num_pages=k.shape[0],
+                               page_size=page_size, width=common.WALK_LINE)
+        k, v, page_table = _paged_operands(k, v, page_table, layout.num_kv_blocks,
+                                           config.block_kv)
     if (layout.block_q, layout.block_kv) != (config.block_q, config.block_kv):
         raise ValueError(f"mask tiles {(layout.block_q, layout.block_kv)} differ from the "
                          f"kernel's {(config.block_q, config.block_kv)}")
