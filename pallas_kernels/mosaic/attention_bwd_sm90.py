@@ -13,7 +13,8 @@ dense masks and long walks the dK/dV kernel adding dQ too (fused dQ, below):
   stored tile) into a ring of stages; MASKED tiles are never loaded. Per
   step a consumer computes ``S^T = K Q^T`` and ``dP^T = V dO^T`` by wgmma,
   ``P^T = exp2(S^T - lse)``
-  (scores in log2 units), ``dV += P^T dO`` and
+  (scores in log2 units; the accumulators of S^T and dP^T start at -lse and -delta,
+  `BackwardConfig.seeded_stats`), ``dV += P^T dO`` and
   ``dS^T = P^T (dP^T - delta)`` (times the softcap/score_mod derivative; the
   scale multiplies the sums once, `BackwardConfig.fold_scale`), ``dK += dS^T Q``.
   dK and dV stay in registers across the whole group, so the GQA reduction needs
@@ -203,6 +204,18 @@ class BackwardConfig:
     # s16384 1-2%. The interpreter runs the same either way: only compiled GPU tests check
     # this.
     auto_barriers: bool = False
+    # The dK/dV step's score accumulators start at the softmax statistics rather than at
+    # zero: S^T at -lse / (scale * log2 e) (plain scores with a positive scale only), so
+    # that its scaled product is the exp2 argument, and dP^T at -delta, so that it is
+    # dP^T - delta. The transposed tiles need each statistic per column, 16 values a
+    # thread; loaded beside the live dK, dV, S^T and dP^T sums they left no registers to
+    # load them ahead, and ncu (H200, 2026-11-29) showed the softmax's FMAs waiting on
+    # those loads one pair of columns at a time. Seeded, they load before the products are
+    # issued, into the accumulators' own registers. H200, 2026-11-29 (benchmarks/
+    # RESULTS.md), fwd+bwd on the deterministic default: 0-4% faster in 6 of 8 cases
+    # (head dims 64 and 128, dense and causal, s4096 and s16384); the overlapped fused
+    # step ran even (-3% to +1%) and spilled 12 bytes more, so it does not seed.
+    seeded_stats: bool = True
 
     def __post_init__(self):
         if self.block_q != BLOCK_Q:
@@ -373,6 +386,22 @@ class _Statics(common.LeafCounts):
         return self.config.fold_scale and (self.config.overlapped_step or not self.fused_dq)
 
     @property
+    def seeds_stats(self) -> bool:
+        """Whether the step seeds its score accumulators (`BackwardConfig.seeded_stats`):
+        all but the overlapped fused step, which keeps them in refs."""
+        return self.config.seeded_stats and not (self.fused_dq and self.config.overlapped_step)
+
+    @property
+    def seeds_lse(self) -> bool:
+        """Whether S^T's accumulator starts at -lse (`BackwardConfig.seeded_stats`)."""
+        return self.seeds_stats and self.scores.folds_scale
+
+    @property
+    def seeds_delta(self) -> bool:
+        """Whether dP^T's accumulator starts at -delta (`BackwardConfig.seeded_stats`)."""
+        return self.seeds_stats and "dk" in self.gradients
+
+    @property
     def dkv_walk_heads(self) -> int:
         """Walk rows a dK/dV CTA loads: one per query head of its group if the mask has heads."""
         return self.group_size if self.mask_heads > 1 else 1
@@ -393,21 +422,43 @@ def _transposed(ref):
     return ref.transpose((1, 0))
 
 
-def _products(tile, *operands):
-    """``a @ b`` (float32, ``tile``-shaped) for each ``(a, b)`` of smem operands by wgmma.
+def _products(tile, *operands, seeds=None, interpret: bool = False):
+    """``seed + a @ b`` (float32, ``tile``-shaped) for each ``(a, b)`` of smem operands by
+    wgmma, ``seeds`` (one per operand, None for zero) the accumulators' starting values.
 
     All products are issued before the one wait that reading the results implies. An
     operand ``(a, b, ready)`` first waits for the barrier ``ready``: the products issued
     before it run meanwhile.
     """
+    seeds = seeds or (None,) * len(operands)
+
     def issue(*acc_refs):
+        added = [_seed(acc_ref, seed, interpret) for acc_ref, seed in zip(acc_refs, seeds,
+                                                                          strict=True)]
         for acc_ref, (a, b, *ready) in zip(acc_refs, operands, strict=True):
             for barrier in ready:
                 plgpu.barrier_wait(barrier)
             plgpu.wgmma(acc_ref, a, b)
-        return tuple(acc_ref[...] for acc_ref in acc_refs)
+        return tuple(_load_seeded(acc_ref, add) for acc_ref, add in zip(acc_refs, added,
+                                                                         strict=True))
 
     return pl.run_scoped(issue, *(plgpu.ACC(tile, jnp.float32) for _ in operands))
+
+
+def _seed(acc_ref, seed, interpret: bool):
+    """Starts the zeroed accumulator ``acc_ref`` at ``seed`` (None: zero). The
+    interpreter keeps it at zero and returns ``seed`` for `_load_seeded` to add (its
+    accumulators are plain arrays: the same value, rounded once more)."""
+    if seed is None or interpret:
+        return seed
+    acc_ref[...] = seed
+    return None
+
+
+def _load_seeded(acc_ref, add):
+    """The accumulator's value once its wgmma is done, plus what `_seed` left to ``add``."""
+    value = acc_ref[...]
+    return value if add is None else value + add
 
 
 def _staged(staging, value):
@@ -691,8 +742,25 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
             head = first_head + g
             score_spec = common.with_captured_read(s.scores, captured_smem, batch, head)
 
+            def stat_seeds(slot):
+                """(S^T's, dP^T's) accumulator seeds of the step in ``slot``, None where
+                not seeded (`BackwardConfig.seeded_stats`); waits for the step's
+                statistics if either is."""
+                if not (s.seeds_lse or s.seeds_delta):
+                    return None, None
+                plgpu.barrier_wait(stats_ready.at[slot])
+
+                def seed(row, factor):
+                    stat = compat.mosaic_load(stats_ring.at[slot, row], col_layout,
+                                              interpret=s.interpret)
+                    return lax.broadcast_in_dim(stat * factor, tile, [1])
+
+                return (seed(0, -1 / (s.scores.scale * LOG2E)) if s.seeds_lse else None,
+                        seed(1, -1.0) if s.seeds_delta else None)
+
             def probabilities(scores, slot, flags, q_start, full: bool):
-                """(P^T float32, the score slope or None) of the step's raw S^T."""
+                """(P^T float32, the score slope or None) of the step's S^T (raw, or
+                seeded with -lse: `stat_seeds`)."""
                 scores = common.log2_scores(score_spec, scores, batch, head,
                                             functools.partial(indices, q_start),
                                             slope=sums_dk)
@@ -716,17 +784,24 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                 if not full:
                     scores = masked(scores)
 
-                plgpu.barrier_wait(stats_ready.at[slot])
+                if s.seeds_lse:
+                    return jnp.exp2(scores), slope
+                if not s.seeds_delta:  # Else `stat_seeds` waited.
+                    plgpu.barrier_wait(stats_ready.at[slot])
                 lse2 = compat.mosaic_load(stats_ring.at[slot, 0], col_layout,
                                           interpret=s.interpret)
                 return jnp.exp2(scores - lax.broadcast_in_dim(lse2, tile, [1])), slope
 
             def score_grads(probs, dprobs, slope, slot):
                 """dS^T in the input dtype: P^T (dP^T - delta), times the slope and the
-                scale (unless the sums take it, `_Statics.folds_scale`)."""
-                delta = compat.mosaic_load(stats_ring.at[slot, 1], col_layout,
-                                           interpret=s.interpret)
-                dscores = probs * (dprobs - lax.broadcast_in_dim(delta, tile, [1]))
+                scale (unless the sums take it, `_Statics.folds_scale`); ``dprobs`` is
+                dP^T - delta already if seeded (`stat_seeds`)."""
+                if s.seeds_delta:
+                    dscores = probs * dprobs
+                else:
+                    delta = compat.mosaic_load(stats_ring.at[slot, 1], col_layout,
+                                               interpret=s.interpret)
+                    dscores = probs * (dprobs - lax.broadcast_in_dim(delta, tile, [1]))
                 if slope is not None:
                     dscores = dscores * slope
                 if not s.folds_scale:
@@ -741,11 +816,15 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
 
                 plgpu.barrier_wait(q_ready.at[slot])
                 plgpu.barrier_wait(do_ready.at[slot])
+                lse_seed, delta_seed = stat_seeds(slot)
                 if sums_dk:
                     scores, dprobs = _products(tile, (k_tile, _transposed(q_half)),
-                                               (v_tile, _transposed(do_half)))
+                                               (v_tile, _transposed(do_half)),
+                                               seeds=(lse_seed, delta_seed),
+                                               interpret=s.interpret)
                 else:
-                    (scores,) = _products(tile, (k_tile, _transposed(q_half)))
+                    (scores,) = _products(tile, (k_tile, _transposed(q_half)),
+                                          seeds=(lse_seed,), interpret=s.interpret)
                 probs, slope = probabilities(scores, slot, flags, q_start, full)
                 # (sum, its (a, b) product) of each gradient summed, dV's issued first.
                 products = []

@@ -93,7 +93,8 @@ CASES = (
 # published apart from the dQ stage), or dK and dV in launches
 # of their own (with the dQ kernel's V-first order, as the wide head dims' config has
 # it); "_q128": the dK/dV kernel walking whole q-blocks (head dim 64's steps), where the
-# fused dQ splits dQ's rows.
+# fused dQ splits dQ's rows; "_unseeded": the score accumulators start at zero
+# (`BackwardConfig.seeded_stats`).
 VARIANTS = {"dq_kernel": {}, "dq_kernel_scaled_ds": {"fold_scale": False},
             "fused_dq": {"fused_dq": True},
             "fused_dq_scaled_ds": {"fused_dq": True, "fold_scale": False},
@@ -107,7 +108,8 @@ VARIANTS = {"dq_kernel": {}, "dq_kernel_scaled_ds": {"fold_scale": False},
             "split_dkdv": {"split_dkdv": True, "dq_v_first": True},
             "dq_kernel_q128": {"q_step": 128}, "fused_dq_q128": {"fused_dq": True, "q_step": 128},
             "fused_dq_q128_consumer_adds": {"fused_dq": True, "q_step": 128,
-                                            "dq_reducer_warp": False}}
+                                            "dq_reducer_warp": False},
+            "unseeded": {"seeded_stats": False}}
 
 
 def _score_mod(s, b, h, i, j):
