@@ -65,20 +65,21 @@ transposed 64-column slices of both consumers' 64 x 128 dS^T tiles times their K
 (FlashAttention-3's and -4's tiling).
 
 Per step a consumer (`BackwardConfig.overlapped_step`) issues S^T and dP^T and
-computes P^T while dP^T runs; stores its dS^T tile; issues dV, the previous step's dQ
-and dK, and waits for dV and dQ only, so that dQ's float32 staging (and without the
-reducer, its reduction) runs under dK. dK and dV therefore accumulate in wgmma
-accumulator refs, and no register of a wgmma in flight is written meanwhile (ptxas
-would serialize every wgmma of the kernel). The serial order (`overlapped_step=False`)
-waits for S^T and dP^T, then for dV and dK, then issues dQ and waits for it; or issues
-dQ right behind dV and dK and waits once (`BackwardConfig.serial_dq_with_dkdv`). Mask
-code beside the fused dQ's state spills registers, so under masks with masked tiles
-the fused launch walks only the FULL steps and compiles no mask code; a second fused
-launch walks the masked steps (its few steps a CTA bear the spills), adding the first
-launch's dK and dV to its own and its dQ to the same buffer. That pays where walks are
-long (`BackwardConfig.fused_dq_min_full_walk`); shorter ones keep the dQ kernel for
-every step, and so does `jax.vmap` (a custom_vmap rule). Inside a `jax.shard_map` the
-fused dQ serves as outside.
+computes P^T while dP^T runs; stores its dS^T tile; issues the previous step's dQ, dV
+and dK (`BackwardConfig.dq_before_dv`), and waits for dQ only, so that dQ's float32
+staging (and without the reducer, its reduction) runs under dV and dK. dK and dV
+therefore accumulate in wgmma accumulator refs, and no register of a wgmma in flight
+is written meanwhile (ptxas would serialize every wgmma of the kernel). The serial
+order (`overlapped_step=False`) waits for S^T and dP^T, then for dV and dK, then
+issues dQ and waits for it; or issues dQ right behind dV and dK and waits once
+(`BackwardConfig.serial_dq_with_dkdv`). Mask code beside the fused dQ's state spills
+registers, so under masks with masked tiles the fused launch walks only the FULL steps
+and compiles no mask code; a second fused launch walks the masked steps (its few steps
+a CTA bear the spills), adding the first launch's dK and dV to its own and its dQ to
+the same buffer. That pays where walks are long
+(`BackwardConfig.fused_dq_min_full_walk`); shorter ones keep the dQ kernel for every
+step, and so does `jax.vmap` (a custom_vmap rule). Inside a `jax.shard_map` the fused
+dQ serves as outside.
 """
 
 from __future__ import annotations
@@ -160,11 +161,19 @@ class BackwardConfig:
     dq_v_first: bool = False
     # The fused dQ's step order (FlashAttention-3's, within the one-step-delayed dQ): each
     # consumer waits for S^T alone and computes P^T while dP^T runs; stores dS^T, then
-    # issues dV, the previous step's dQ and dK and waits for dV and dQ only, staging dQ
-    # (and without dq_reducer_warp issuing its reduction) while dK runs. False: S^T and
+    # issues dV, the previous step's dQ (or dQ first, `dq_before_dv`) and dK and waits
+    # for those but dK, staging dQ (and without dq_reducer_warp issuing its reduction)
+    # while dK runs. False: S^T and
     # dP^T, dV and dK, then dQ, each awaited whole before the next (the step of commit
     # bc65497; `serial_dq_with_dkdv` issues dQ with dV and dK).
     overlapped_step: bool = True
+    # In the overlapped order: the previous step's dQ issued before dV rather than after
+    # it, so that staging dQ (a store, a proxy fence and a barrier, which ncu showed
+    # outlasting dK: H200, 2026-11-29) runs under both dV and dK. H200, 2026-11-29
+    # (benchmarks/RESULTS.md), fwd+bwd with deterministic=False against dQ after dV: head
+    # dim 64 1-7% faster (dense and causal, s4096 and s16384), 128 4% at dense s4096,
+    # 1% at causal s4096, even at s16384.
+    dq_before_dv: bool = True
     # In the serial order: dV, dK and dQ issued back to back and awaited once (dQ's
     # tiles ready first), rather than dQ issued after dV and dK are done. dQ's 64 x 64
     # float32 accumulator (32 registers a thread) then lives beside P^T and dS^T: off
@@ -899,13 +908,17 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                 # dQ's accumulator is zeroed before dV is issued: no register of a
                 # wgmma in flight may be defined.
                 def products(dq_ref):
-                    plgpu.wgmma(dv_ref, _staged(p_stage, probs), do_half)
+                    if not cfg.dq_before_dv:
+                        plgpu.wgmma(dv_ref, _staged(p_stage, probs), do_half)
                     plgpu.barrier_wait(ds_ready.at[1 - parity])
                     for a, b in dq_products(1 - parity):
                         plgpu.wgmma(dq_ref, a, b)
+                    if cfg.dq_before_dv:
+                        plgpu.wgmma(dv_ref, _staged(p_stage, probs), do_half)
                     plgpu.wgmma(dk_ref, _staged(ds_stage, dscores), q_half)
-                    # dV and dQ are done, dK still runs.
-                    return plgpu.wgmma_accumulator_load(dq_ref, wait_n=1)
+                    # dQ is done (and dV, unless issued after it); dK still runs.
+                    return plgpu.wgmma_accumulator_load(
+                        dq_ref, wait_n=2 if cfg.dq_before_dv else 1)
 
                 dq = pl.run_scoped(products, plgpu.ACC((dq_rows, dq_cols), jnp.float32))
                 plgpu.barrier_arrive(ds_free.at[1 - parity])

@@ -94,7 +94,8 @@ CASES = (
 # of their own (with the dQ kernel's V-first order, as the wide head dims' config has
 # it); "_q128": the dK/dV kernel walking whole q-blocks (head dim 64's steps), where the
 # fused dQ splits dQ's rows; "_unseeded": the score accumulators start at zero
-# (`BackwardConfig.seeded_stats`).
+# (`BackwardConfig.seeded_stats`); "_dv_first": the fused step issuing dV before the
+# previous step's dQ.
 VARIANTS = {"dq_kernel": {}, "dq_kernel_scaled_ds": {"fold_scale": False},
             "fused_dq": {"fused_dq": True},
             "fused_dq_scaled_ds": {"fused_dq": True, "fold_scale": False},
@@ -109,7 +110,10 @@ VARIANTS = {"dq_kernel": {}, "dq_kernel_scaled_ds": {"fold_scale": False},
             "dq_kernel_q128": {"q_step": 128}, "fused_dq_q128": {"fused_dq": True, "q_step": 128},
             "fused_dq_q128_consumer_adds": {"fused_dq": True, "q_step": 128,
                                             "dq_reducer_warp": False},
-            "unseeded": {"seeded_stats": False}}
+            "unseeded": {"seeded_stats": False},
+            "fused_dq_dv_first": {"fused_dq": True, "dq_before_dv": False},
+            "fused_dq_q128_dv_first": {"fused_dq": True, "q_step": 128,
+                                       "dq_before_dv": False}}
 
 
 def _score_mod(s, b, h, i, j):
