@@ -401,6 +401,11 @@ class _Statics(common.LeafCounts):
         return self.config.seeded_stats and not (self.fused_dq and self.config.overlapped_step)
 
     @property
+    def seeds_any_stat(self) -> bool:
+        """Whether a step waits for its statistics before its products, to seed them."""
+        return self.seeds_lse or self.seeds_delta
+
+    @property
     def seeds_lse(self) -> bool:
         """Whether S^T's accumulator starts at -lse (`BackwardConfig.seeded_stats`)."""
         return self.seeds_stats and self.scores.folds_scale
@@ -751,21 +756,23 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
             head = first_head + g
             score_spec = common.with_captured_read(s.scores, captured_smem, batch, head)
 
+            def stat(slot, row, factor=1.0):
+                """``factor`` times the step's lse (``row`` 0) or delta (1), broadcast over
+                the transposed tile's kv rows."""
+                values = compat.mosaic_load(stats_ring.at[slot, row], col_layout,
+                                            interpret=s.interpret)
+                return lax.broadcast_in_dim(values if factor == 1 else values * factor,
+                                            tile, [1])
+
             def stat_seeds(slot):
                 """(S^T's, dP^T's) accumulator seeds of the step in ``slot``, None where
                 not seeded (`BackwardConfig.seeded_stats`); waits for the step's
                 statistics if either is."""
-                if not (s.seeds_lse or s.seeds_delta):
+                if not s.seeds_any_stat:
                     return None, None
                 plgpu.barrier_wait(stats_ready.at[slot])
-
-                def seed(row, factor):
-                    stat = compat.mosaic_load(stats_ring.at[slot, row], col_layout,
-                                              interpret=s.interpret)
-                    return lax.broadcast_in_dim(stat * factor, tile, [1])
-
-                return (seed(0, -1 / (s.scores.scale * LOG2E)) if s.seeds_lse else None,
-                        seed(1, -1.0) if s.seeds_delta else None)
+                return (stat(slot, 0, -1 / (s.scores.scale * LOG2E)) if s.seeds_lse else None,
+                        stat(slot, 1, -1.0) if s.seeds_delta else None)
 
             def probabilities(scores, slot, flags, q_start, full: bool):
                 """(P^T float32, the score slope or None) of the step's S^T (raw, or
@@ -795,22 +802,15 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
 
                 if s.seeds_lse:
                     return jnp.exp2(scores), slope
-                if not s.seeds_delta:  # Else `stat_seeds` waited.
+                if not s.seeds_any_stat:  # Else `stat_seeds` waited.
                     plgpu.barrier_wait(stats_ready.at[slot])
-                lse2 = compat.mosaic_load(stats_ring.at[slot, 0], col_layout,
-                                          interpret=s.interpret)
-                return jnp.exp2(scores - lax.broadcast_in_dim(lse2, tile, [1])), slope
+                return jnp.exp2(scores - stat(slot, 0)), slope
 
             def score_grads(probs, dprobs, slope, slot):
                 """dS^T in the input dtype: P^T (dP^T - delta), times the slope and the
                 scale (unless the sums take it, `_Statics.folds_scale`); ``dprobs`` is
                 dP^T - delta already if seeded (`stat_seeds`)."""
-                if s.seeds_delta:
-                    dscores = probs * dprobs
-                else:
-                    delta = compat.mosaic_load(stats_ring.at[slot, 1], col_layout,
-                                               interpret=s.interpret)
-                    dscores = probs * (dprobs - lax.broadcast_in_dim(delta, tile, [1]))
+                dscores = probs * (dprobs if s.seeds_delta else dprobs - stat(slot, 1))
                 if slope is not None:
                     dscores = dscores * slope
                 if not s.folds_scale:
