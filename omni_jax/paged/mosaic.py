@@ -40,7 +40,7 @@ from omni_jax.backends.mosaic import interpret_params
 from omni_jax.masks import BlockGrid, MaskMod
 from omni_jax.masks.mask_mods import RepeatedQueries
 from pallas_kernels import kv_splits, runtime
-from pallas_kernels.block_sparse import KernelMask, MaskLayout
+from pallas_kernels.block_sparse import MaskLayout
 from pallas_kernels.mosaic import attention_fwd_sm90 as fwd
 from pallas_kernels.mosaic.attention_sm90_common import SMEM_LIMIT
 from pallas_kernels.paged import PagedScores, PagedWalk
@@ -61,8 +61,8 @@ class PagedKeys(MaskMod):
 
     One kv leaf carries both the length and the page check. A paged call builds no
     array for it: the forward's producer computes its values per tile from the page
-    table and ``kv_lens`` (`attention_forward`'s kv_lens), and the call passes a
-    stand-in (`_kernel_mask`)."""
+    table and ``kv_lens`` (`attention_forward`'s kv_lens); the call flattens a
+    placeholder for the mask's structure (`_kernel_mask`)."""
 
     def __init__(self, key_lens: Array, scores: PagedScores):
         self.key_lens = key_lens
@@ -80,20 +80,8 @@ class PagedKeys(MaskMod):
         return self.scores.visible(q_pos, kv_idx, self.key_lens)
 
     def classify(self, grid: BlockGrid):
-        q_start, q_end = grid.q_bounds()
-        kv_start, kv_end = grid.kv_bounds()
-        kv_len = self.key_lens.max(axis=1)[:, None, None, None]
-        lo, hi = self.scores.key_range(kv_len, q_start, q_end)
-        shared_lo, shared_hi = self.scores.shared_key_range(kv_len, q_start, q_end)
-        blocks = -(-grid.kv_len // grid.block_kv)
-        real = jnp.pad(self.key_lens >= 0, ((0, 0), (0, blocks * grid.block_kv - grid.kv_len)),
-                       constant_values=True)  # the ragged tail: kv_len hides it
-        real = real.reshape(real.shape[0], blocks, grid.block_kv)
-        all_real = real.all(axis=-1)[:, None, None, :]
-        any_real = real.any(axis=-1)[:, None, None, :]
-        empty = (kv_end < lo) | (kv_start >= hi) | ~any_real
-        full = all_real & (kv_start >= shared_lo) & (kv_end < shared_hi)
-        return full, empty
+        raise NotImplementedError("PagedKeys is evaluated in the paged kernel only, whose "
+                                  "walks come from PagedWalk, never from a BlockMask")
 
     def leaf_kinds(self):
         return ("kv",)
@@ -127,35 +115,23 @@ def _config(call: _Call, programs: int, kv_len: int,
                                           for name, value in overrides.items()})
 
 
-def _kernel_mask(page_table: Array, scores: PagedScores, *,
-                 group: int, rows: int, page_size: int,
-                 block_kv: int) -> tuple[KernelMask, MaskLayout, PagedWalk]:
-    """The kernel's mask of a paged call: its layout, a stand-in `KernelMask` (constants:
-    the kernel computes the walks and the mask's one leaf from the sequences' lengths
-    and the page table) and the walks' rule (`PagedWalk`)."""
-    pages_per_seq = page_table.shape[1]
-    kv_len = pages_per_seq * page_size
-    num_q_blocks, num_kv_blocks = -(-rows // fwd.BLOCK_Q), -(-kv_len // block_kv)
+def _kernel_mask(page_table: Array, scores: PagedScores, *, group: int, rows: int,
+                 page_size: int, block_kv: int) -> tuple[MaskLayout, PagedWalk]:
+    """The kernel's mask of a paged call: its layout and the walks' rule (`PagedWalk`).
+    The kernel computes the walks and the mask's one leaf from the sequences' lengths
+    and the page table, so no mask array is built."""
+    kv_len = page_table.shape[1] * page_size
     walk = PagedWalk(scores, group=group, rows=rows, block_q=fwd.BLOCK_Q, block_kv=block_kv,
                      table_tokens=kv_len)
-    mask_mod = PagedKeys(np.zeros((1, num_kv_blocks * block_kv), np.int32), scores)
+    mask_mod = PagedKeys(np.zeros((1, 1), np.int32), scores)  # its structure only
     if group > 1:
         mask_mod = RepeatedQueries.of(mask_mod, group)
-    leaves, treedef = jax.tree.flatten(mask_mod)
-    walks = np.zeros((1, 1, num_q_blocks, num_kv_blocks), np.int32)
-    no_q_walk = np.zeros((1, 1, num_kv_blocks), np.int32)
-    no_q_tiles = np.zeros((1, 1, num_kv_blocks, num_q_blocks), np.int32)
-    kmask = KernelMask(
-        kv_num_blocks=walks[..., 0], kv_num_full=walks[..., 0], kv_indices=walks,
-        kv_tile_flags=walks, kv_partial_ids=walks, q_num_blocks=no_q_walk,
-        q_num_full=no_q_walk, q_indices=no_q_tiles, q_tile_flags=no_q_tiles,
-        q_partial_ids=no_q_tiles, partial_masks=np.zeros((0, fwd.BLOCK_Q, block_kv), np.int8),
-        leaves=tuple(leaves))
     layout = MaskLayout(q_len=rows, kv_len=kv_len, block_q=fwd.BLOCK_Q, block_kv=block_kv,
-                        num_q_blocks=num_q_blocks, num_kv_blocks=num_kv_blocks,
-                        mask_mod_treedef=treedef, leaf_kinds=mask_mod.leaf_kinds(),
-                        contiguous_full=False)
-    return kmask, layout, walk
+                        num_q_blocks=-(-rows // fwd.BLOCK_Q),
+                        num_kv_blocks=-(-kv_len // block_kv),
+                        mask_mod_treedef=jax.tree.structure(mask_mod),
+                        leaf_kinds=mask_mod.leaf_kinds(), contiguous_full=False)
+    return layout, walk
 
 
 def unsupported_reason(dtype: Any, head_dim: int, head_dim_v: int, page_size: int,
@@ -198,15 +174,15 @@ def paged_attention_mosaic(q: Array, k_pages: Array, v_pages: Array, page_table:
     rows = q_len * group
     programs = batch * (num_heads // group) * -(-rows // fwd.BLOCK_Q)
     config = _config(call, programs, pages_per_seq * page_size, overrides)
-    kmask, layout, walk = _kernel_mask(page_table, scores, group=group, rows=rows,
-                                       page_size=page_size, block_kv=config.block_kv)
+    layout, walk = _kernel_mask(page_table, scores, group=group, rows=rows,
+                                page_size=page_size, block_kv=config.block_kv)
     # Packed rows go heads first: for a decoding step a view of q, and the output one of
     # the kernel's (no transposing kernel on either side).
     packed = group > 1
     if packed:
         q = query_groups.pack_queries(q, group, heads_first=True)
     out, lse = fwd.attention_forward(
-        q, k_pages, v_pages, kmask, layout, scale=scores.scale, softcap=scores.softcap,
+        q, k_pages, v_pages, None, layout, scale=scores.scale, softcap=scores.softcap,
         score_mod=None, has_partial=False, config=config,
         interpret_params=interpret_params(), page_table=page_table, heads_first=packed,
         kv_lens=kv_lens, paged_walk=walk)

@@ -320,10 +320,14 @@ class _Statics(common.LeafCounts):
     table_lines: int = 0
     # Q and O as [B, H, Sq, D] (`attention_forward`'s heads_first), else [B, Sq, H, D].
     heads_first: bool = False
-    # The kv leaf computed by the producer (`attention_forward`'s kv_lens).
-    kv_leaves_computed: bool = False
     # A paged call's walks in closed form (`attention_forward`'s paged_walk).
     paged_walk: PagedWalk | None = None
+
+    @property
+    def kv_leaves_computed(self) -> bool:
+        """Whether the producer computes the kv leaf (a paged call's key lengths, from
+        `attention_forward`'s kv_lens, which come with paged_walk)."""
+        return self.paged_walk is not None
 
 
 def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
@@ -818,7 +822,8 @@ def _pipelined_steps(c: _Consumer):
     return pl.run_scoped(steps, plgpu.ACC((rows, s.head_dim_v), jnp.float32))
 
 
-def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: MaskLayout, *,
+def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask | None,
+                      layout: MaskLayout, *,
                       scale: float, softcap: float | None,
                       score_mod: ConvertedScoreMod | None, has_partial: bool,
                       config: ForwardConfig, captured: Sequence[Array] = (),
@@ -846,7 +851,8 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
     sequence length, or -1 on pages outside the cache: the producer computes it from the
     page table (no array in memory). ``paged_walk`` comes with it: the kernel computes
     its walks from each sequence's length and page check (`PagedWalk`, `walk_seeds`: the
-    walk operand, one line per sequence) and ``kmask``'s walk arrays are not read.
+    walk operand, one line per sequence), so there is no ``kmask`` (None): ``layout``
+    alone describes the mask.
     """
     batch, q_len, num_q_heads, head_dim = q.shape
     if heads_first:
@@ -857,12 +863,14 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
         raise ValueError(f"kv_lens needs page_table, a mask of one kv leaf and no PARTIAL "
                          f"tile; got page_table={page_table is not None}, leaf kinds "
                          f"{layout.leaf_kinds}, has_partial={has_partial}")
-    if (paged_walk is None) != (kv_lens is None) or (paged_walk is not None and (
-            paged_walk.block_kv, paged_walk.num_kv_blocks)
+    if (paged_walk is None) != (kv_lens is None) or (paged_walk is None) != (
+            kmask is not None) or (paged_walk is not None and (
+                paged_walk.block_kv, paged_walk.num_kv_blocks)
             != (config.block_kv, layout.num_kv_blocks)):
-        raise ValueError(f"kv_lens and paged_walk come together, the walk over the "
-                         f"layout's {layout.num_kv_blocks} kv-blocks of {config.block_kv}; "
-                         f"got paged_walk={paged_walk}, kv_lens={kv_lens is not None}")
+        raise ValueError(f"kv_lens and paged_walk come together, without kmask, the walk "
+                         f"over the layout's {layout.num_kv_blocks} kv-blocks of "
+                         f"{config.block_kv}; got paged_walk={paged_walk}, kv_lens="
+                         f"{kv_lens is not None}, kmask={kmask is not None}")
     page_size = seeds = None
     if page_table is not None:
         page_size = k.shape[1]
@@ -883,12 +891,17 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
     k, v = common.pad_sequence(k), common.pad_sequence(v)
     if config.num_consumers != 2:
         _check_spanning_ctas(config, kmask, layout, has_partial, (dim, dim_v), page_table)
-    with trace_time_eval(layout, kmask):  # constants when the mask is concrete
-        # A paged walk: one line per sequence ([B, 1, 1, 1, WALK_LINE]), walk_lines 1.
-        walk = (common.packed_walk(kmask, "kv") if paged_walk is None
-                else seeds[:, None, None, None])
-        q_leaves, kv_leaves, leaf_slots = common.stacked_leaves(kmask, layout, batch)
-        partial_tiles = kmask.partial_masks.astype(jnp.int8)
+    if paged_walk is None:
+        with trace_time_eval(layout, kmask):  # constants when the mask is concrete
+            walk = common.packed_walk(kmask, "kv")
+            q_leaves, kv_leaves, leaf_slots = common.stacked_leaves(kmask, layout, batch)
+            partial_tiles = kmask.partial_masks.astype(jnp.int8)
+    else:
+        # One walk line per sequence ([B, 1, 1, 1, WALK_LINE], walk_lines 1); the mask's
+        # one leaf, a kv leaf, the producer computes (`_Statics.kv_leaves_computed`).
+        walk = seeds[:, None, None, None]
+        q_leaves = kv_leaves = partial_tiles = None
+        leaf_slots = (("kv", 0),)
     interpret = interpret_params is not None
     scores, packed_captured = common.score_spec(scale, softcap, score_mod, captured)
     statics = _Statics(
@@ -906,15 +919,13 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: M
                         else -(-q_len // config.cta_rows)),
         page_size=page_size,
         table_lines=0 if page_table is None else page_table.shape[1], heads_first=heads_first,
-        kv_leaves_computed=kv_lens is not None, paged_walk=paged_walk)
+        paged_walk=paged_walk)
 
     operands = [q, k, v, walk]
     if page_table is not None:
         operands.append(page_table)
     if has_partial:
         operands.append(partial_tiles)
-    if kv_lens is not None:
-        kv_leaves = None
     operands += [x for x in (q_leaves, kv_leaves, packed_captured) if x is not None]
     q_padded, splits = statics.num_row_blocks * config.cta_rows, config.kv_splits
     q_rows = q.shape[2] if heads_first else q.shape[1]
@@ -943,6 +954,8 @@ def _check_spanning_ctas(config: ForwardConfig, kmask: KernelMask, layout: MaskL
     """Raises unless CTAs of ``config.num_consumers`` consumers (rows spanning q-blocks)
     can serve the call (`ForwardConfig.num_consumers`)."""
     name = f"config.num_consumers={config.num_consumers}"
+    if page_table is not None:
+        raise ValueError(f"{name} needs contiguous K/V, got a page_table")
     if not (config.pipelined and config.block_kv <= 128 and config.q_blocks_per_cta == 1
             and config.kv_splits == 1):
         raise ValueError(f"{name} needs pipelined=True, block_kv <= 128, q_blocks_per_cta=1 "
@@ -958,8 +971,6 @@ def _check_spanning_ctas(config: ForwardConfig, kmask: KernelMask, layout: MaskL
                          f"{layout.mask_mod_treedef}, kv_len={layout.kv_len}")
     if dims != (64, 64):
         raise ValueError(f"{name} needs head dims of 64 (after padding), got {dims}")
-    if page_table is not None:
-        raise ValueError(f"{name} needs contiguous K/V, got a page_table")
 
 
 def _paged_operands(k_pages: Array, v_pages: Array, page_table: Array, num_kv_blocks: int,
