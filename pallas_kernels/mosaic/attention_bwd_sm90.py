@@ -31,13 +31,15 @@ the stored int8 tile (transposed for dK/dV, whose tiles are kv-major).
 cotangent folds into it). Rows that see no key have lse -inf, passed as
 ``lse2 = +inf`` so that their P is exactly 0.
 
-Above head dim 128 (192 and 256, the forward's 64-row kv tiles: one dK/dV
-consumer a CTA) dK and dV, 64 x 256 float32 each, would fill a warpgroup's
-registers with no room for the score tiles: `BackwardConfig.split_dkdv` sums
-them in two launches of the dK/dV kernel, one accumulator each
-(`_Statics.gradients`); the dQ kernel's single accumulator fits as it is.
-Narrower pairs (DeepSeek's query-key 192 and value 128) keep one launch
-(`MAX_UNSPLIT_DKDV_WIDTH`).
+Above head dim 128 (192 and 256, the forward's 64-row kv tiles) two consumers of a
+dK/dV CTA share its 64 kv rows (`BackwardConfig.paired_consumers`): consumer 0
+computes S^T and P^T and sums dV, and passes P^T through smem to consumer 1, which
+computes dP^T and dS^T and sums dK. Each holds one 64 x 256 float32 sum; one
+consumer would need both beside the score tiles. Without the pairing,
+`BackwardConfig.split_dkdv` sums them in two launches, one accumulator each
+(`_Statics.gradients`), and narrower pairs (DeepSeek's query-key 192 and value 128)
+fit one consumer (`MAX_UNSPLIT_DKDV_WIDTH`). The dQ kernel's single accumulator fits
+as it is.
 
 Fused dQ (`BackwardConfig.fused_dq`): the dQ kernel recomputes S and dP, so a tile
 takes 7 matmuls where FlashAttention-3 takes 5. Fused, each dK/dV consumer also stages
@@ -150,6 +152,17 @@ class BackwardConfig:
     # head dims 192 and 256 the two (64 x 256 float32: 128 registers a thread each) exceed
     # a warpgroup's registers. The dV launch skips dO V^T; both compute S.
     split_dkdv: bool = False
+    # With kv blocks of 64 rows (one consumer's) and the dQ kernel: dK and dV summed by
+    # two consumer warpgroups sharing the CTA's kv rows, rather than by one (or, with
+    # split_dkdv, by two launches that each compute S). Consumer 0 computes S^T, P^T and
+    # dV and passes P^T (times the score slope) through shared memory; consumer 1
+    # computes dP^T, dS^T and dK: 4 matmuls a tile where the two launches take 5, and one
+    # consumer's softmax runs under the other's matmuls (a CTA of one consumer leaves the
+    # tensor cores idle meanwhile: ncu, H200, 52-55% tensor-pipe activity). H200,
+    # 2026-11-29 (benchmarks/RESULTS.md), fwd+bwd, dense and causal: head dims 192 and 256
+    # 1.29-1.33x faster than the two launches; query-key 192 / value 128 4-6% faster than
+    # one consumer.
+    paired_consumers: bool = False
     # Registers a thread of each dQ consumer warpgroup takes from the producer, which
     # keeps the rest (at most 40) of `DQ_LAUNCH_REGISTERS`: the warpgroups' increases
     # wait for registers the decreases freed, so the sum must fit (240 leaves it 24).
@@ -186,10 +199,10 @@ class BackwardConfig:
     # dS^T (dS in the dQ kernel) without the softmax scale, one multiply an element
     # fewer, which the sums take once: dK before its store, dQ before its store or, fused,
     # in the wrapper's conversion of the float32 sum (FlashAttention-3's form). The
-    # fused dQ's serial order (`overlapped_step=False`) keeps the scale in dS^T. The
-    # unfused kernels fold it since 2026-11-29, not yet timed on a GPU (an A/B:
-    # `bwd.fold_scale=0`); their elementwise work is on the critical path (H200: two
-    # conversions an element more cost the d64 dK/dV kernel 13%, benchmarks/RESULTS.md).
+    # fused dQ's serial order (`overlapped_step=False`) keeps the scale in dS^T. H200,
+    # 2026-11-29 (benchmarks/RESULTS.md), fwd+bwd on the deterministic default (the
+    # unfused kernels), folded against not: causal d128 s16384 5% faster, causal d64
+    # s16384 3%, the other cases within 2%.
     fold_scale: bool = True
     # q rows a dK/dV step walks: 64 (a q-block in two halves; the fused dQ splits dQ's
     # columns between the consumers in 64-column tiles) or 128 (a q-block a step, two
@@ -287,7 +300,7 @@ _CONFIGS = {
     # the mask code spills at 232 registers: H200, causal d256 fwd+bwd 9% faster at 240
     # (benchmarks/RESULTS.md, 2026-11-27).
     256: BackwardConfig(block_kv=64, dkv_stages=2, dq_stages=2, split_dkdv=True,
-                        dq_consumer_registers=240, dq_v_first=True),
+                        paired_consumers=True, dq_consumer_registers=240, dq_v_first=True),
 }
 _CONFIGS[192] = _CONFIGS[256]
 # 96 takes 128's tiles; its fused dQ declines (`fused_dq_splits`): 0.95x cuDNN dense
@@ -328,10 +341,18 @@ def smem_bytes(config: BackwardConfig, head_dim: int, head_dim_v: int, itemsize:
         dkv_stage += config.block_kv * q_step
         dq_stage += config.block_q * config.block_kv
     dkv = config.block_kv * width + config.dkv_stages * dkv_stage
+    if pairs_consumers(config) and not fused_dq:  # P^T tiles of two steps
+        dkv += 2 * config.block_kv * q_step * itemsize
     if fused_dq:  # dS^T tiles of two steps, each consumer's float32 dQ stage
         dkv += 2 * config.block_kv * q_step * itemsize + q_step * head_dim * 4
     dq = config.block_q * width + 2 * config.block_q * 4 + config.dq_stages * dq_stage
     return dkv + walk_bytes[0], dq + walk_bytes[1]
+
+
+def pairs_consumers(config: BackwardConfig) -> bool:
+    """Whether the dK/dV launch beside the dQ kernel sums dK and dV by paired consumers
+    (`BackwardConfig.paired_consumers`); the fused dQ's launches never pair."""
+    return config.paired_consumers and config.block_kv == ROWS_PER_CONSUMER
 
 
 def walk_bytes(num_q_blocks: int, num_kv_blocks: int, dkv_walk_heads: int) -> tuple[int, int]:
@@ -383,6 +404,17 @@ class _Statics(common.LeafCounts):
     # The steps of each walk this launch takes: "all", or with the fused dQ under masked
     # tiles "full" (the first fused launch) and "masked" (the second, which adds theirs).
     walk_part: str = "all"
+
+    @property
+    def paired(self) -> bool:
+        """Whether the launch's two consumers share 64 kv rows and split the work
+        (`BackwardConfig.paired_consumers`): consumer 0 sums dV, consumer 1 dK."""
+        return not self.fused_dq and pairs_consumers(self.config)
+
+    @property
+    def dkv_consumers(self) -> int:
+        """Consumer warpgroups of a dK/dV CTA."""
+        return 2 if self.paired else self.config.dkv_consumers
 
     @property
     def group_size(self) -> int:
@@ -485,7 +517,7 @@ def _staged(staging, value):
 
 def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *refs):
     cfg = s.config
-    rows, stages, consumers = ROWS_PER_CONSUMER, cfg.dkv_stages, cfg.dkv_consumers
+    rows, stages, consumers = ROWS_PER_CONSUMER, cfg.dkv_stages, s.dkv_consumers
     q_step, steps_per_block = cfg.q_step, cfg.steps_per_q_block
     partial_ref, q_leaf_ref, kv_leaf_ref, captured_ref, refs = common.split_optional_refs(
         refs, s)
@@ -494,12 +526,11 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
     dq_sum_ref = refs.pop(0) if s.fused_dq else None
     *grad_refs, smem, barriers = refs
     grad_refs = dict(zip(s.gradients, grad_refs, strict=True))
-    sums_dk, sums_dv = "dk" in s.gradients, "dv" in s.gradients
     (k_smem, v_smem, walk_smem, q_ring, do_ring, stats_ring, mask_ring, q_leaf_ring,
-     kv_leaf_smem, staging, captured_smem, ds_smem, dq_stage) = smem
+     kv_leaf_smem, staging, captured_smem, ds_smem, dq_stage, pair_smem) = smem
     (walk_barrier, kv_leaf_barrier, k_barriers, v_barriers, q_ready, do_ready, stats_ready,
      mask_ready, q_leaf_ready, consumed, captured_barrier, ds_ready, ds_free, dq_staged,
-     dq_stage_free) = barriers
+     dq_stage_free, pair_ready, pair_free, operand_read) = barriers
 
     kv_block = lax.axis_index("kv_block")
     batch_head = lax.axis_index("batch_head")
@@ -631,14 +662,24 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
             plgpu.wait_smem_to_gmem(0)
         common.drain_ring(num_loads, stages, consumed)
 
-    @pl.when(wg < consumers)
-    def _consumer():
+    def _consumer(role: str | None):
+        """A consumer warpgroup; ``role`` ("dv" or "dk") that of a paired consumer
+        (`BackwardConfig.paired_consumers`): consumer 0 computes S^T and P^T and sums dV,
+        publishing P^T (times the score slope) for consumer 1, which computes dP^T and
+        dS^T and sums dK."""
         if rebalance:
             plgpu.set_max_registers(240, action="increase")
-        kv_start = kv_block * cfg.block_kv + wg * rows
+        sums_dk = "dk" in s.gradients if role is None else role == "dk"
+        sums_dv = "dv" in s.gradients if role is None else role == "dv"
+        computes_scores = role != "dk"
+        tile_index = 0 if s.paired else wg  # This consumer's K and V tiles.
+        kv_row0 = tile_index * rows  # Their first row in the kv block.
+        kv_start = kv_block * cfg.block_kv + kv_row0
         kv_rows = pl.ds(kv_start, rows)
-        k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
-        plgpu.copy_gmem_to_smem(k_ref.at[batch, kv_rows, kv_head], k_tile, k_barriers.at[wg])
+        k_tile, v_tile = k_smem.at[tile_index], v_smem.at[tile_index]
+        if computes_scores:
+            plgpu.copy_gmem_to_smem(k_ref.at[batch, kv_rows, kv_head], k_tile,
+                                    k_barriers.at[wg])
         if sums_dk:  # dP^T = V dO^T; a dV launch only stages its sum in V's buffer.
             plgpu.copy_gmem_to_smem(v_ref.at[batch, kv_rows, kv_head], v_tile,
                                     v_barriers.at[wg])
@@ -656,10 +697,11 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
             plgpu.barrier_wait(kv_leaf_barrier)
             for i in range(s.num_kv_leaves):
                 kv_leaf_rows.append(compat.mosaic_load(
-                    kv_leaf_smem.at[i, pl.ds(wg * rows, rows)], row_layout,
+                    kv_leaf_smem.at[i, pl.ds(kv_row0, rows)], row_layout,
                     interpret=s.interpret))
         plgpu.barrier_wait(walk_barrier)
-        plgpu.barrier_wait(k_barriers.at[wg])
+        if computes_scores:
+            plgpu.barrier_wait(k_barriers.at[wg])
         if sums_dk:
             plgpu.barrier_wait(v_barriers.at[wg])
         common.wait_captured(s, captured_barrier)
@@ -748,6 +790,33 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
             write_ds(1, plgpu.layout_cast(jnp.zeros(tile, s.dtype),
                                           plgpu.Layout.WGMMA))
 
+        # Which statistics this consumer's accumulators start at (`stat_seeds`).
+        seeds_lse = s.seeds_lse and computes_scores
+        seeds_delta = s.seeds_delta and sums_dk
+        seeds_any_stat = seeds_lse or seeds_delta
+
+        def publish_probs(step, probs, slope):
+            """Paired consumer 0: P^T (times the score slope: consumer 1's dS^T needs
+            nothing else of the scores) of ``step`` to the tile of its parity, once
+            consumer 1 read the one of step - 2."""
+            parity = lax.rem(step, 2)
+
+            @pl.when(step >= 2)
+            def _():
+                plgpu.barrier_wait(pair_free.at[parity])
+
+            pair_smem.at[parity][...] = (probs if slope is None else probs * slope
+                                         ).astype(s.dtype)
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(pair_ready.at[parity])
+
+        def published_probs(step):
+            """Paired consumer 1: consumer 0's P^T (times the slope) of ``step``."""
+            parity = lax.rem(step, 2)
+            plgpu.barrier_wait(pair_ready.at[parity])
+            return compat.mosaic_load(pair_smem.at[parity], plgpu.Layout.WGMMA,
+                                      interpret=s.interpret).astype(jnp.float32)
+
         # The overlapped fused step keeps dK and dV in wgmma accumulator refs, so that
         # their products stay in flight while the step goes on.
         overlapped = s.fused_dq and cfg.overlapped_step
@@ -768,19 +837,20 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                 """(S^T's, dP^T's) accumulator seeds of the step in ``slot``, None where
                 not seeded (`BackwardConfig.seeded_stats`); waits for the step's
                 statistics if either is."""
-                if not s.seeds_any_stat:
+                if not seeds_any_stat:
                     return None, None
                 plgpu.barrier_wait(stats_ready.at[slot])
-                return (stat(slot, 0, -1 / (s.scores.scale * LOG2E)) if s.seeds_lse else None,
-                        stat(slot, 1, -1.0) if s.seeds_delta else None)
+                return (stat(slot, 0, -1 / (s.scores.scale * LOG2E)) if seeds_lse else None,
+                        stat(slot, 1, -1.0) if seeds_delta else None)
 
             def probabilities(scores, slot, flags, q_start, full: bool):
                 """(P^T float32, the score slope or None) of the step's S^T (raw, or
                 seeded with -lse: `stat_seeds`)."""
+                wants_slope = sums_dk or s.paired  # Paired, consumer 1 takes it.
                 scores = common.log2_scores(score_spec, scores, batch, head,
                                             functools.partial(indices, q_start),
-                                            slope=sums_dk)
-                scores, slope = scores if sums_dk else (scores, None)
+                                            slope=wants_slope)
+                scores, slope = scores if wants_slope else (scores, None)
 
                 def masked(scores):
                     q_leaf_cols = [
@@ -789,7 +859,7 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                         for i in range(s.num_q_leaves)]
                     leaves = common.tile_leaves(s.leaf_slots, q_leaf_cols, kv_leaf_rows, tile,
                                                 q_axis=1)
-                    partial = ((mask_ring.at[slot, pl.ds(wg * rows, rows)],
+                    partial = ((mask_ring.at[slot, pl.ds(kv_row0, rows)],
                                 mask_ready.at[slot]) if s.has_partial else None)
                     return common.masked_scores(scores, s.layout, flags,
                                                 functools.partial(indices, q_start),
@@ -800,9 +870,9 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                 if not full:
                     scores = masked(scores)
 
-                if s.seeds_lse:
+                if seeds_lse:
                     return jnp.exp2(scores), slope
-                if not s.seeds_any_stat:  # Else `stat_seeds` waited.
+                if not seeds_any_stat:  # Else `stat_seeds` waited.
                     plgpu.barrier_wait(stats_ready.at[slot])
                 return jnp.exp2(scores - stat(slot, 0)), slope
 
@@ -810,7 +880,7 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                 """dS^T in the input dtype: P^T (dP^T - delta), times the slope and the
                 scale (unless the sums take it, `_Statics.folds_scale`); ``dprobs`` is
                 dP^T - delta already if seeded (`stat_seeds`)."""
-                dscores = probs * (dprobs if s.seeds_delta else dprobs - stat(slot, 1))
+                dscores = probs * (dprobs if seeds_delta else dprobs - stat(slot, 1))
                 if slope is not None:
                     dscores = dscores * slope
                 if not s.folds_scale:
@@ -826,7 +896,11 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                 plgpu.barrier_wait(q_ready.at[slot])
                 plgpu.barrier_wait(do_ready.at[slot])
                 lse_seed, delta_seed = stat_seeds(slot)
-                if sums_dk:
+                if not computes_scores:
+                    (dprobs,) = _products(tile, (v_tile, _transposed(do_half)),
+                                          seeds=(delta_seed,), interpret=s.interpret)
+                    probs, slope = published_probs(step), None
+                elif sums_dk:
                     scores, dprobs = _products(tile, (k_tile, _transposed(q_half)),
                                                (v_tile, _transposed(do_half)),
                                                seeds=(lse_seed, delta_seed),
@@ -834,7 +908,10 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                 else:
                     (scores,) = _products(tile, (k_tile, _transposed(q_half)),
                                           seeds=(lse_seed,), interpret=s.interpret)
-                probs, slope = probabilities(scores, slot, flags, q_start, full)
+                if computes_scores:
+                    probs, slope = probabilities(scores, slot, flags, q_start, full)
+                if role == "dv":
+                    publish_probs(step, probs, slope)
                 # (sum, its (a, b) product) of each gradient summed, dV's issued first.
                 products = []
                 if sums_dv:
@@ -850,6 +927,8 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
 
                 if not s.fused_dq:
                     dk, dv = accumulate()
+                    if role == "dk":  # dS^T, computed from the tile, is in dK's product.
+                        plgpu.barrier_arrive(pair_free.at[lax.rem(step, 2)])
                     plgpu.barrier_arrive(consumed.at[slot])
                     return dk, dv, step + 1, previous
 
@@ -965,6 +1044,11 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
             @pl.loop(jnp.maximum(num_steps_done - 2, -1), num_steps_done)
             def _(t):
                 plgpu.barrier_wait(ds_free.at[lax.rem(t + 2, 2)])
+        if role == "dv":
+            # Consumer 1's reads of the last two steps' tiles (every phase observed).
+            @pl.loop(jnp.maximum(num_steps_done - 2, 0), num_steps_done)
+            def _(t):
+                plgpu.barrier_wait(pair_free.at[lax.rem(t, 2)])
         if s.folds_scale and sums_dk:
             dk = dk * s.scores.scale
         if full_sums is not None:
@@ -978,6 +1062,9 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                                      interpret=s.interpret)
             dk = dk + load(k_tile).astype(jnp.float32)
             dv = dv + load(v_tile).astype(jnp.float32)
+        if s.paired:  # This consumer's operand is read; the other's once it says so.
+            plgpu.barrier_arrive(operand_read.at[wg])
+            plgpu.barrier_wait(operand_read.at[1 - wg])
         # K and V are no longer read: their buffers stage dK and dV for the TMA store.
         stores = []
         if sums_dk:
@@ -992,6 +1079,12 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
         if reducer:  # Observes the last phase of the stage's barrier, as the interpreter
             plgpu.barrier_wait(dq_stage_free.at[wg])  # requires (its last reduction's read).
         plgpu.wait_smem_to_gmem(0)
+
+    if s.paired:
+        pl.when(wg == 0)(functools.partial(_consumer, "dv"))
+        pl.when(wg == 1)(functools.partial(_consumer, "dk"))
+    else:
+        pl.when(wg < consumers)(functools.partial(_consumer, None))
 
 
 def _dq_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *refs):
@@ -1261,7 +1354,7 @@ def _backward(q: Array, k: Array, v: Array, kmask: KernelMask, out: Array, lse: 
             # Blocks of one head side by side (the last axis varies fastest), sharing its
             # Q/dO in L2.
             grid=(batch * num_kv_heads, layout.num_kv_blocks),
-            grid_names=("batch_head", "kv_block"), num_threads=s.config.dkv_consumers + 1,
+            grid_names=("batch_head", "kv_block"), num_threads=s.dkv_consumers + 1,
             thread_name="wg", compiler_params=params, interpret=interpret_params,
         )(*operands(s, dkv_walk, partial_masks_kv_major), *extra)
 
@@ -1276,7 +1369,7 @@ def _backward(q: Array, k: Array, v: Array, kmask: KernelMask, out: Array, lse: 
 
     unpad = lambda x, length, d: x[:, :length, :, :d]
     if fused_configs is None:
-        if config.split_dkdv:
+        if config.split_dkdv and not statics.paired:
             (dk,) = dkv_kernel(dataclasses.replace(statics, gradients=("dk",)))
             (dv,) = dkv_kernel(dataclasses.replace(statics, gradients=("dv",)))
         else:
@@ -1304,11 +1397,12 @@ def _backward(q: Array, k: Array, v: Array, kmask: KernelMask, out: Array, lse: 
 def _dkv_scratch(s: _Statics):
     cfg = s.config
     captured_smem, captured_barrier = common.captured_scratch(s)
-    stages, rows, consumers = cfg.dkv_stages, ROWS_PER_CONSUMER, cfg.dkv_consumers
+    stages, rows, consumers = cfg.dkv_stages, ROWS_PER_CONSUMER, s.dkv_consumers
     q_step = cfg.q_step
+    kv_tiles = 1 if s.paired else consumers  # Paired consumers share their kv rows.
     smem = (
-        common.swizzled((consumers, rows, s.head_dim), s.dtype),
-        common.swizzled((consumers, rows, s.head_dim_v), s.dtype),
+        common.swizzled((kv_tiles, rows, s.head_dim), s.dtype),
+        common.swizzled((kv_tiles, rows, s.head_dim_v), s.dtype),
         plgpu.SMEM((s.dkv_walk_heads, s.dkv_walk_lines, common.WALK_LINE), jnp.int32),
         common.swizzled((stages, q_step, s.head_dim), s.dtype),
         common.swizzled((stages, q_step, s.head_dim_v), s.dtype),
@@ -1325,6 +1419,8 @@ def _dkv_scratch(s: _Statics):
                          common.swizzle_bytes(s.head_dim, s.dtype)) if s.fused_dq else None),
         (plgpu.SMEM((consumers, *_dq_share(s)), jnp.float32)
          if s.fused_dq and (cfg.dq_reducer_warp or not s.interpret) else None),
+        # Paired consumers: P^T (times the score slope) of two steps.
+        common.swizzled((2, rows, q_step), s.dtype) if s.paired else None,
     )
     ring = lambda: plgpu.Barrier(num_barriers=stages)
     reducer = s.fused_dq and cfg.dq_reducer_warp
@@ -1343,6 +1439,9 @@ def _dkv_scratch(s: _Statics):
         # The reducer's (`BackwardConfig.dq_reducer_warp`): each consumer's dQ stage
         # filled, and read by its reduction.
         *(plgpu.Barrier(num_barriers=consumers) if reducer else None for _ in range(2)),
+        # Paired consumers: P^T of each parity written, and read; each consumer's operand
+        # (K, V) read for the last time.
+        *(plgpu.Barrier(num_barriers=2) if s.paired else None for _ in range(3)),
     )
     return smem, barriers
 

@@ -314,8 +314,8 @@ def _interpreted(monkeypatch):
 @pytest.mark.parametrize("head_dim,head_dim_v", [(256, None), (192, 128)])
 def test_wide_head_dims_interpreted(head_dim, head_dim_v, monkeypatch, _interpreted):
     """The public call above head dim 128 with the default configs, fitted to shared
-    memory as on the GPU: dK and dV in launches of their own at 256 (one at 192 / 128),
-    the dQ kernel's V-first order; ragged causal under GQA."""
+    memory as on the GPU: dK and dV by paired consumers, the dQ kernel's V-first order;
+    ragged causal under GQA."""
     plans = record_plans(monkeypatch)
     case = Case("causal_ragged_gqa", batch=1, q_len=200, kv_len=260, heads=2, kv_heads=1,
                 head_dim=head_dim, head_dim_v=head_dim_v, is_causal=True)
@@ -323,7 +323,7 @@ def test_wide_head_dims_interpreted(head_dim, head_dim_v, monkeypatch, _interpre
     backends = {plan.backward.name for plan in plans}
     assert backends == {"mosaic"}, backends
     config = bwd.backward_config(head_dim, head_dim_v or head_dim, jnp.bfloat16, causal=True)
-    assert config.dq_v_first and config.split_dkdv == (head_dim_v is None)
+    assert config.dq_v_first and bwd.pairs_consumers(config)
 
 
 @pytest.mark.gpu
@@ -340,8 +340,8 @@ def test_wide_head_dims_interpreted(head_dim, head_dim_v, monkeypatch, _interpre
 def test_wide_head_dims_compiled(case, head_dim, head_dim_v, q_blocks_per_cta, monkeypatch):
     """The suite runs compiled at head dim 32; these are the forward's other configs (96
     on 128's, 192 on 256's tiles) with one and two q-blocks per CTA, and the backward's
-    (above 128: dK and dV by launches of their own at 192 and 256, by one launch at
-    192 / 128 and 256 / 64)."""
+    (above 128: dK and dV by paired consumers at 192 and 256, by one consumer at 192 /
+    128 and 256 / 64)."""
     force_config_fields(monkeypatch, fwd, "forward_config", q_blocks_per_cta=q_blocks_per_cta)
     plans = record_plans(monkeypatch)
     check_case("mosaic", dataclasses.replace(case, head_dim=head_dim, head_dim_v=head_dim_v),

@@ -55,6 +55,8 @@ class Case:
     softcap: float | None = None
     score_mod: bool = False
     scale: float | None = None
+    # The VARIANTS that run it (None: all).
+    variants: tuple[str, ...] | None = None
 
 
 CASES = (
@@ -73,11 +75,15 @@ CASES = (
     # Dense (FULL tiles only), GQA at head dim 128: the fused dQ splits its columns
     # between the two consumers, and each CTA walks two heads' steps.
     Case("dense_gqa_d128", "bfloat16", 1, 256, 256, 4, 2, 128, 128, 128, True, "dense"),
-    # The wide head dims' tiles (64 kv rows, `split_dkdv` by default): 256, and
+    # The wide head dims' tiles (64 kv rows, paired consumers by default): 256, and
     # DeepSeek's query-key 192 with value 128 under GQA, ragged and causal.
     Case("causal_d256", "bfloat16", 1, 256, 256, 2, 1, 256, 256, 64, True, "causal"),
     Case("causal_ragged_gqa_d192_v128", "float16", 1, 150, 200, 4, 2, 192, 128, 64, False,
          "causal"),
+    # Paired consumers on stored tiles, ragged, under GQA, with the softcap and score_mod
+    # slope passed from one consumer to the other.
+    Case("partial_softcap_score_mod_d192", "bfloat16", 1, 200, 200, 4, 2, 192, 192, 64,
+         False, "partial", softcap=5.0, score_mod=True, variants=("split_dkdv", "paired")),
     # Head dim 64's 128-row steps: dense under GQA (FULL tiles only: one fused launch),
     # and causal with ragged q and kv and a value head dim of 40 (the masked steps'
     # second launch).
@@ -95,7 +101,7 @@ CASES = (
 # it); "_q128": the dK/dV kernel walking whole q-blocks (head dim 64's steps), where the
 # fused dQ splits dQ's rows; "_unseeded": the score accumulators start at zero
 # (`BackwardConfig.seeded_stats`); "_dv_first": the fused step issuing dV before the
-# previous step's dQ.
+# previous step's dQ; "paired": dK and dV summed by two consumers sharing 64 kv rows.
 VARIANTS = {"dq_kernel": {}, "dq_kernel_scaled_ds": {"fold_scale": False},
             "fused_dq": {"fused_dq": True},
             "fused_dq_scaled_ds": {"fused_dq": True, "fold_scale": False},
@@ -107,6 +113,7 @@ VARIANTS = {"dq_kernel": {}, "dq_kernel_scaled_ds": {"fold_scale": False},
             "fused_dq_serial_consumer_adds": {"fused_dq": True, "overlapped_step": False,
                                               "dq_reducer_warp": False},
             "split_dkdv": {"split_dkdv": True, "dq_v_first": True},
+            "paired": {"paired_consumers": True, "dq_v_first": True},
             "dq_kernel_q128": {"q_step": 128}, "fused_dq_q128": {"fused_dq": True, "q_step": 128},
             "fused_dq_q128_consumer_adds": {"fused_dq": True, "q_step": 128,
                                             "dq_reducer_warp": False},
@@ -150,6 +157,10 @@ def _mask(case: Case, rng):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_gradients_match_float64(case: Case, variant: str, _interpreted):
     fields = VARIANTS[variant]
+    if case.variants is not None and variant not in case.variants:
+        pytest.skip(f"{case.name} runs {case.variants} only")
+    if fields.get("paired_consumers") and case.block_kv != bwd.ROWS_PER_CONSUMER:
+        pytest.skip("paired consumers share kv tiles of 64 rows")
     q_step = fields.get("q_step", bwd.ROWS_PER_CONSUMER)
     head_dim = bwd.padded_head_dim(case.head_dim)
     if q_step == bwd.BLOCK_Q and (case.block_kv != 128 or head_dim > 64):

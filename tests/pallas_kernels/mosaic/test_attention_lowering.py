@@ -214,10 +214,13 @@ def test_backward_lowers_for_cuda(name, _compiled_mosaic):
     ("partial_tiles_per_head_gqa", {"fused_dq_min_full_walk": 0.0}, 3, True),
     ("causal_ragged_hd64", {}, 3, False),
     ("dense_hd64_q_in_registers", {"q_step": 64}, 3, False),
-    # Above head dim 128: the forward, dK, dV and dQ launches (`split_dkdv`) where dK and
-    # dV together exceed a consumer's registers, else one dK/dV launch.
-    ("hd192_value_dim_256_stored_tiles", {}, 4, False),
+    # Above head dim 128: the forward, one dK/dV launch (paired consumers:
+    # `paired_consumers`) and the dQ kernel; unpaired, dK and dV by launches of their own
+    # (`split_dkdv`) where together they exceed a consumer's registers, else by one.
+    ("hd192_value_dim_256_stored_tiles", {}, 3, False),
+    ("hd192_value_dim_256_stored_tiles", {"paired_consumers": False}, 4, False),
     ("hd256_value_dim_64", {}, 3, False),
+    ("hd256_value_dim_64", {"paired_consumers": False}, 3, False),
     ("hd192_value_dim_128", {}, 3, False),
 ])
 def test_backward_launches(name, fields, launches, fused, _compiled_mosaic, monkeypatch):
