@@ -46,11 +46,15 @@ class PagedScores:
             seen &= (q_pos - k_pos <= left) & (k_pos - q_pos <= right)
         return seen
 
-    def key_range(self, kv_len: Array, first_t: Array, last_t: Array) -> tuple[Array, Array]:
+    def key_range(self, kv_len: Array, first_t: Array, last_t: Array,
+                  table_tokens: int) -> tuple[Array, Array]:
         """``[lo, hi)``: the only keys queries ``first_t..last_t`` may see, for kernels
-        that skip the tiles outside it."""
+        that skip the tiles outside it. None lies past the table's ``table_tokens``: a
+        length past them (garbage under ``jit``) keeps the queries at their positions
+        but walks no further, however large."""
         lo, hi = self._key_bounds(kv_len, first_t, last_t)
-        return lo, jnp.maximum(hi, lo)
+        hi = jnp.minimum(jnp.maximum(hi, lo), table_tokens)
+        return jnp.minimum(lo, hi), hi
 
     def shared_key_range(self, kv_len: Array, first_t: Array,
                          last_t: Array) -> tuple[Array, Array]:
@@ -142,11 +146,7 @@ class PagedWalk:
         first_row = q_block * self.block_q
         first_t = lax.div(first_row, self.group)
         last_t = lax.div(jnp.minimum(first_row + self.block_q, self.rows) - 1, self.group)
-        # Queries sit at their positions; no key lies past the table (a length past it
-        # is garbage under jit, whose keys there are masked).
-        lo, hi = self.scores.key_range(kv_len, first_t, last_t)
-        hi = jnp.minimum(hi, self.table_tokens)
-        lo = jnp.minimum(lo, hi)
+        lo, hi = self.scores.key_range(kv_len, first_t, last_t, self.table_tokens)
         begin = lax.div(lo, self.block_kv)
         end = jnp.where(hi > lo, lax.div(hi + self.block_kv - 1, self.block_kv), begin)
         shared_lo, shared_hi = self.scores.shared_key_range(kv_len, first_t, last_t)

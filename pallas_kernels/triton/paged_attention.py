@@ -90,7 +90,8 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, lens_ref, out_ref, lse_ref, *,
                         * tile_rows)
     q_pos = scores.query_position(kv_len, tiles.positions(r0, tile_rows, 0) // group)
     last_row = jnp.minimum(r0 + tile_rows, rows) - 1
-    lo, hi = scores.key_range(kv_len, r0 // group, last_row // group)
+    lo, hi = scores.key_range(kv_len, r0 // group, last_row // group,
+                              pages_per_seq * page_size)
     first = lo // tile_kv
     begin, length, _ = kv_splits.share(pl.cdiv(hi, tile_kv) - first, jnp.int32(0), split,
                                        splits)

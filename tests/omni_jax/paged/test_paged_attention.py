@@ -125,6 +125,20 @@ def test_lengths_past_the_table_under_jit_keep_their_positions(implementation, w
         assert relative_error(out[b:b + 1], ref_out) < 2e-5
 
 
+def test_a_length_of_int32_max_under_jit_walks_the_table_alone(implementation, seed):
+    """The largest garbage length neither overflows a walk's tile count nor walks 2^31
+    keys: the query, at its position, sees the table's tokens (as with any length past
+    the table)."""
+    case = random_case(seed, kv_lens=[40, 48], spare_pages=0)  # a table of 48 tokens
+    lengths = jnp.array([jnp.iinfo(jnp.int32).max, 48], jnp.int32)
+    out = jax.jit(lambda *a: omni_jax.paged_attention(*a, implementation=implementation))(
+        case.q, case.k_pages, case.v_pages, case.page_table, lengths)
+    with jax.enable_x64(True):
+        ref_out, _ = dense_paged_reference(case.__class__(
+            case.q, case.k_pages, case.v_pages, case.page_table, jnp.array([48, 48])))
+    assert relative_error(out, ref_out) < 2e-5
+
+
 def _reference_without_slot(case, b, slot):
     """Float64 output of sequence ``b`` (one query, which sees every token) with the tokens
     of its table slot ``slot`` left out."""
