@@ -35,8 +35,21 @@ def _check_float(name: str, x: Array) -> None:
 
 
 def _check_int(name: str, x: Array) -> Array:
+    """``x`` as int32; wider integers must fit (concrete values are checked, traced ones
+    saturate: an id or length past int32 stays out of range rather than wrapping onto a
+    valid one)."""
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise TypeError(f"{name} must be an int32 array, got dtype {x.dtype}")
+    int32, own = np.iinfo(np.int32), np.iinfo(x.dtype)
+    if own.max > int32.max:
+        values = _concrete(x)
+        if values is None:
+            x = jnp.clip(x, max(own.min, int32.min), int32.max)
+        elif ((values < int32.min) | (values > int32.max)).any():
+            index = tuple(int(i) for i in np.argwhere(
+                (values < int32.min) | (values > int32.max))[0])
+            raise ValueError(f"{name}[{', '.join(map(str, index))}] = {values[index]} does not "
+                             f"fit int32 [{int32.min}, {int32.max}]")
     return jnp.asarray(x, jnp.int32)
 
 

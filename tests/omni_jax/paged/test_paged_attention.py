@@ -139,6 +139,17 @@ def test_a_length_of_int32_max_under_jit_walks_the_table_alone(implementation, s
     assert relative_error(out, ref_out) < 2e-5
 
 
+def test_int64_ids_past_int32_under_jit_saturate_rather_than_wrap(seed):
+    """A traced int64 id 2^32 past a valid one stays out of the cache (masked), rather
+    than wrapping onto that page."""
+    case = random_case(seed, kv_lens=[40, 40], spare_pages=0)
+    with jax.enable_x64(True):
+        table = jnp.asarray(case.page_table, jnp.int64).at[0, 1].add(2**32)
+        out = jax.jit(lambda *a: omni_jax.paged_attention(*a, implementation="xla"))(
+            case.q, case.k_pages, case.v_pages, table, case.kv_lens)
+    assert relative_error(out[0], _reference_without_slot(case, 0, 1)) < 2e-5
+
+
 def _reference_without_slot(case, b, slot):
     """Float64 output of sequence ``b`` (one query, which sees every token) with the tokens
     of its table slot ``slot`` left out."""

@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import omni_jax
@@ -36,6 +37,11 @@ def _replace(**changes):
     (dict(kv_lens=jnp.array([25, 5])), {}, ValueError,
      r"kv_lens\[0\] = 25 must lie in \[0, pages_per_seq \* page_size\] = \[0, 24\]"),
     (dict(kv_lens=jnp.array([20, -1])), {}, ValueError, r"kv_lens\[1\] = -1"),
+    # numpy's default int64: values past int32 must not wrap onto valid ones.
+    (dict(kv_lens=np.array([20, 5 + 2**32])), {}, ValueError,
+     r"kv_lens\[1\] = 4294967301 does not fit int32"),
+    (dict(page_table=lambda t: np.asarray(t, np.int64) + np.array([[0, 0, 2**32], [0, 0, 0]])),
+     {}, ValueError, r"page_table\[0, 2\] = \d+ does not fit int32"),
     (dict(page_table=lambda t: t.at[0, 2].set(99)), {}, ValueError,
      r"page_table\[0, 2\] = 99 holds tokens of sequence 0 but is not a page"),
     ({}, dict(is_causal=1), TypeError, r"is_causal must be a Python bool"),
