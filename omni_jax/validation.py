@@ -68,15 +68,15 @@ def check_window(local_window_size: Any) -> tuple[int, int] | None:
     """``local_window_size`` as (left, right), or None."""
     if local_window_size is None:
         return None
-    if isinstance(local_window_size, numbers.Integral) and not isinstance(local_window_size,
-                                                                          bool):
-        local_window_size = (local_window_size, local_window_size)
-    if (not isinstance(local_window_size, (tuple, list)) or len(local_window_size) != 2
+    window = local_window_size
+    if isinstance(window, numbers.Integral) and not isinstance(window, bool):
+        window = (window, window)
+    if (not isinstance(window, (tuple, list)) or len(window) != 2
             or any(isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < 0
-                   for w in local_window_size)):
+                   for w in window)):
         raise ValueError(f"local_window_size must be None, an int or a pair (left, right) of "
                          f"non-negative ints, got {local_window_size!r}")
-    return int(local_window_size[0]), int(local_window_size[1])
+    return int(window[0]), int(window[1])
 
 
 def check_segment_ids(q_segment_ids: Array | None, kv_segment_ids: Array | None, *,

@@ -209,8 +209,11 @@ def scalar_reads_reason(score_mod: ConvertedScoreMod) -> str | None:
             continue
         elif any(v in scalar_reads for v in inputs) or any(
                 v in captured_vars and v.aval.shape for v in inputs):
-            return (f"score_mod uses a captured array in {eqn.primitive.name} (the Mosaic "
-                    f"kernels read single elements: x[h], x[b, h], or 0-d arrays)")
+            where = eqn.primitive.name
+            if list(jex_core.jaxprs_in_params(eqn.params)):
+                where = f"a nested {where} call, as jnp functions such as jnp.take make,"
+            return (f"score_mod uses a captured array in {where} (the Mosaic kernels read "
+                    f"single elements: x[h], x[b, h], or 0-d arrays)")
     return None
 
 

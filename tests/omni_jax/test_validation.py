@@ -41,6 +41,8 @@ CASES = {
     "head_dim": (dict(arrays=dict(kv_shape=(2, 48, 2, 8), v_shape=(2, 48, 2, 16))), ValueError,
                  r"key head_dim must equal query head_dim 16, got 8"),
     "window": (dict(kwargs=dict(local_window_size=(1, 2, 3))), ValueError, r"local_window_size"),
+    "negative_window": (dict(kwargs=dict(local_window_size=-3)), ValueError,
+                        r"local_window_size must be .*, got -3"),
     "segment shape": (dict(kwargs=dict(q_segment_ids=jnp.zeros((2, 31), jnp.int32),
                                        kv_segment_ids=jnp.zeros((2, 48), jnp.int32))),
                       ValueError, r"q_segment_ids must have shape \[batch, seq_len\] = \(2, 32\)"),

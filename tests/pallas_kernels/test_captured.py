@@ -174,3 +174,10 @@ def test_packed_reads_match_indexing_for_any_shapes(specs, b, h):
 
     got = pl.run_state(body)((packed, jnp.zeros((2, 2), jnp.float32)))[-1]
     np.testing.assert_array_equal(got, apply_score_mod(score_mod, captured, *args))
+
+
+def test_a_captured_array_passed_to_a_nested_call_is_reported_so():
+    """jnp.take traces to a nested jit call: the reason says so rather than naming the
+    call's primitive alone (which reads as if the user had jitted something)."""
+    score_mod, _ = convert_score_mod(lambda s, b, h, q, k: s + jnp.take(_TABLE, h))
+    assert "nested" in scalar_reads_reason(score_mod)
