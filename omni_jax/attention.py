@@ -73,7 +73,8 @@ def attention(query: Array, key: Array, value: Array, *, mask: BlockMask | None 
         When q_len == kv_len one of them may stand for both.
       score_mod: ``score_mod(score, batch_idx, head_idx, q_idx, kv_idx) -> score``
         on scalars (FlexAttention semantics), applied after scaling and softcap,
-        before masking. It may capture arrays (gradients flow to float ones).
+        before masking. It may capture arrays (gradients flow to float ones). It is
+        called with indices inside the sequences only.
       softcap: ``softcap * tanh(score / softcap)`` (Gemma 2).
       sinks: float ``[num_q_heads]`` sink logits that join the softmax
         denominator only (gpt-oss).
@@ -132,7 +133,8 @@ def attention(query: Array, key: Array, value: Array, *, mask: BlockMask | None 
                 sinks=sinks))
             return (out, lse) if return_lse else out
         _check_context_parallel(context_axis, context_strategy, context_layout, mask, score_mod)
-    converted, captured = (None, []) if score_mod is None else convert_score_mod(score_mod)
+    converted, captured = (None, []) if score_mod is None else convert_score_mod(
+        score_mod, (q_len, kv_len))
     if not (batch and q_len and kv_len):
         out, lse = _nothing_to_attend(query, value, sinks)
         return (out, lse) if return_lse else out

@@ -23,8 +23,15 @@ from pallas_kernels.traced_functions import evaluate
 Array = Any
 
 
-def convert_score_mod(score_mod: Callable) -> tuple[ConvertedScoreMod, list[Array]]:
+def convert_score_mod(score_mod: Callable, lengths: tuple[int, int] | None = None,
+                      ) -> tuple[ConvertedScoreMod, list[Array]]:
     """Traces ``score_mod`` on scalars and hoists the arrays it captures.
+
+    ``lengths`` (q_len, kv_len): the converted function clamps q_idx and kv_idx below
+    them. Backends evaluate scores on whole tiles, past the sequences' ends too, where
+    the results are masked; a score_mod that is NaN there (``jnp.take`` of a table
+    out of range) would still reach the gradients (0 * NaN), so it only ever sees
+    indices of the sequences.
 
     Raises TypeError when it is not callable or does not map a float32 scalar
     score (and int32 scalar indices) to a float scalar.
@@ -34,9 +41,16 @@ def convert_score_mod(score_mod: Callable) -> tuple[ConvertedScoreMod, list[Arra
                         f"q_idx, kv_idx), got {type(score_mod).__name__}")
     index = jax.ShapeDtypeStruct((), jnp.int32)
     example = (jax.ShapeDtypeStruct((), jnp.float32), index, index, index, index)
+    traced = score_mod
+    if lengths is not None:
+        last_q, last_kv = (max(length - 1, 0) for length in lengths)
+
+        def traced(score, b, h, q_idx, kv_idx):
+            return score_mod(score, b, h, jnp.minimum(q_idx, last_q),
+                             jnp.minimum(kv_idx, last_kv))
     try:
         with explicit_sharding.tracing_without_explicit_mesh():
-            closed = jax.make_jaxpr(score_mod)(*example)
+            closed = jax.make_jaxpr(traced)(*example)
     except Exception as error:  # noqa: BLE001 - reported with context below
         raise TypeError(f"score_mod failed when called as score_mod(score, batch_idx, head_idx, "
                         f"q_idx, kv_idx) on scalars: {error}") from error

@@ -41,7 +41,9 @@ class Case:
     block_mask: str | None = None  # "generic" (stored tiles), "prefix_lm", "chunked", "decode"
     softcap: float | None = None
     sinks: bool = False
-    score_mod: str | None = None  # "alibi" (captured float slopes), "relative_table"
+    # "alibi" (captured float slopes), "relative_table", "sqrt_to_ends" (per-head slopes
+    # times the square roots of the distances to the sequences' ends: NaN past them)
+    score_mod: str | None = None
     scale: float | None = None
     deterministic: bool = True
 
@@ -72,6 +74,10 @@ CASES = (
     Case("softcap_sinks", is_causal=True, softcap=5.0, sinks=True, scale=0.3),
     Case("alibi_score_mod", is_causal=True, score_mod="alibi"),
     Case("relative_table_score_mod", score_mod="relative_table", sinks=True),
+    # Tiles reach past the ends of ragged sequences; the score_mod must never be
+    # evaluated there (its NaN would reach the gradients as 0 * NaN).
+    Case("score_mod_nan_past_the_ends", q_len=45, kv_len=77, is_causal=True,
+         score_mod="sqrt_to_ends"),
 )
 
 TOLERANCE = {"float64": 1e-9, "float32": 5e-5, "bfloat16": 3e-2, "float16": 6e-3}
@@ -119,6 +125,10 @@ def _block_mask(case: Case, rng, block_size):
 def _score_mod(case: Case, captured):
     if case.score_mod == "alibi":
         return lambda s, b, h, q, k: s - captured[h] * jnp.abs(q - k).astype(s.dtype)
+    if case.score_mod == "sqrt_to_ends":
+        return lambda s, b, h, q, k: s - captured[h] * (
+            jnp.sqrt((case.q_len - 1 - q).astype(s.dtype))
+            + jnp.sqrt((case.kv_len - 1 - k).astype(s.dtype)))
     if case.score_mod == "relative_table":
         offset = case.kv_len
         return lambda s, b, h, q, k: s + captured[jnp.clip(q - k + offset, 0,
@@ -127,7 +137,7 @@ def _score_mod(case: Case, captured):
 
 
 def _captured(case: Case, rng):
-    if case.score_mod == "alibi":
+    if case.score_mod in ("alibi", "sqrt_to_ends"):
         return rng.uniform(0.01, 0.3, case.heads)
     if case.score_mod == "relative_table":
         return rng.standard_normal(case.q_len + case.kv_len)

@@ -32,10 +32,10 @@ from tests.omni_jax.attention_suite import CASES, AttentionSuite, Case, check_ca
 # arrays by batch and head only (ALiBi slopes), not per score (a relative-position table).
 _GATHERING = ("relative_table_score_mod",)
 GPU_CASES = tuple(case for case in CASES if case.name not in _GATHERING)
-_INTERPRETED = ("alibi_score_mod", "causal_ragged", "decode_step_gqa_sinks",
+_INTERPRETED = ("causal_ragged", "decode_step_gqa_sinks",
                 "documents_causal_window",
                 "generic_block_mask", "mqa_value_dim", "per_head_mask_without_gqa",
-                "softcap_sinks")
+                "score_mod_nan_past_the_ends", "softcap_sinks")
 INTERPRETED_CASES = tuple(case for case in CASES if case.name in _INTERPRETED)
 
 
