@@ -45,9 +45,8 @@ def _check_int(name: str, x: Array) -> Array:
         values = _concrete(x)
         if values is None:
             x = jnp.clip(x, max(own.min, int32.min), int32.max)
-        elif ((values < int32.min) | (values > int32.max)).any():
-            index = tuple(int(i) for i in np.argwhere(
-                (values < int32.min) | (values > int32.max))[0])
+        elif (outside := (values < int32.min) | (values > int32.max)).any():
+            index = tuple(int(i) for i in np.argwhere(outside)[0])
             raise ValueError(f"{name}[{', '.join(map(str, index))}] = {values[index]} does not "
                              f"fit int32 [{int32.min}, {int32.max}]")
     return jnp.asarray(x, jnp.int32)
