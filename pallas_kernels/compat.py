@@ -502,3 +502,31 @@ def mosaic_lowering_arch(major: int, minor: int):
         yield
     finally:
         owner._infer_arch = inferred
+
+
+# --------------------------------------------------------------------------- eager evaluation
+
+
+def evaluates_eagerly() -> bool:
+    """Whether a JAX op on concrete inputs returns a concrete array here: outside any
+    trace, or inside one under `jax.ensure_compile_time_eval` (which sets
+    ``eager_constant_folding`` in 0.10-0.12). False where those internals moved: callers
+    then stage, which is always correct."""
+    try:
+        from jax._src import config, core
+
+        return (isinstance(core.trace_ctx.trace, core.EvalTrace)
+                or bool(config.eager_constant_folding.value))
+    except (ImportError, AttributeError):
+        return False
+
+
+def staging_constants() -> contextlib.AbstractContextManager:
+    """Undoes `jax.ensure_compile_time_eval` inside: for tracing a function to compile it,
+    whose ops on constants would otherwise each be compiled and run while it is traced."""
+    try:
+        from jax._src import config
+
+        return config.eager_constant_folding(False)
+    except (ImportError, AttributeError):
+        return contextlib.nullcontext()

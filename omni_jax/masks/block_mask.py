@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from omni_jax.masks.compiled import compiled_when_concrete
 from omni_jax.masks.mask_mods import (
     And,
     BlockGrid,
@@ -48,7 +49,7 @@ def _compact(dense_flags: Array, dense_partial_ids: Array):
     0 when there is none) with flags FULL and partial id -1.
     """
     n = dense_flags.shape[-1]
-    position = jnp.arange(n, dtype=jnp.int32)
+    position = np.arange(n, dtype=np.int32)
     active = dense_flags >= 0
     order = jnp.argsort(jnp.where(active, position, position + n), axis=-1, stable=True)
     order = order.astype(jnp.int32)
@@ -69,6 +70,86 @@ def mark_kv_tail(tile_flags: Array, grid: BlockGrid) -> Array:
     last = tile_flags[..., -1:]
     last = jnp.where(last >= 0, last | COMPUTED, last)
     return jnp.concatenate([tile_flags[..., :-1], last], axis=-1)
+
+
+# The array work of construction and views: one compiled function each
+# (`omni_jax.masks.compiled`). Constants are numpy, which a trace embeds as they are.
+
+
+@compiled_when_concrete(static_argnames=("grid",))
+def _walks(tile_flags: Array, partial_ids: Array | None, partial_masks: Array | None, *,
+           grid: BlockGrid):
+    """(q-major walk, kv-major walk, stored tiles) of dense tile flags (`_compact`)."""
+    tile_flags = mark_kv_tail(jnp.asarray(tile_flags, jnp.int32), grid)
+    if partial_ids is None:
+        partial_ids = np.full(tile_flags.shape, -1, np.int32)
+    partial_ids = jnp.broadcast_to(jnp.asarray(partial_ids, jnp.int32), tile_flags.shape)
+    if partial_masks is None:
+        partial_masks = np.zeros((1, grid.block_q, grid.block_kv), bool)
+    return (_compact(tile_flags, partial_ids),
+            _compact(tile_flags.swapaxes(-1, -2), partial_ids.swapaxes(-1, -2)),
+            jnp.asarray(partial_masks, bool))
+
+
+@compiled_when_concrete()
+def _dense_tiles(kv_num_blocks: Array, kv_indices: Array, kv_tile_flags: Array,
+                 kv_partial_ids: Array) -> tuple[Array, Array]:
+    """Dense (flags, partial ids) ``[Bm, Hm, nq, nkv]``, scattered back from the q-major
+    walk."""
+    *lead, nq, nkv = kv_indices.shape
+    valid = np.arange(nkv) < kv_num_blocks[..., None]
+    slot = jnp.where(valid, kv_indices, nkv)  # Padding lands in a dropped column.
+    index = tuple(np.indices(slot.shape, sparse=True)[:-1]) + (slot,)
+    flags = jnp.asarray(np.full((*lead, nq, nkv + 1), MASKED, np.int32)).at[index].set(
+        kv_tile_flags)
+    ids = jnp.asarray(np.full((*lead, nq, nkv + 1), -1, np.int32)).at[index].set(
+        kv_partial_ids)
+    return flags[..., :nkv], ids[..., :nkv]
+
+
+@compiled_when_concrete(static_argnames=("grid",))
+def _restricted_tiles(flags: Array, ids: Array, mask_mod: MaskMod, *,
+                      grid: BlockGrid) -> tuple[Array, Array]:
+    """Dense (flags, ids) AND ``mask_mod``: its empty tiles dropped, its mixed ones
+    COMPUTED."""
+    full, empty = mask_mod.classify(grid)
+    flags = jnp.where(empty, MASKED, jnp.where((flags >= 0) & ~full, flags | COMPUTED, flags))
+    return flags, jnp.where(flags >= 0, ids, -1)
+
+
+@compiled_when_concrete(static_argnames=("group", "num_q_blocks"))
+def _repeated_tiles(flags: Array, ids: Array, partial_masks: Array, *, group: int,
+                    num_q_blocks: int) -> tuple[Array, Array, Array]:
+    """Dense (flags, ids) and stored tiles with ``group`` rows per query position: each
+    new q-block is one of ``group`` slices of an old one, and so is each stored tile."""
+    _, bq, bkv = partial_masks.shape
+    source = np.arange(num_q_blocks) // group  # the q-block each new one lies in
+    part = np.arange(num_q_blocks) % group  # and which of its group slices
+    flags, ids = flags[:, :, source], ids[:, :, source]
+    # Stored tile p seen from slice g: row r of it is row (g * bq + r) // group of p.
+    rows = (np.arange(group)[:, None] * bq + np.arange(bq)[None, :]) // group
+    partial_masks = partial_masks[:, rows].reshape(-1, bq, bkv)
+    return flags, jnp.where(ids >= 0, ids * group + part[:, None], -1), partial_masks
+
+
+@compiled_when_concrete(static_argnames=("q_len", "kv_len"))
+def _elements(flags: Array, ids: Array, partial_masks: Array, mask_mod: MaskMod | None, *,
+              q_len: int, kv_len: int) -> Array:
+    """The element mask ``[Bm, Hm, q_len, kv_len]`` of dense tile flags and ids."""
+    _, bq, bkv = partial_masks.shape
+    q_idx = np.arange(q_len, dtype=np.int32)
+    kv_idx = np.arange(kv_len, dtype=np.int32)
+    tile_flags = flags[:, :, q_idx // bq][:, :, :, kv_idx // bkv]
+    tile_ids = ids[:, :, q_idx // bq][:, :, :, kv_idx // bkv]
+    bits = partial_masks[jnp.maximum(tile_ids, 0), (q_idx % bq)[:, None],
+                         (kv_idx % bkv)[None, :]]
+    visible = tile_flags >= 0
+    visible &= ((tile_flags & PARTIAL) == 0) | bits
+    if mask_mod is not None:
+        batch = np.arange(flags.shape[0])[:, None, None, None]
+        structured = mask_mod(batch, 0, q_idx[:, None], kv_idx[None, :])
+        visible &= ((tile_flags & COMPUTED) == 0) | structured
+    return visible
 
 
 @jax.tree_util.register_pytree_node_class
@@ -164,25 +245,18 @@ class BlockMask:
         bound ``kv_idx < kv_len`` exactly where a tile crosses the end.
         ``contiguous_full`` is the caller's promise (see the class docstring).
         """
-        tile_flags = jnp.asarray(tile_flags, jnp.int32)
         grid = BlockGrid(q_len, kv_len, *block_size)
         expected = (grid.num_q_blocks, grid.num_kv_blocks)
-        if tile_flags.ndim != 4 or tile_flags.shape[2:] != expected:
+        if np.ndim(tile_flags) != 4 or np.shape(tile_flags)[2:] != expected:
             raise ValueError(f"tile_flags must be [batch, heads, {expected[0]}, {expected[1]}] "
                              f"for q_len={q_len}, kv_len={kv_len}, block_size={block_size}, "
-                             f"got shape {tile_flags.shape}")
-        tile_flags = mark_kv_tail(tile_flags, grid)
-        if partial_ids is None:
-            partial_ids = jnp.full(tile_flags.shape, -1, jnp.int32)
-        partial_ids = jnp.broadcast_to(jnp.asarray(partial_ids, jnp.int32), tile_flags.shape)
-        if partial_masks is None:
-            partial_masks = jnp.zeros((1, *block_size), bool)
-        kv_walk = _compact(tile_flags, partial_ids)
-        q_walk = _compact(tile_flags.swapaxes(-1, -2), partial_ids.swapaxes(-1, -2))
+                             f"got shape {np.shape(tile_flags)}")
+        kv_walk, q_walk, partial_masks = _walks(tile_flags, partial_ids, partial_masks,
+                                                grid=grid)
         return cls(kv_num_blocks=kv_walk[0], kv_indices=kv_walk[1], kv_tile_flags=kv_walk[2],
                    kv_partial_ids=kv_walk[3], q_num_blocks=q_walk[0], q_indices=q_walk[1],
                    q_tile_flags=q_walk[2], q_partial_ids=q_walk[3],
-                   partial_masks=jnp.asarray(partial_masks, bool), mask_mod=mask_mod,
+                   partial_masks=partial_masks, mask_mod=mask_mod,
                    q_len=q_len, kv_len=kv_len, block_size=tuple(block_size),
                    contiguous_full=contiguous_full)
 
@@ -206,15 +280,8 @@ class BlockMask:
 
     def _dense_tiles(self) -> tuple[Array, Array]:
         """Dense (flags, partial ids), scattered back from the q-major walk."""
-        *lead, nq, nkv = self.kv_indices.shape
-        valid = jnp.arange(nkv) < self.kv_num_blocks[..., None]
-        slot = jnp.where(valid, self.kv_indices, nkv)  # Padding lands in a dropped column.
-        flags = jnp.full((*lead, nq, nkv + 1), MASKED, jnp.int32)
-        ids = jnp.full((*lead, nq, nkv + 1), -1, jnp.int32)
-        index = tuple(jnp.indices(slot.shape, sparse=True)[:-1]) + (slot,)
-        flags = flags.at[index].set(self.kv_tile_flags)
-        ids = ids.at[index].set(self.kv_partial_ids)
-        return flags[..., :nkv], ids[..., :nkv]
+        return _dense_tiles(self.kv_num_blocks, self.kv_indices, self.kv_tile_flags,
+                            self.kv_partial_ids)
 
     def density(self) -> float:
         """Fraction of tiles that are computed (1.0 for dense attention); needs a concrete
@@ -224,7 +291,7 @@ class BlockMask:
                             "mask must be concrete: this one is traced (built inside jax.jit "
                             "or jax.vmap); call them outside")
         total = np.prod(self.kv_indices.shape)
-        return float(jnp.sum(self.kv_num_blocks)) / float(total)
+        return float(np.sum(self.kv_num_blocks)) / float(total)
 
     def sparsity(self) -> float:
         """Fraction of tiles skipped entirely (no loads, no math)."""
@@ -242,11 +309,7 @@ class BlockMask:
         if mask_mod.batch_size() not in (1, batch) and batch != 1:
             raise ValueError(f"restrict: the mask_mod's arrays have batch size "
                              f"{mask_mod.batch_size()}, this mask {batch}")
-        full, empty = mask_mod.classify(self.grid)
-        flags, ids = self._dense_tiles()
-        new_flags = jnp.where(empty, MASKED, jnp.where((flags >= 0) & ~full,
-                                                        flags | COMPUTED, flags))
-        new_ids = jnp.where(new_flags >= 0, ids, -1)
+        new_flags, new_ids = _restricted_tiles(*self._dense_tiles(), mask_mod, grid=self.grid)
         combined = mask_mod if self.mask_mod is None else And(self.mask_mod, mask_mod)
         # Two runs of consecutive FULL blocks intersect in one.
         return BlockMask.from_tile_flags(
@@ -264,18 +327,13 @@ class BlockMask:
             raise ValueError(f"repeat_queries: group must divide block_q={bq}, got {group}")
         q_len = self.q_len * group
         num_q_blocks = -(-q_len // bq)
-        source = np.arange(num_q_blocks) // group  # the q-block each new one lies in
-        part = np.arange(num_q_blocks) % group  # and which of its group slices
-        flags, ids = self._dense_tiles()
-        flags, ids = flags[:, :, source], ids[:, :, source]
-        # Stored tile p seen from slice g: row r of it is row (g * bq + r) // group of p.
-        rows = (np.arange(group)[:, None] * bq + np.arange(bq)[None, :]) // group
-        partial_masks = self.partial_masks[:, rows].reshape(-1, bq, bkv)
-        ids = jnp.where(ids >= 0, ids * group + part[:, None], -1)
+        flags, ids, partial_masks = _repeated_tiles(*self._dense_tiles(), self.partial_masks,
+                                                    group=group, num_q_blocks=num_q_blocks)
         if not isinstance(partial_masks, jax.core.Tracer):  # identical slices: one tile
             partial_masks, first = np.unique(np.asarray(partial_masks), axis=0,
                                              return_inverse=True)
-            ids = jnp.where(ids >= 0, jnp.asarray(first.ravel(), jnp.int32)[ids], -1)
+            ids = np.asarray(ids)
+            ids = np.where(ids >= 0, first.ravel().astype(np.int32)[ids], -1)
         mask_mod = None if self.mask_mod is None else RepeatedQueries.of(self.mask_mod, group)
         repeated = BlockMask.from_tile_flags(flags, ids, partial_masks, mask_mod, q_len=q_len,
                                              kv_len=self.kv_len, block_size=self.block_size,
@@ -290,21 +348,8 @@ class BlockMask:
 
     def to_dense(self) -> Array:
         """The element mask ``[Bm, Hm, q_len, kv_len]`` bool (O(q_len * kv_len): debugging)."""
-        flags, ids = self._dense_tiles()
-        bq, bkv = self.block_size
-        q_idx = jnp.arange(self.q_len, dtype=jnp.int32)
-        kv_idx = jnp.arange(self.kv_len, dtype=jnp.int32)
-        tile_flags = flags[:, :, q_idx // bq][:, :, :, kv_idx // bkv]
-        tile_ids = ids[:, :, q_idx // bq][:, :, :, kv_idx // bkv]
-        bits = self.partial_masks[jnp.maximum(tile_ids, 0), (q_idx % bq)[:, None],
-                                  (kv_idx % bkv)[None, :]]
-        visible = tile_flags >= 0
-        visible &= ((tile_flags & PARTIAL) == 0) | bits
-        if self.mask_mod is not None:
-            batch = jnp.arange(flags.shape[0])[:, None, None, None]
-            structured = self.mask_mod(batch, 0, q_idx[:, None], kv_idx[None, :])
-            visible &= ((tile_flags & COMPUTED) == 0) | structured
-        return visible
+        return _elements(*self._dense_tiles(), self.partial_masks, self.mask_mod,
+                         q_len=self.q_len, kv_len=self.kv_len)
 
     def __repr__(self) -> str:
         batch, heads, q_len, kv_len = self.shape

@@ -30,6 +30,7 @@ import numpy as np
 
 from omni_jax import explicit_sharding
 from omni_jax.masks.block_mask import COMPUTED, FULL, MASKED, PARTIAL, BlockMask
+from omni_jax.masks.compiled import compiled_when_concrete
 from omni_jax.masks.mask_mods import BlockGrid, MaskMod, has_contiguous_full_tiles, is_int
 from pallas_kernels.traced_functions import ComparedByJaxpr, evaluate
 
@@ -87,14 +88,21 @@ def create_block_mask(mask_mod: MaskFn, batch: int | None, heads: int | None, q_
 
 def structured_tile_flags(mask_mod: MaskMod | None, grid: BlockGrid) -> Array:
     """Dense tile flags ``[Bm, 1, nq, nkv]`` of a structured mask (None: dense attention)."""
+    return _structured_tile_flags(mask_mod, grid=grid)
+
+
+@compiled_when_concrete(static_argnames=("grid", "batch", "heads"))
+def _structured_tile_flags(mask_mod: MaskMod | None, *, grid: BlockGrid, batch: int = 1,
+                           heads: int = 1) -> Array:
+    """`structured_tile_flags` broadcast to at least ``[batch, heads, nq, nkv]``."""
     if mask_mod is None:
-        flags = jnp.full((1, 1, grid.num_q_blocks, grid.num_kv_blocks), FULL, jnp.int32)
+        flags = np.full((1, 1, grid.num_q_blocks, grid.num_kv_blocks), FULL, np.int32)
     else:
         full, empty = mask_mod.classify(grid)
         flags = jnp.where(empty, MASKED, jnp.where(full, FULL, COMPUTED)).astype(jnp.int32)
-        shape = jnp.broadcast_shapes(flags.shape, (1, 1, grid.num_q_blocks, grid.num_kv_blocks))
-        flags = jnp.broadcast_to(flags, shape)
-    return flags
+    shape = jnp.broadcast_shapes(flags.shape, (batch, heads, grid.num_q_blocks,
+                                               grid.num_kv_blocks))
+    return jnp.broadcast_to(flags, shape)
 
 
 def _structured_block_mask(mask_mod: MaskMod, batch: int | None, heads: int | None,
@@ -104,9 +112,7 @@ def _structured_block_mask(mask_mod: MaskMod, batch: int | None, heads: int | No
         raise ValueError(f"create_block_mask: batch={batch} but the mask_mod's arrays have "
                          f"batch size {mask_batch}")
     mask_mod.check_lengths(grid)
-    flags = structured_tile_flags(mask_mod, grid)
-    flags = jnp.broadcast_to(flags, (max(batch or 1, flags.shape[0]), heads or 1,
-                                     *flags.shape[2:]))
+    flags = _structured_tile_flags(mask_mod, grid=grid, batch=batch or 1, heads=heads or 1)
     return BlockMask.from_tile_flags(flags, mask_mod=mask_mod, q_len=grid.q_len,
                                      kv_len=grid.kv_len, block_size=(grid.block_q,
                                                                      grid.block_kv),
@@ -161,16 +167,14 @@ def _hoisted(mask_mod: MaskFn) -> tuple[_HoistedMaskMod, list[Array]]:
 def _rows(batch: int, heads: int, grid: BlockGrid) -> Array:
     """Every (b, h, q-block) as int32 rows of a ``[batch * heads * nq, 3]`` array (the
     index type the mask_mod was traced with, also under jax_enable_x64)."""
-    return jnp.stack([a.ravel() for a in np.indices((batch, heads, grid.num_q_blocks))],
-                     axis=-1).astype(jnp.int32)
+    return np.stack([a.ravel() for a in np.indices((batch, heads, grid.num_q_blocks))],
+                    axis=-1).astype(np.int32)
 
 
 def _evaluated_block_mask(mask_mod: MaskFn, batch: int, heads: int,
                           grid: BlockGrid) -> BlockMask:
     hoisted, captured = _hoisted(mask_mod)
-    shape = (batch, heads, grid.num_q_blocks, grid.num_kv_blocks)
-    flags = _tile_flags(captured, mask_mod=hoisted, batch=batch, heads=heads,
-                        grid=grid).reshape(shape)
+    flags = _tile_flags(captured, mask_mod=hoisted, batch=batch, heads=heads, grid=grid)
     if isinstance(flags, jax.core.Tracer):
         partial_ids, partial_masks = _all_tiles_stored(hoisted.bind(captured), grid,
                                                        _rows(batch, heads, grid), flags)
@@ -193,7 +197,8 @@ def _tile_flags(captured, *, mask_mod: _HoistedMaskMod, batch: int, heads: int,
         return bits.any(axis=(1, 2)), (bits | ~in_bounds).all(axis=(1, 2))
 
     any_visible, all_visible = jax.lax.map(classify_row, _rows(batch, heads, grid))
-    return jnp.where(any_visible, jnp.where(all_visible, FULL, PARTIAL), MASKED)
+    flags = jnp.where(any_visible, jnp.where(all_visible, FULL, PARTIAL), MASKED)
+    return flags.reshape(batch, heads, grid.num_q_blocks, grid.num_kv_blocks)
 
 
 def _all_tiles_stored(mask_mod, grid, rows, flags):

@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from omni_jax.masks.block_mask import BlockMask
+from omni_jax.masks.construct import structured_tile_flags
 from omni_jax.masks.mask_mods import BlockGrid
 from pallas_kernels.tile_classes import COMPUTED, FULL, MASKED, PARTIAL
 
@@ -90,10 +91,7 @@ def _regroup_concrete(mask: BlockMask, block_size: tuple[int, int]) -> BlockMask
         excluded = np.zeros(flags.shape, bool)
     else:
         fine_grid = BlockGrid(mask.q_len, mask.kv_len, *fine)
-        _, empty = mask.mask_mod.classify(fine_grid)
-        empty = np.asarray(empty)
-        empty = np.broadcast_to(empty, (*empty.shape[:2], fine_grid.num_q_blocks,
-                                        fine_grid.num_kv_blocks))
+        empty = np.asarray(structured_tile_flags(mask.mask_mod, fine_grid)) == MASKED
         excluded = _fit(empty, flags.shape, fill=True)
         shape = np.broadcast_shapes(flags.shape, excluded.shape)
         flags, ids, excluded = (np.broadcast_to(x, shape) for x in (flags, ids, excluded))
