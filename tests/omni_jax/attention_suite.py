@@ -296,6 +296,13 @@ class AttentionSuite:
         del params
         return True
 
+    @classmethod
+    def slow(cls, **params: Any) -> bool:
+        """Whether a wanted combination is marked `slow` (run by ``-m slow`` only; default:
+        none), for interpreted suites whose whole product outlasts CI."""
+        del params
+        return False
+
     def test_case(self, case: Case, dtype: str) -> None:
         check_case(self.implementation, case, dtype, self.mask_block_size,
                    self.check_gradients)
@@ -439,7 +446,8 @@ class AttentionSuite:
 def suite_parameters(cls: Any, names: list[str]) -> tuple[list[str], list]:
     """The parametrization `tests/conftest.py` applies to a suite test that takes some of
     ``names``: the names it takes and their wanted combinations (``cls.wanted``), the
-    first dtype of each of ``cls.smoke_cases`` marked `smoke`."""
+    first dtype of each of ``cls.smoke_cases`` marked `smoke`, those of ``cls.slow``
+    marked `slow`."""
     values = {"case": list(cls.cases), "dtype": list(cls.dtypes),
               "variant": list(getattr(cls, "variants", ()))}
     taken = [name for name in values if name in names]
@@ -451,8 +459,10 @@ def suite_parameters(cls: Any, names: list[str]) -> tuple[list[str], list]:
         smoke = (params.get("case") is not None and params["case"].name in cls.smoke_cases
                  and params.get("dtype", cls.dtypes[0]) == cls.dtypes[0]
                  and params.get("variant") in (None, *values["variant"][:1]))
-        combos.append(pytest.param(*combo, marks=[pytest.mark.smoke] if smoke else [],
-                                   id="-".join(case_id(v) for v in combo)))
+        marks = [pytest.mark.smoke] if smoke else []
+        if cls.slow(**params):
+            marks.append(pytest.mark.slow)
+        combos.append(pytest.param(*combo, marks=marks, id="-".join(case_id(v) for v in combo)))
     return taken, combos
 
 

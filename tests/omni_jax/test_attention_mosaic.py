@@ -80,6 +80,16 @@ class TestMosaicAttentionInterpreted(_MosaicSuite):
     dtypes = ("bfloat16",)
     cases = INTERPRETED_CASES
 
+    @classmethod
+    def slow(cls, **params):
+        """Every case under the default schedule; each other schedule on two cases, in
+        turn (all of them under ``-m slow``)."""
+        variant = params.get("variant")
+        if variant in (None, FORWARD_VARIANTS[0]) or "case" not in params:
+            return False
+        return (INTERPRETED_CASES.index(params["case"]) // 2
+                != FORWARD_VARIANTS.index(variant) - 1)
+
     @pytest.fixture(autouse=True)
     def _interpreted(self, monkeypatch):
         yield from interpreted_mosaic(monkeypatch)
@@ -94,6 +104,11 @@ class TestMosaicSm100AttentionInterpreted(AttentionSuite):
     dtypes = ("bfloat16",)
     cases = GPU_CASES
     mask_block_size = (128, 128)  # the sm100 backward's kv tile
+
+    @classmethod
+    def slow(cls, **params):
+        """The sm90 suite's interpreted cases; the others under ``-m slow``."""
+        return "case" in params and params["case"] not in INTERPRETED_CASES
 
     @pytest.fixture(autouse=True)
     def _interpreted(self, monkeypatch):

@@ -44,7 +44,7 @@ def block_mask_pairs(draw):
 
 
 # Each draw builds a BlockMask (seconds on a busy CI machine): not a slow strategy.
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(block_mask_pairs())
 def test_regrouped_mask_admits_the_same_elements(pair):
     mask, expected, target = pair

@@ -55,8 +55,6 @@ class Case:
     softcap: float | None = None
     score_mod: bool = False
     scale: float | None = None
-    # The VARIANTS that run it (None: all).
-    variants: tuple[str, ...] | None = None
 
 
 CASES = (
@@ -83,7 +81,7 @@ CASES = (
     # Paired consumers on stored tiles, ragged, under GQA, with the softcap and score_mod
     # slope passed from one consumer to the other.
     Case("partial_softcap_score_mod_d192", "bfloat16", 1, 200, 200, 4, 2, 192, 192, 64,
-         False, "partial", softcap=5.0, score_mod=True, variants=("split_dkdv", "paired")),
+         False, "partial", softcap=5.0, score_mod=True),
     # Head dim 64's 128-row steps: dense under GQA (FULL tiles only: one fused launch),
     # and causal with ragged q and kv and a value head dim of 40 (the masked steps'
     # second launch).
@@ -122,6 +120,57 @@ VARIANTS = {"dq_kernel": {}, "dq_kernel_scaled_ds": {"fold_scale": False},
             "fused_dq_q128_dv_first": {"fused_dq": True, "q_step": 128,
                                        "dq_before_dv": False}}
 
+# The variants each case runs under by default: every variant and every case at least
+# once, in about a third of the product; the rest of the product (each variant on every
+# case it applies to) runs under ``-m slow``.
+DEFAULT_RUNS = {
+    "partial_gqa_blind_blocks": ("dq_kernel", "fused_dq_q128", "unseeded"),
+    "documents_causal_ragged": ("dq_kernel", "fused_dq", "fused_dq_serial_dq_with_dkdv",
+                                "fused_dq_two_commits", "paired"),
+    "softcap_score_mod_fp16": ("dq_kernel_scaled_ds", "dq_kernel_q128",
+                               "fused_dq_q128_consumer_adds"),
+    "dense_gqa_d128": ("fused_dq_scaled_ds", "fused_dq_serial_step",
+                       "fused_dq_serial_consumer_adds", "fused_dq_consumer_adds"),
+    "causal_d256": ("dq_kernel", "split_dkdv"),
+    "causal_ragged_gqa_d192_v128": ("paired", "fused_dq_dv_first"),
+    "partial_softcap_score_mod_d192": ("paired",),
+    "dense_gqa_d64": ("fused_dq_q128", "fused_dq_q128_dv_first"),
+    "causal_ragged_d64_v40": ("dq_kernel", "fused_dq_q128_dv_first", "split_dkdv"),
+}
+
+
+def _declined(case: Case, variant: str) -> str | None:
+    """Why ``variant``'s config does not serve ``case`` (None: it does)."""
+    fields = VARIANTS[variant]
+    if fields.get("paired_consumers") and case.block_kv != bwd.ROWS_PER_CONSUMER:
+        return "paired consumers share kv tiles of 64 rows"
+    q_step = fields.get("q_step", bwd.ROWS_PER_CONSUMER)
+    head_dim = bwd.padded_head_dim(case.head_dim)
+    if q_step == bwd.BLOCK_Q and (case.block_kv != 128 or head_dim > 64):
+        return "128-row steps serve head dim 64 with two dK/dV consumers"
+    if fields.get("fused_dq") and not bwd.fused_dq_splits(
+            head_dim, case.block_kv // bwd.ROWS_PER_CONSUMER, q_step):
+        return "the fused dQ declines this head dim (the dQ kernel serves it)"
+    return None
+
+
+def _runs():
+    for case in CASES:
+        for variant in VARIANTS:
+            if _declined(case, variant) is None:
+                marks = [] if variant in DEFAULT_RUNS[case.name] else [pytest.mark.slow]
+                yield pytest.param(case, variant, marks=marks, id=f"{case.name}-{variant}")
+
+
+def test_default_runs_cover_every_variant_and_case():
+    """The default runs are variants that serve their case, and cover each variant and
+    each case."""
+    assert set(DEFAULT_RUNS) == {case.name for case in CASES}
+    for case in CASES:
+        for variant in DEFAULT_RUNS[case.name]:
+            assert _declined(case, variant) is None, (case.name, variant)
+    assert {v for runs in DEFAULT_RUNS.values() for v in runs} == set(VARIANTS)
+
 
 def _score_mod(s, b, h, i, j):
     return s - 0.05 * (h + 1) * jnp.abs(i - j).astype(s.dtype)
@@ -153,21 +202,9 @@ def _mask(case: Case, rng):
 
 
 @pytest.mark.interpreted
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case,variant", _runs())
 def test_gradients_match_float64(case: Case, variant: str, _interpreted):
     fields = VARIANTS[variant]
-    if case.variants is not None and variant not in case.variants:
-        pytest.skip(f"{case.name} runs {case.variants} only")
-    if fields.get("paired_consumers") and case.block_kv != bwd.ROWS_PER_CONSUMER:
-        pytest.skip("paired consumers share kv tiles of 64 rows")
-    q_step = fields.get("q_step", bwd.ROWS_PER_CONSUMER)
-    head_dim = bwd.padded_head_dim(case.head_dim)
-    if q_step == bwd.BLOCK_Q and (case.block_kv != 128 or head_dim > 64):
-        pytest.skip("128-row steps serve head dim 64 with two dK/dV consumers")
-    if fields.get("fused_dq") and not bwd.fused_dq_splits(
-            head_dim, case.block_kv // bwd.ROWS_PER_CONSUMER, q_step):
-        pytest.skip("the fused dQ declines this head dim (the dQ kernel serves it)")
     score_mod = _score_mod if case.score_mod else None
 
     def run(q, k, v, kmask, layout, out, lse, dout, dlse, scale, params):
