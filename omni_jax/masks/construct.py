@@ -20,7 +20,6 @@ structure, not at every call.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -186,7 +185,7 @@ def _evaluated_block_mask(mask_mod: MaskFn, batch: int, heads: int,
                                      block_size=(grid.block_q, grid.block_kv))
 
 
-@functools.partial(jax.jit, static_argnames=("mask_mod", "batch", "heads", "grid"))
+@compiled_when_concrete(static_argnames=("mask_mod", "batch", "heads", "grid"))
 def _tile_flags(captured, *, mask_mod: _HoistedMaskMod, batch: int, heads: int,
                 grid: BlockGrid) -> Array:
     """MASKED / FULL / PARTIAL per tile, one q-block row of tiles at a time."""
@@ -209,7 +208,7 @@ def _all_tiles_stored(mask_mod, grid, rows, flags):
     return jnp.where(flags == PARTIAL, ids, -1), partial_masks
 
 
-@functools.partial(jax.jit, static_argnames=("mask_mod", "grid"))
+@compiled_when_concrete(static_argnames=("mask_mod", "grid"))
 def _tiles(coords, captured, *, mask_mod: _HoistedMaskMod, grid: BlockGrid) -> Array:
     """The visible bits of the tiles at ``coords`` ``[n, 4]`` (b, h, q-block, kv-block)."""
     fn = mask_mod.bind(captured)
