@@ -58,3 +58,29 @@ def test_a_constant_mask_built_inside_jit_stays_traced():
 
     jax.jit(inside)(0)
     assert not isinstance(build().kv_indices, jax.core.Tracer)
+
+
+def test_a_mask_mod_mask_under_compile_time_eval_is_concrete_inside_jit():
+    """Tile flags and stored tiles of an evaluated mask_mod come from compiled functions,
+    concrete under `jax.ensure_compile_time_eval` as outside jit, and equal to them."""
+    prefix = jnp.asarray([40, 100], jnp.int32)
+
+    def build():
+        prefix_lm = lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) | (kv_idx < prefix[b])
+        return omni_jax.create_block_mask(prefix_lm, 2, None, 200, 200, block_size=64)
+
+    outside = build()
+    seen = []
+
+    def inside(x):
+        with jax.ensure_compile_time_eval():
+            mask = build()
+        seen.append(mask)
+        return x
+
+    jax.jit(inside)(0)
+    for leaf_in, leaf_out in zip(jax.tree.leaves(seen[0]), jax.tree.leaves(outside),
+                                 strict=True):
+        assert not isinstance(leaf_in, jax.core.Tracer)
+        np.testing.assert_array_equal(leaf_in, leaf_out)
+    np.testing.assert_array_equal(outside.to_dense(), seen[0].to_dense())
