@@ -57,6 +57,9 @@ def compiled_when_concrete(static_argnames: Sequence[str] = ()) -> Callable[[Cal
                     executables.popitem(last=False)
             return executable(*args, **kwargs)
 
+        # As `functools.lru_cache`'s: the executables held, and dropping them (tests).
+        call.cache_size = lambda: len(executables)
+        call.cache_clear = executables.clear
         return call
 
     return decorate
