@@ -61,8 +61,8 @@ def test_a_constant_mask_built_inside_jit_stays_traced():
 
 
 def test_a_mask_mod_mask_under_compile_time_eval_is_concrete_inside_jit():
-    """Tile flags and stored tiles of an evaluated mask_mod come from compiled functions,
-    concrete under `jax.ensure_compile_time_eval` as outside jit, and equal to them."""
+    """An evaluated mask_mod's mask built inside jit under `jax.ensure_compile_time_eval`
+    is concrete, as outside jit, and equal to the one built there."""
     prefix = jnp.asarray([40, 100], jnp.int32)
 
     def build():
