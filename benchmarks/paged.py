@@ -169,7 +169,7 @@ def _function(impl: str, args: tuple):
     if q_len != 1:
         return "decoding steps only (q_len 1)"
     try:
-        with warnings.catch_warnings():  # deprecated from jax 0.12 on, still the peer named
+        with warnings.catch_warnings():  # deprecated in jax 0.12, gone by 0.12.1
             warnings.simplefilter("ignore", DeprecationWarning)
             from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
     except ImportError:

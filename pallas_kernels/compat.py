@@ -17,6 +17,7 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
@@ -530,3 +531,12 @@ def staging_constants() -> contextlib.AbstractContextManager:
         return config.eager_constant_folding(False)
     except (ImportError, AttributeError):
         return contextlib.nullcontext()
+
+
+def is_single_device_sharding(sharding: Any) -> bool:
+    """Whether ``sharding`` places an array on one device (jax 0.12 deprecates the
+    isinstance check against `jax.sharding.SingleDeviceSharding`)."""
+    check = getattr(jax.sharding, "is_single_device_sharding", None)
+    if check is not None:
+        return check(sharding)
+    return isinstance(sharding, jax.sharding.SingleDeviceSharding)

@@ -72,7 +72,7 @@ def _signature(leaf: Any) -> tuple | None:
     if isinstance(leaf, jax.core.Tracer):
         return None
     if isinstance(leaf, jax.Array):
-        if not isinstance(leaf.sharding, jax.sharding.SingleDeviceSharding):
+        if not compat.is_single_device_sharding(leaf.sharding):
             return None
         return leaf.shape, leaf.dtype, leaf.weak_type, leaf.sharding
     return np.shape(leaf), np.result_type(leaf), isinstance(leaf, (bool, int, float)), None

@@ -30,8 +30,12 @@ def test_tiny_run_checks_and_times_every_impl_of_a_shape_together(timed_together
         assert set(row) == {"case", "impl", "ms", "tflops", "ratio", "note"}
     by = {(row["case"].split(" page")[0], row["impl"]): row for row in rows}
     decode = "b=2 q=1 kv=200 ragged h=8/2 d=32"
-    for impl in ("omni", "omni_triton", "omni_xla", "jax_pallas"):  # checked, then timed
+    for impl in ("omni", "omni_triton", "omni_xla"):  # checked, then timed
         assert by[decode, impl]["ms"] > 0 and "GB/s of K/V" in by[decode, impl]["note"]
+    # jax 0.12 dropped the GPU paged_attention op: timed where importable, else said so.
+    pallas = by[decode, "jax_pallas"]
+    assert (pallas["ms"] > 0 and "GB/s of K/V" in pallas["note"]) or (
+        np.isnan(pallas["ms"]) and "not importable" in pallas["note"])
     assert by[decode, "omni_xla"]["ratio"] == 1.0  # the baseline without fa3 and cuDNN
     assert "read+written" in by[decode, "copy"]["note"]
     assert np.isnan(by[decode, "fa3"]["ms"]) or by[decode, "fa3"]["ms"] > 0
