@@ -256,6 +256,42 @@ def packed_walk(mask: KernelMask, over: Literal["kv", "q"]) -> Array:
                             partial_ids], axis=-1).astype(jnp.int32)
 
 
+def rotated_add_turns(mask: KernelMask) -> Array:
+    """``[Bm, Hm, nkv, nq]`` int32: the turn of the ``p``-th tile of each kv-block's walk
+    over q-blocks among the adds to its q-block, for walks of FULL tiles only; 0 past
+    the walk.
+
+    The deterministic fused dQ (`attention_bwd_sm90.BackwardConfig.ordered_dq`) adds a
+    q-block's products in a fixed order. Kv-block ``j`` walks its ``n`` tiles rotated,
+    from its ``(j mod n)``-th on, so that under a dense mask the kv-blocks of a head start
+    at different q-blocks and each q-block's turns follow the order in which the walks
+    reach it: turns go by that step, then by kv-block. A turn ``t`` is stored as ``t``,
+    or as ``-t - 1`` for the q-block's last add (which resets the count it waits on).
+    """
+    num_full, q_indices = mask.q_num_full, mask.q_indices
+    num_kv_blocks, num_q_blocks = q_indices.shape[-2:]
+    position = jnp.arange(num_q_blocks)
+    walk_len = jnp.maximum(num_full, 1)[..., None]
+    walked = position < num_full[..., None]
+    start = jnp.arange(num_kv_blocks)[:, None] % walk_len
+    # When each tile is reached (kv-blocks break ties): unique per q-block, and larger
+    # than any reached one where the q-block is not walked.
+    reached = (position - start) % walk_len * num_kv_blocks + jnp.arange(num_kv_blocks)[:, None]
+    never = num_q_blocks * num_kv_blocks
+
+    def by_q_block(indices, reached, walked):  # one kv-block's walk, indexed by q-block
+        target = jnp.where(walked, indices, num_q_blocks)
+        return jnp.full(num_q_blocks, never, jnp.int32).at[target].set(reached, mode="drop")
+
+    reached = jnp.vectorize(by_q_block, signature="(n),(n),(n)->(n)")(
+        q_indices, reached.astype(jnp.int32), walked)  # [..., nkv, nq]
+    turn = (reached[..., None, :, :] < reached[..., :, None, :]).sum(-2, dtype=jnp.int32)
+    adds = (reached < never).sum(-2, keepdims=True, dtype=jnp.int32)
+    turn = jnp.where(turn == adds - 1, -turn - 1, turn)
+    turns = jnp.take_along_axis(turn, jnp.clip(q_indices, 0, num_q_blocks - 1), axis=-1)
+    return jnp.where(walked, turns, 0).astype(jnp.int32)
+
+
 def batch_head_index(mask_array: Array, batch: Array, head: Array) -> tuple[Array, Array]:
     """Indices into the broadcastable leading ``[Bm, Hm]`` dims of a mask array."""
     bm, hm = mask_array.shape[:2]

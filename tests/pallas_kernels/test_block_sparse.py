@@ -1,5 +1,6 @@
 """The kernels' view of a BlockMask: walks list FULL tiles first, nothing lost or added;
-walk statistics from concrete arrays, or the hint of traced ones."""
+the ordered dQ's add turns; walk statistics from concrete arrays, or the hint of traced
+ones."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pallas_kernels.block_sparse import (
     WalkStatistics,
     kernel_mask,
     packed_walk,
+    rotated_add_turns,
     walk_offsets,
     walk_statistics,
 )
@@ -58,6 +60,36 @@ def test_walks_list_full_tiles_first(tile_flags):
                 kmask.q_partial_ids, (mask.q_indices, mask.q_tile_flags, mask.q_partial_ids))
     _check_packed(kmask, "kv")
     _check_packed(kmask, "q")
+
+
+@settings(max_examples=25, deadline=None)
+@given(random_tile_flags(), st.booleans())
+def test_add_turns_follow_the_rotated_walks(tile_flags, all_full):
+    """Kv-block j walks its n FULL tiles from its (j mod n)-th on; each q-block's adds
+    take the turns 0, 1, ... in the order the walks reach it (by step, then kv-block),
+    the last stored as -turn - 1; 0 past the walk."""
+    if all_full:  # Walks of FULL tiles only, the ordered dQ's (dense ones among them).
+        tile_flags = np.where(tile_flags > 0, FULL, 0).astype(tile_flags.dtype)
+    nq, nkv = tile_flags.shape[2:]
+    ids = np.where(tile_flags >= 2, 0, -1).astype(np.int32)
+    mask = BlockMask.from_tile_flags(tile_flags, ids, np.ones((1, 16, 16), bool),
+                                     q_len=16 * nq, kv_len=16 * nkv, block_size=(16, 16))
+    kmask, _ = kernel_mask(mask)
+    turns = np.asarray(rotated_add_turns(kmask))
+    num_full, indices = np.asarray(kmask.q_num_full), np.asarray(kmask.q_indices)
+    assert turns.shape == indices.shape and turns.dtype == np.int32
+    for b, h in np.ndindex(tile_flags.shape[:2]):
+        adds = {}  # q-block -> [(step reached, kv-block, stored turn)]
+        for kv in range(nkv):
+            n = num_full[b, h, kv]
+            assert np.all(turns[b, h, kv, n:] == 0)
+            for p in range(n):
+                step = (p - kv % n) % n
+                adds.setdefault(indices[b, h, kv, p], []).append((step, kv, turns[b, h, kv, p]))
+        for q, q_adds in adds.items():
+            stored = [turn for *_, turn in sorted(q_adds)]
+            expected = list(range(len(stored) - 1)) + [-len(stored)]
+            assert stored == expected, (q, q_adds)
 
 
 def _check_packed(kmask, over):
