@@ -242,12 +242,15 @@ class MosaicBackend(AttentionBackend):
             return (f"BlockMask block_kv={block_kv}: the Mosaic backward takes "
                     f"{' or '.join(map(str, bwd.SUPPORTED_BLOCK_KV))} (one dK/dV consumer "
                     f"warpgroup per 64 kv rows)")
-        # The fused dQ's reduce-adds are atomic: their sums vary in the last bits.
+        # The fused dQ's reduce-adds are atomic. Deterministic, they go in a fixed order
+        # where that beats the dQ kernel (the config's ``ordered_dq``) and the kernels can
+        # order them (`bwd.orders_dq`); elsewhere the dQ kernel serves.
         num_q_blocks, num_kv_blocks = _num_blocks(problem, (fwd.BLOCK_Q, block_kv))
         walks = bwd.walk_bytes(num_q_blocks, num_kv_blocks, _walk_heads(problem))
+        ordered = problem.deterministic and config.ordered_dq
         config = bwd.fit_config(dataclasses.replace(
-            config.with_block_kv(block_kv),
-            fused_dq=config.fused_dq and not problem.deterministic),
+            config.with_block_kv(block_kv), ordered_dq=ordered,
+            fused_dq=config.fused_dq and (ordered or not problem.deterministic)),
             SMEM_LIMIT, *dims, np.dtype(problem.dtype).itemsize, problem.has_user_mask,
             walk_bytes=walks)
         if config is None:

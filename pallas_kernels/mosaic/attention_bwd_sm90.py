@@ -57,8 +57,11 @@ arrives on ``dq_stage_free``. It carries the (head, first q row) of its last sta
 1 fetches to address them. No product reads a step's dS^T tile before the next step,
 so a consumer publishes it (fence, warpgroup barrier, ``ds_ready``) with its dQ stage
 by one commit (`BackwardConfig.one_commit_a_step`). The reduce-adds are atomic, in no fixed
-order, so the sum's last bits vary between runs: the Mosaic backend takes the fused dQ
-only for `omni_jax.attention`'s ``deterministic=False``. The one-step delay keeps the
+order, so the sum's last bits vary between runs: `omni_jax.attention`'s
+``deterministic=False`` takes them so. Its deterministic default orders them where
+that beats the dQ kernel (`BackwardConfig.ordered_dq`, head dim 64: walks of FULL tiles
+only, each rotated to start at its kv-block, every add awaiting its turn on a global
+semaphore) and otherwise takes the dQ kernel. The one-step delay keeps the
 consumers out of lockstep; an earlier form with a rendezvous every step (commit
 0e02a52) was no faster. At head dim 64 the columns do not split into 64-column tiles
 between two consumers; there the steps are whole 128-row q-blocks and dQ splits by
@@ -97,7 +100,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import compat
+from pallas_kernels import block_sparse, compat, runtime
 from pallas_kernels.block_sparse import KernelMask, MaskLayout, batch_head_index, walk_offsets
 from pallas_kernels.mosaic import attention_sm90_common as common
 from pallas_kernels.mosaic.attention_sm90_common import (
@@ -215,6 +218,19 @@ class BackwardConfig:
     # and never waits for the TMA engine. False: each consumer issues its own reduction
     # and waits for it to read its stage before the next store.
     dq_reducer_warp: bool = True
+    # The fused dQ's reduce-adds into each q step in a fixed order, so that dQ is the same
+    # bit for bit from run to run (`omni_jax.attention`'s ``deterministic``), for walks
+    # of FULL tiles only: the reducer waits until a global semaphore per (batch, query
+    # head, q step) has counted the adds whose turn comes first
+    # (`block_sparse.rotated_add_turns`), adds, waits for the add to land and counts it;
+    # the last add resets the count for the next call. Each kv-block walks its q-blocks
+    # rotated, from its own index on, so that the kv-blocks of a head reach a q-block one
+    # step apart and each finds the adds before its own done (all starting at one
+    # q-block, they would form a chain of one add's latency per kv-block: H100,
+    # 2026-12-06, dense d128 s4096 fwd+bwd 8% slower than the dQ kernel). A CTA then
+    # waits on CTAs of its head launched after it: `attention_backward` takes the
+    # ordered dQ only where a head's kv-blocks fit on half of the device's SMs.
+    ordered_dq: bool = False
     # Pallas's automatic warpgroup barriers: one before and one after every register-to-
     # smem store (in the fused dK/dV step, two for dS^T and two for the dQ stage) and one
     # before each TMA load. The kernels order their shared memory themselves: a tile is
@@ -259,6 +275,9 @@ class BackwardConfig:
         if self.fused_dq and self.split_dkdv:
             raise ValueError("fused_dq adds dQ from a launch summing both dK and dV; "
                              "split_dkdv=True sums them apart")
+        if self.ordered_dq and not self.dq_reducer_warp:
+            raise ValueError("ordered_dq orders the reducer's adds: it needs "
+                             "dq_reducer_warp=True")
 
     @property
     def dkv_consumers(self) -> int:
@@ -293,8 +312,11 @@ class BackwardConfig:
 # dP^T with -delta would free 32 registers a thread; the interpreter cannot yet run that
 # form).
 _CONFIGS = {
+    # ordered_dq: the deterministic default takes the ordered fused dQ where it beats the
+    # dQ kernel. H100, 2026-12-06, dense fwd+bwd s4096 / s8192: 11% / 16% faster at head
+    # dim 64, 7% / 7% slower at 128 (whose 64-row steps add twice as often).
     64: BackwardConfig(block_kv=128, dkv_stages=4, dq_stages=3, q_step=BLOCK_Q,
-                       fused_dq=True),
+                       fused_dq=True, ordered_dq=True),
     128: BackwardConfig(block_kv=128, dkv_stages=2, dq_stages=2, fused_dq=True),
     # The dQ kernel fitted to 1 stage at 256, 2 at 192. Its 64 x 256 float32 sum beside
     # the mask code spills at 232 registers: H200, causal d256 fwd+bwd 9% faster at 240
@@ -355,11 +377,12 @@ def pairs_consumers(config: BackwardConfig) -> bool:
     return config.paired_consumers and config.block_kv == ROWS_PER_CONSUMER
 
 
-def walk_bytes(num_q_blocks: int, num_kv_blocks: int, dkv_walk_heads: int) -> tuple[int, int]:
+def walk_bytes(num_q_blocks: int, num_kv_blocks: int, dkv_walk_heads: int,
+               ranked: bool = False) -> tuple[int, int]:
     """Shared memory of the (dK/dV, dQ) CTAs' walk rows: ``dkv_walk_heads`` rows over the
-    q-blocks (one per query head of the group when the mask has heads), one over the
-    kv-blocks."""
-    return (dkv_walk_heads * common.walk_row_bytes(num_q_blocks),
+    q-blocks (one per query head of the group when the mask has heads; ``ranked``, with
+    the ordered dQ's ranks), one over the kv-blocks."""
+    return (dkv_walk_heads * common.walk_row_bytes(num_q_blocks, ranked),
             common.walk_row_bytes(num_kv_blocks))
 
 
@@ -410,6 +433,11 @@ class _Statics(common.LeafCounts):
         """Whether the launch's two consumers share 64 kv rows and split the work
         (`BackwardConfig.paired_consumers`): consumer 0 sums dV, consumer 1 dK."""
         return not self.fused_dq and pairs_consumers(self.config)
+
+    @property
+    def orders_dq(self) -> bool:
+        """Whether the fused dQ's adds go in a fixed order (`BackwardConfig.ordered_dq`)."""
+        return self.fused_dq and self.config.ordered_dq
 
     @property
     def dkv_consumers(self) -> int:
@@ -539,7 +567,16 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
     first_head = kv_head * s.group_size
     wg = lax.axis_index("wg")
     index_offset, flags_offset, partial_offset = walk_offsets(s.layout.num_q_blocks)
+    turn_offset = partial_offset + s.layout.num_q_blocks  # `rotated_add_turns`
     reducer = s.fused_dq and cfg.dq_reducer_warp
+    # The ordered dQ's count of adds per (batch, query head, q step): kept across calls
+    # (`pl.get_global`), zero between them, as each q step's last add resets it. The
+    # interpreter has no global semaphores: there each kv-block has a sum of its own
+    # (`_dq_adders`), added in order afterwards.
+    q_steps = q_ref.shape[1] // q_step
+    locks = (pl.get_global(plgpu.SemaphoreType.REGULAR((q_ref.shape[0] * s.num_q_heads
+                                                        * q_steps,)))
+             if s.orders_dq and not s.interpret else None)
 
     # Fused dQ: consumer c's share of a step's dQ (`_dq_share`) is whole 64-column tiles
     # of K for all of the step's rows, or with 128-row steps 64 of the rows for every
@@ -570,8 +607,12 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
 
     def step_position(g, j):
         """(q-block flags, first q row, part of the q-block, walk position) of step ``j``
-        of head ``g``'s walk."""
+        of head ``g``'s walk; the ordered dQ's walks start at the kv-block's index
+        (`BackwardConfig.ordered_dq`: FULL tiles only)."""
         i, part = lax.div(j, steps_per_block), lax.rem(j, steps_per_block)
+        if s.orders_dq:
+            walk_len = jnp.maximum(entry(g, 1), 1)
+            i = lax.rem(i + lax.rem(kv_block, walk_len), walk_len)
         q_block = entry(g, index_offset + i)
         return entry(g, flags_offset + i), q_block * BLOCK_Q + part * q_step, part, i
 
@@ -596,22 +637,51 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
         plgpu.barrier_wait(walk_barrier)
 
         def reduce_dq(dq_step, position):
-            """Adds each consumer's staged share of dQ of step ``dq_step`` (at ``position``)
-            to the sum and frees the stage once read. Step -1's (the consumers' product of
-            a zero tile, `_consumer`) is only freed."""
+            """Adds each consumer's staged share of dQ of step ``dq_step`` (at ``position``:
+            head, first q row and, ordered, add turn) to the sum and frees the stage once
+            read. Step -1's (the consumers' product of a zero tile, `_consumer`) is only
+            freed. Ordered, the adds wait for their turn once both stages are filled, and
+            count themselves once landed (not only read); the last resets the count."""
+            head, q_start, *turn = position
+            lock = None
+            if locks is not None:
+                lock = locks.at[(batch * s.num_q_heads + head) * q_steps
+                                + lax.div(q_start, q_step)]
+                last = turn[0] < 0
+                turn = jnp.where(last, -turn[0] - 1, turn[0])
+                for c in range(consumers):
+                    plgpu.barrier_wait(dq_staged.at[c])
+
+                # The last add takes the count back to zero as it passes (it signals
+                # nothing): the increment a signal adds must be a constant.
+                for is_last in (True, False):
+                    pl.when((dq_step >= 0) & (last == is_last))(functools.partial(
+                        plgpu.semaphore_wait, lock, turn, decrement=is_last,
+                        memory_scope="gpu"))
+
             def add(dst, stage):
                 dst[...] = dst[...] + stage[...]
 
             for c in range(consumers):
-                plgpu.barrier_wait(dq_staged.at[c])
-                dst = dq_destination(c, *position)
+                if lock is None:
+                    plgpu.barrier_wait(dq_staged.at[c])
+                dst = dq_destination(c, head, q_start)
                 if s.interpret:  # No TMA reductions there (`_dq_adders`).
                     pl.when(dq_step >= 0)(functools.partial(add, dst, dq_stage.at[c]))
                 else:
                     plgpu.copy_smem_to_gmem(dq_stage.at[c], dst, reduction_op="add",
                                             predicate=dq_step >= 0)
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                plgpu.barrier_arrive(dq_stage_free.at[c])
+                    if lock is None:
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                if lock is None:
+                    plgpu.barrier_arrive(dq_stage_free.at[c])
+            if lock is not None:
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                for c in range(consumers):
+                    plgpu.barrier_arrive(dq_stage_free.at[c])
+                plgpu.wait_smem_to_gmem(0)  # The adds are in the sum: the next may go.
+                pl.when((dq_step >= 0) & ~last)(
+                    lambda: plgpu.semaphore_signal(lock, 1, memory_scope="gpu"))
 
         if reducer:  # The stages start free.
             for c in range(consumers):
@@ -644,7 +714,8 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                     # wait, long before the next fetch's.
                     pl.when(step >= stages)(
                         functools.partial(reduce_dq, step - stages - 1, positions[0]))
-                    positions = (*positions[1:], (head, q_start))
+                    turn = (entry(g, turn_offset + i),) if s.orders_dq else ()
+                    positions = (*positions[1:], (head, q_start, *turn))
                 return step + 1, positions
 
             for start, stop, _ in walk_loops(s, num_full_steps(g), num_steps(g)):
@@ -652,7 +723,8 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
             return carry
 
         # Before any fetch, steps -stages - 1 to -1 (step -1's position is never written).
-        positions = ((first_head, jnp.int32(0)),) * (stages + 1) if reducer else ()
+        position = (first_head, jnp.int32(0), *((jnp.int32(0),) if s.orders_dq else ()))
+        positions = (position,) * (stages + 1) if reducer else ()
         num_loads, positions = lax.fori_loop(0, s.group_size, head_steps,
                                              (jnp.int32(0), positions))
         for i, position in enumerate(positions):  # The reductions the loop left.
@@ -1236,6 +1308,8 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
     masked_tiles = common.has_masked_tiles(layout, has_partial)
     long_walks = (mean_full_walk is not None
                   and mean_full_walk >= config.fused_dq_min_full_walk)
+    if config.ordered_dq and not orders_dq(layout, masked_tiles):
+        config = dataclasses.replace(config, fused_dq=False, ordered_dq=False)
     if config.fused_dq and (long_walks or not masked_tiles):
         group = q.shape[2] // k.shape[2]
         fused_configs = _fused_configs(config, layout, has_partial, masked_tiles, q, v,
@@ -1270,6 +1344,15 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
     return fused(q, k, v, traced_leaves, out, lse, dout, dlse, tuple(captured))
 
 
+def orders_dq(layout: MaskLayout, masked_tiles: bool) -> bool:
+    """Whether the ordered fused dQ (`BackwardConfig.ordered_dq`) serves a mask: walks of
+    FULL tiles only, whose kv-blocks a head fit on half of the device's SMs. Its CTAs
+    wait on CTAs of their head launched after them, so all of a head's must be resident
+    at once, also beside another kernel holding some SMs (one CTA an SM: the fused
+    launch's shared memory takes most of one)."""
+    return not masked_tiles and layout.num_kv_blocks <= runtime.num_sms() // 2
+
+
 def _fused_configs(config: BackwardConfig, layout: MaskLayout, has_partial: bool,
                    masked_tiles: bool, q: Array, v: Array, dkv_walk_heads: int,
                    ) -> tuple[BackwardConfig, BackwardConfig | None] | None:
@@ -1279,7 +1362,8 @@ def _fused_configs(config: BackwardConfig, layout: MaskLayout, has_partial: bool
     dims = *padded_head_dims(q.shape[-1], v.shape[-1]), q.dtype.itemsize
     if not fused_dq_splits(dims[0], config.dkv_consumers, config.q_step):
         return None
-    walks = walk_bytes(layout.num_q_blocks, layout.num_kv_blocks, dkv_walk_heads)
+    walks = walk_bytes(layout.num_q_blocks, layout.num_kv_blocks, dkv_walk_heads,
+                       ranked=config.ordered_dq)
     # The FULL steps' launch loads no stored tiles and no mask leaves.
     full = fit_config(config, common.SMEM_LIMIT, *dims, False, fused_dq=True,
                       walk_bytes=walks)
@@ -1327,6 +1411,10 @@ def _backward(q: Array, k: Array, v: Array, kmask: KernelMask, out: Array, lse: 
         q_leaves, kv_leaves, leaf_slots = common.stacked_leaves(kmask, layout, batch)
         partial_masks = kmask.partial_masks.astype(jnp.int8)
         partial_masks_kv_major = jnp.swapaxes(partial_masks, 1, 2)
+        # The ordered dQ's walks carry each tile's add turn (`BackwardConfig.ordered_dq`).
+        ranked_walk = (common.walk_lines(jnp.concatenate(
+            [block_sparse.packed_walk(kmask, "q"), block_sparse.rotated_add_turns(kmask)],
+            axis=-1)) if fused_configs is not None and config.ordered_dq else None)
     interpret = interpret_params is not None
     scores, packed_captured = common.score_spec(scale, softcap, score_mod, captured)
     statics = _Statics(
@@ -1356,7 +1444,8 @@ def _backward(q: Array, k: Array, v: Array, kmask: KernelMask, out: Array, lse: 
             grid=(batch * num_kv_heads, layout.num_kv_blocks),
             grid_names=("batch_head", "kv_block"), num_threads=s.dkv_consumers + 1,
             thread_name="wg", compiler_params=params, interpret=interpret_params,
-        )(*operands(s, dkv_walk, partial_masks_kv_major), *extra)
+        )(*operands(s, ranked_walk if s.orders_dq else dkv_walk, partial_masks_kv_major),
+          *extra)
 
     def dq_kernel(s: _Statics):
         return compat.mosaic_kernel(
@@ -1381,6 +1470,8 @@ def _backward(q: Array, k: Array, v: Array, kmask: KernelMask, out: Array, lse: 
     # (which beside the fused dQ's state spills registers); the second, if the mask has
     # masked tiles, walks the rest and adds to the first's sums.
     full_config, masked_config = fused_configs
+    if ranked_walk is not None:
+        statics = dataclasses.replace(statics, dkv_walk_lines=ranked_walk.shape[-2])
     fused = dataclasses.replace(statics, config=full_config, fused_dq=True,
                                 walk_part="full", has_partial=False, leaf_slots=())
     dq_sum = jnp.zeros((_dq_adders(fused), batch, q_padded, num_q_heads, dim), jnp.float32)

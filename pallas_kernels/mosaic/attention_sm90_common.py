@@ -75,17 +75,18 @@ def walk_lines(rows: Array) -> Array:
     return rows.reshape(*rows.shape[:-1], -1, WALK_LINE)
 
 
-def walk_row_lines(num_blocks: int) -> int:
+def walk_row_lines(num_blocks: int, ranked: bool = False) -> int:
     """Lines of `WALK_LINE` ids holding a packed walk row over at most ``num_blocks``
-    blocks (`block_sparse.packed_walk`: two counts, then indices, flags and partial ids).
-    The kernels keep whole rows in shared memory, so very long sequences are bounded by
-    it (`walk_row_bytes`)."""
-    return -(-(2 + 3 * num_blocks) // WALK_LINE)
+    blocks (`block_sparse.packed_walk`: two counts, then indices, flags and partial ids;
+    ``ranked``, then the dQ add turns, `block_sparse.rotated_add_turns`). The kernels
+    keep whole rows in shared memory, so very long sequences are bounded by it
+    (`walk_row_bytes`)."""
+    return -(-(2 + (3 + ranked) * num_blocks) // WALK_LINE)
 
 
-def walk_row_bytes(num_blocks: int) -> int:
+def walk_row_bytes(num_blocks: int, ranked: bool = False) -> int:
     """Shared memory of one packed walk row over ``num_blocks`` blocks."""
-    return walk_row_lines(num_blocks) * WALK_LINE * 4
+    return walk_row_lines(num_blocks, ranked) * WALK_LINE * 4
 
 
 def has_masked_tiles(layout: MaskLayout, has_partial: bool) -> bool:

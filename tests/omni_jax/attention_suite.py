@@ -176,9 +176,10 @@ def random_case(rng: np.random.Generator, head_dims: tuple[int, ...],
 
 def check_case(implementation: str | None, case: Case, dtype: str,
                mask_block_size: tuple[int, int], check_gradients: bool = True,
-               block_rows: int | None = None) -> None:
+               block_rows: int | None = None, repeats: int = 0) -> None:
     """Checks ``case`` against the float64 reference; with ``block_rows``, also every
-    block of that many query (or key, for dK and dV) rows on its own."""
+    block of that many query (or key, for dK and dV) rows on its own; with ``repeats``,
+    that the backward run that many times more gives the same dQ, dK and dV bits."""
     seed = int(np.random.default_rng().integers(2**31))
     rng = np.random.default_rng(seed)
     context = f"[{implementation} {case.name} {dtype} seed={seed}]"
@@ -276,6 +277,10 @@ def check_case(implementation: str | None, case: Case, dtype: str,
         if block_rows and name in ("dq", "dk", "dv"):
             error = worst_block_error(grad, ref, 1, block_rows)
             assert error < 4 * tolerance, (context, f"{name} by rows", error)
+    for run_index in range(repeats):  # The kernels' gradients (XLA sums the others).
+        for name, grad, again in zip(names[:3], grads[:3], vjp(cotangents)[:3], strict=True):
+            assert np.array_equal(np.asarray(grad), np.asarray(again)), (
+                context, name, f"differs in run {run_index + 2}")
 
 
 class AttentionSuite:

@@ -189,6 +189,38 @@ def test_fused_dq_backward_through_the_public_call(case, dtype, overlapped_step,
     assert backends == {"mosaic"} and accumulating, (backends, accumulating)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(runtime.interpret_requested() or runtime.gpu_compute_capability() != (9, 0),
+                    reason="needs an sm90 GPU (global semaphores: the interpreter has none)")
+@pytest.mark.parametrize("case", [
+    Case("dense_head_dim_128", batch=2, q_len=1024, kv_len=1024, heads=8, kv_heads=2,
+         head_dim=128),
+    Case("dense_head_dim_64", batch=2, q_len=1024, kv_len=1024, heads=8, kv_heads=2,
+         head_dim=64),
+    # 32 kv-blocks a head, as in training at 4096 tokens: many CTAs add to a q step at once.
+    Case("dense_s4096_head_dim_128", batch=1, q_len=4096, kv_len=4096, heads=2, kv_heads=2,
+         head_dim=128),
+    Case("dense_softcap_sinks_head_dim_64", batch=1, q_len=2048, kv_len=2048, heads=4,
+         kv_heads=1, head_dim=64, softcap=20.0, sinks=True),
+    # Masked tiles: the dQ kernel, deterministic too.
+    Case("causal_ragged_head_dim_128", batch=2, q_len=1000, kv_len=1100, heads=4,
+         kv_heads=2, head_dim=128, is_causal=True),
+], ids=lambda case: case.name)
+def test_deterministic_backward_repeats_bit_for_bit(case, monkeypatch):
+    """deterministic=True (the default), the ordered fused dQ forced at every head dim:
+    under masks of FULL tiles only its adds go in a fixed order
+    (`BackwardConfig.ordered_dq`), elsewhere the dQ kernel serves; the gradients match
+    float64 and every rerun of the backward gives the same bits."""
+    force_config_fields(monkeypatch, bwd, "backward_config", fused_dq_min_full_walk=0.0,
+                        ordered_dq=True)
+    accumulating = []
+    kernel = compat.mosaic_kernel_accumulating
+    monkeypatch.setattr(compat, "mosaic_kernel_accumulating",
+                        lambda *args, **kwargs: accumulating.append(1) or kernel(*args, **kwargs))
+    check_case("mosaic", case, "bfloat16", (128, 128), block_rows=32, repeats=4)
+    assert bool(accumulating) == (not case.is_causal), accumulating
+
+
 @pytest.mark.parametrize("captured,score_mod,match", [
     (jnp.ones((8,), jnp.float32), lambda t: lambda s, b, h, i, j: s + t[jnp.clip(i - j, 0, 7)],
      "by query or key position"),
@@ -273,15 +305,23 @@ def _problem(q_len: int, kv_len: int) -> AttentionProblem:
 
 @pytest.mark.parametrize("architecture", ["sm90", "sm100"])
 def test_atomic_dq_sums_only_when_not_deterministic(architecture, monkeypatch):
-    """The dQ sums that TMA reduce-adds add to (sm90's fused dQ, sm100's one sum) vary in
-    their last bits between runs: only deterministic=False takes them. A deterministic
-    sm100 backward whose per-kv-block sums would be too large is declined."""
+    """The dQ sums that TMA reduce-adds add to in no fixed order (sm90's fused dQ unless
+    ordered, sm100's one sum) vary in their last bits between runs: only
+    deterministic=False takes them; sm90's deterministic default orders its fused dQ
+    where that beats the dQ kernel (head dim 64) and takes the dQ kernel elsewhere. A
+    deterministic sm100 backward whose per-kv-block sums would be too large is
+    declined."""
     if architecture == "sm100":
         skip_unless_blackwell_interpreter()
     monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1" if architecture == "sm90" else "sm100")
     problem = _problem(4096, 4096)
     config = MosaicBackend()._backward_config
-    atomic = (lambda c: c.fused_dq) if architecture == "sm90" else (
+    if architecture == "sm90":
+        head_dim_64 = dataclasses.replace(problem, head_dim=64, head_dim_v=64)
+        assert config(head_dim_64).fused_dq and config(head_dim_64).ordered_dq
+        assert not config(problem).fused_dq and config(
+            dataclasses.replace(problem, deterministic=False)).fused_dq
+    atomic = (lambda c: c.fused_dq and not c.ordered_dq) if architecture == "sm90" else (
         lambda c: not c.deterministic)
     assert not atomic(config(problem))
     assert atomic(config(dataclasses.replace(problem, deterministic=False)))

@@ -9,6 +9,7 @@ tuned config) run compiled against the XLA backend.
 """
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -99,7 +100,9 @@ CASES = (
 # it); "_q128": the dK/dV kernel walking whole q-blocks (head dim 64's steps), where the
 # fused dQ splits dQ's rows; "_unseeded": the score accumulators start at zero
 # (`BackwardConfig.seeded_stats`); "_dv_first": the fused step issuing dV before the
-# previous step's dQ; "paired": dK and dV summed by two consumers sharing 64 kv rows.
+# previous step's dQ; "paired": dK and dV summed by two consumers sharing 64 kv rows;
+# "_ordered": the fused dQ's adds in a fixed order (interpreted: the rotated walks and
+# their add turns; no semaphores there), for walks of FULL tiles only.
 VARIANTS = {"dq_kernel": {}, "dq_kernel_scaled_ds": {"fold_scale": False},
             "fused_dq": {"fused_dq": True},
             "fused_dq_scaled_ds": {"fused_dq": True, "fold_scale": False},
@@ -118,7 +121,9 @@ VARIANTS = {"dq_kernel": {}, "dq_kernel_scaled_ds": {"fold_scale": False},
             "unseeded": {"seeded_stats": False},
             "fused_dq_dv_first": {"fused_dq": True, "dq_before_dv": False},
             "fused_dq_q128_dv_first": {"fused_dq": True, "q_step": 128,
-                                       "dq_before_dv": False}}
+                                       "dq_before_dv": False},
+            "fused_dq_ordered": {"fused_dq": True, "ordered_dq": True},
+            "fused_dq_q128_ordered": {"fused_dq": True, "q_step": 128, "ordered_dq": True}}
 
 # The variants each case runs under by default: every variant and every case at least
 # once, in about a third of the product; the rest of the product (each variant on every
@@ -130,11 +135,12 @@ DEFAULT_RUNS = {
     "softcap_score_mod_fp16": ("dq_kernel_scaled_ds", "dq_kernel_q128",
                                "fused_dq_q128_consumer_adds"),
     "dense_gqa_d128": ("fused_dq_scaled_ds", "fused_dq_serial_step",
-                       "fused_dq_serial_consumer_adds", "fused_dq_consumer_adds"),
+                       "fused_dq_serial_consumer_adds", "fused_dq_consumer_adds",
+                       "fused_dq_ordered"),
     "causal_d256": ("dq_kernel", "split_dkdv"),
     "causal_ragged_gqa_d192_v128": ("paired", "fused_dq_dv_first"),
     "partial_softcap_score_mod_d192": ("paired",),
-    "dense_gqa_d64": ("fused_dq_q128", "fused_dq_q128_dv_first"),
+    "dense_gqa_d64": ("fused_dq_q128", "fused_dq_q128_dv_first", "fused_dq_q128_ordered"),
     "causal_ragged_d64_v40": ("dq_kernel", "fused_dq_q128_dv_first", "split_dkdv"),
 }
 
@@ -148,6 +154,8 @@ def _declined(case: Case, variant: str) -> str | None:
     head_dim = bwd.padded_head_dim(case.head_dim)
     if q_step == bwd.BLOCK_Q and (case.block_kv != 128 or head_dim > 64):
         return "128-row steps serve head dim 64 with two dK/dV consumers"
+    if fields.get("ordered_dq") and case.mask != "dense":
+        return "the ordered dQ serves walks of FULL tiles only"
     if fields.get("fused_dq") and not bwd.fused_dq_splits(
             head_dim, case.block_kv // bwd.ROWS_PER_CONSUMER, q_step):
         return "the fused dQ declines this head dim (the dQ kernel serves it)"
@@ -410,3 +418,15 @@ def test_long_sequences_compiled(dtype, head_dim, seq, mask):
     for name, grad, ref in zip(("dq", "dk", "dv"), actual, expected, strict=True):
         assert not np.isnan(np.asarray(grad, np.float32)).any(), name
         assert relative_error(grad, ref) < TOLERANCE[dtype], (name, relative_error(grad, ref))
+
+
+@pytest.mark.parametrize("num_kv_blocks,masked_tiles,ordered", [
+    (32, False, True), (runtime.num_sms() // 2, False, True),
+    (runtime.num_sms() // 2 + 1, False, False), (32, True, False)])
+def test_ordered_dq_serves_full_walks_whose_heads_fit_half_the_sms(num_kv_blocks,
+                                                                   masked_tiles, ordered):
+    """The ordered dQ's CTAs wait on CTAs of their head launched after them: it serves
+    walks of FULL tiles whose kv-blocks a head fit on half of the SMs (the rest of the
+    deterministic default takes the dQ kernel)."""
+    layout = types.SimpleNamespace(num_kv_blocks=num_kv_blocks)
+    assert bwd.orders_dq(layout, masked_tiles) == ordered
