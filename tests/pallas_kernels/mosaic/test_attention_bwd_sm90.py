@@ -210,7 +210,7 @@ def _mask(case: Case, rng):
 
 
 @pytest.mark.interpreted
-@pytest.mark.parametrize("case,variant", _runs())
+@pytest.mark.parametrize("case,variant", list(_runs()))
 def test_gradients_match_float64(case: Case, variant: str, _interpreted):
     fields = VARIANTS[variant]
     score_mod = _score_mod if case.score_mod else None
