@@ -1349,7 +1349,8 @@ def orders_dq(layout: MaskLayout, masked_tiles: bool) -> bool:
     FULL tiles only, whose kv-blocks a head fit on half of the device's SMs. Its CTAs
     wait on CTAs of their head launched after them, so all of a head's must be resident
     at once, also beside another kernel holding some SMs (one CTA an SM: the fused
-    launch's shared memory takes most of one)."""
+    launch's shared memory takes most of one). A head's CTAs launch one after another:
+    Mosaic GPU maps the grid's last axis (``kv_block``) to CUDA's fastest, x."""
     return not masked_tiles and layout.num_kv_blocks <= runtime.num_sms() // 2
 
 
