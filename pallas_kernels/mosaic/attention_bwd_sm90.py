@@ -229,7 +229,9 @@ class BackwardConfig:
     # q-block, they would form a chain of one add's latency per kv-block: H100,
     # 2026-12-06, dense d128 s4096 fwd+bwd 8% slower than the dQ kernel). A CTA then
     # waits on CTAs of its head launched after it: `attention_backward` takes the
-    # ordered dQ only where a head's kv-blocks fit on half of the device's SMs.
+    # ordered dQ only where a head's kv-blocks fit on half of the device's SMs, and with
+    # the reducer warp (`dq_reducer_warp`, whose adds it orders); elsewhere the dQ
+    # kernel serves.
     ordered_dq: bool = False
     # Pallas's automatic warpgroup barriers: one before and one after every register-to-
     # smem store (in the fused dK/dV step, two for dS^T and two for the dQ stage) and one
@@ -275,9 +277,6 @@ class BackwardConfig:
         if self.fused_dq and self.split_dkdv:
             raise ValueError("fused_dq adds dQ from a launch summing both dK and dV; "
                              "split_dkdv=True sums them apart")
-        if self.ordered_dq and not self.dq_reducer_warp:
-            raise ValueError("ordered_dq orders the reducer's adds: it needs "
-                             "dq_reducer_warp=True")
 
     @property
     def dkv_consumers(self) -> int:
@@ -1308,7 +1307,7 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
     masked_tiles = common.has_masked_tiles(layout, has_partial)
     long_walks = (mean_full_walk is not None
                   and mean_full_walk >= config.fused_dq_min_full_walk)
-    if config.ordered_dq and not orders_dq(layout, masked_tiles):
+    if config.ordered_dq and not (config.dq_reducer_warp and orders_dq(layout, masked_tiles)):
         config = dataclasses.replace(config, fused_dq=False, ordered_dq=False)
     if config.fused_dq and (long_walks or not masked_tiles):
         group = q.shape[2] // k.shape[2]

@@ -227,18 +227,33 @@ def test_backward_launches(name, fields, launches, fused, _compiled_mosaic, monk
     """Which kernels a gradient with ``deterministic=False`` launches, by its head dim,
     its mask's walks and the backward's config (``fields`` replaced); ``fused``: whether
     dQ comes from the dK/dV kernel."""
-    assert _launches(name, fields, False, monkeypatch) == (launches, fused)
+    launched, chosen = _launches(name, fields, False, monkeypatch)
+    assert (launched, bool(chosen)) == (launches, fused)
 
 
-@pytest.mark.parametrize("name", ["dense_fused_dq_hd128", "dense_hd64_q_in_registers"])
-def test_deterministic_backward_keeps_the_dq_kernel(name, _compiled_mosaic, monkeypatch):
-    """By default (deterministic) no launch adds dQ by atomic reduce-adds: the forward,
-    the dK/dV kernel and the dQ kernel."""
-    assert _launches(name, {}, True, monkeypatch) == (3, False)
+@pytest.mark.parametrize("name,fields,launches", [
+    # Head dim 64 without masked tiles: the ordered fused dQ (`ordered_dq`) in one launch.
+    ("dense_hd64_q_in_registers", {}, 2),
+    # Head dim 128 and masked tiles: the dQ kernel.
+    ("dense_fused_dq_hd128", {}, 3),
+    ("causal_ragged_hd64", {"fused_dq_min_full_walk": 0.0}, 3),
+    # The ordered fused dQ forced at 128 lowers too; it orders the reducer warp's adds,
+    # so without that warp the dQ kernel serves.
+    ("dense_fused_dq_hd128", {"ordered_dq": True}, 2),
+    ("dense_hd64_q_in_registers", {"dq_reducer_warp": False}, 3),
+])
+def test_deterministic_backward_never_adds_atomically(name, fields, launches,
+                                                      _compiled_mosaic, monkeypatch):
+    """By default (deterministic) no launch adds dQ by atomic reduce-adds: either the
+    fused dQ orders its adds, or the dK/dV kernel and the dQ kernel serve."""
+    launched, chosen = _launches(name, fields, True, monkeypatch)
+    assert launched == launches
+    assert all(config.ordered_dq for configs in chosen for config in configs)
+    assert bool(chosen) == (launches == 2)
 
 
-def _launches(name, fields, deterministic, monkeypatch) -> tuple[int, bool]:
-    """(Mosaic launches, whether the fused dQ was chosen) of ``name``'s gradient."""
+def _launches(name, fields, deterministic, monkeypatch) -> tuple[int, list]:
+    """(Mosaic launches, the fused dQ's configs chosen) of ``name``'s gradient."""
     from pallas_kernels.mosaic import attention_bwd_sm90 as bwd
 
     force_config_fields(monkeypatch, bwd, "backward_config", **fields)
@@ -249,7 +264,8 @@ def _launches(name, fields, deterministic, monkeypatch) -> tuple[int, bool]:
     jax.clear_caches()  # an earlier test's trace of the same call would skip the choice
     kernels = re.findall(r"custom_call @(\w+)", _lowered_backward(name, deterministic))
     assert set(kernels) == {"mosaic_gpu_v2"}, kernels
-    return len(kernels), any(c is not None for c in chosen)
+    return len(kernels), [[c for c in configs if c is not None]
+                          for configs in chosen if configs is not None]
 
 
 @settings(max_examples=6, deadline=None,
