@@ -285,7 +285,7 @@ def rotated_add_turns(mask: KernelMask) -> Array:
 
     reached = jnp.vectorize(by_q_block, signature="(n),(n),(n)->(n)")(
         q_indices, reached.astype(jnp.int32), walked)  # [..., nkv, nq]
-    turn = (reached[..., None, :, :] < reached[..., :, None, :]).sum(-2, dtype=jnp.int32)
+    turn = jnp.argsort(jnp.argsort(reached, axis=-2), axis=-2).astype(jnp.int32)  # rank
     adds = (reached < never).sum(-2, keepdims=True, dtype=jnp.int32)
     turn = jnp.where(turn == adds - 1, -turn - 1, turn)
     turns = jnp.take_along_axis(turn, jnp.clip(q_indices, 0, num_q_blocks - 1), axis=-1)
