@@ -233,12 +233,15 @@ def _interpreted_on_two_devices(monkeypatch):
 
 
 @pytest.mark.interpreted
-@pytest.mark.parametrize("is_causal", [False, True], ids=["dense", "causal"])
-def test_mosaic_backward_fuses_dq_inside_shard_map(is_causal, monkeypatch,
-                                                   _interpreted_on_two_devices):
+@pytest.mark.parametrize("is_causal,head_dim,deterministic", [
+    (False, 128, False), (True, 128, False), (False, 64, True)],
+    ids=["dense", "causal", "dense_ordered_d64"])
+def test_mosaic_backward_fuses_dq_inside_shard_map(is_causal, head_dim, deterministic,
+                                                   monkeypatch, _interpreted_on_two_devices):
     """Inside `jax.shard_map` the sm90 Mosaic backward sums dQ in its dK/dV kernel (one
-    fused launch dense, a FULL and a masked one causal) as it does outside, with
-    gradients of the float64 reference on each device's shard of the batch."""
+    fused launch dense, a FULL and a masked one causal; the deterministic default's
+    ordered adds at head dim 64) as it does outside, with gradients of the float64
+    reference on each device's shard of the batch."""
     mesh = _mesh()
     # Causal walks here are a few tiles long: the fused dQ's walk threshold is lifted.
     force_config_fields(monkeypatch, attention_bwd_sm90, "backward_config",
@@ -248,6 +251,11 @@ def test_mosaic_backward_fuses_dq_inside_shard_map(is_causal, monkeypatch,
     accumulating = compat.mosaic_kernel_accumulating
     monkeypatch.setattr(compat, "mosaic_kernel_accumulating",
                         lambda *args, **kwargs: fused.append(1) or accumulating(*args, **kwargs))
+    chosen = []
+    fused_configs = attention_bwd_sm90._fused_configs
+    monkeypatch.setattr(attention_bwd_sm90, "_fused_configs",
+                        lambda *args, **kwargs: chosen.append(fused_configs(*args, **kwargs))
+                        or chosen[-1])
     # Memory the kernels never write reads NaN (shapes are whole tiles, so no TMA read
     # overhangs into it): every gradient row must be written.
     params = runtime.mosaic_interpret_params
@@ -255,8 +263,8 @@ def test_mosaic_backward_fuses_dq_inside_shard_map(is_causal, monkeypatch,
                         lambda: dataclasses.replace(params(), uninitialized_memory="nan"))
     seed = int(np.random.default_rng().integers(2**31))
     rng = np.random.default_rng(seed)
-    # Head dim 128: the sm90 fused dQ's smallest; GQA, two query heads a kv head.
-    shapes = ((2, 256, 2, 128), (2, 256, 1, 128), (2, 256, 1, 128))
+    # GQA, two query heads a kv head.
+    shapes = ((2, 256, 2, head_dim), (2, 256, 1, head_dim), (2, 256, 1, head_dim))
     q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for shape in shapes)
     dout = rng.standard_normal(shapes[0])
     dlse = rng.standard_normal((2, 2, 256))
@@ -264,7 +272,7 @@ def test_mosaic_backward_fuses_dq_inside_shard_map(is_causal, monkeypatch,
     def gradients(q, k, v, dout, dlse):
         run = lambda q, k, v: omni_jax.attention(q, k, v, is_causal=is_causal,
                                                  return_lse=True, implementation="mosaic",
-                                                 deterministic=False)
+                                                 deterministic=deterministic)
         (out, lse), vjp = jax.vjp(run, q, k, v)
         return vjp((dout.astype(out.dtype), dlse))
 
@@ -278,6 +286,8 @@ def test_mosaic_backward_fuses_dq_inside_shard_map(is_causal, monkeypatch,
                          as64(q), as64(k), as64(v))
         expected = vjp((jnp.asarray(dout), jnp.asarray(dlse)))
     assert {plan.backward.name for plan in plans} == {"mosaic"} and fused, (plans, fused)
+    ordered = {config.ordered_dq for configs in chosen for config in configs if config}
+    assert ordered == {deterministic}, chosen
     for name, grad, want in zip(("dq", "dk", "dv"), got, expected, strict=True):
         grad = np.asarray(grad, np.float64)
         assert not np.isnan(grad).any(), (name, seed)
