@@ -256,20 +256,24 @@ def packed_walk(mask: KernelMask, over: Literal["kv", "q"]) -> Array:
                             partial_ids], axis=-1).astype(jnp.int32)
 
 
-def rotated_add_turns(mask: KernelMask) -> Array:
+def rotated_add_turns(mask: KernelMask, group_size: int | None = None) -> Array:
     """``[Bm, Hm, nkv, nq]`` int32: the turn of the ``p``-th tile of each kv-block's walk
-    over q-blocks among the adds to its q-block, for walks of FULL tiles only; 0 past
-    the walk.
+    over q-blocks among the adds to its q-block from its group of kv-blocks, for walks
+    of FULL tiles only; 0 past the walk.
 
     The deterministic fused dQ (`attention_bwd_sm90.BackwardConfig.ordered_dq`) adds a
     q-block's products in a fixed order. Kv-block ``j`` walks its ``n`` tiles rotated,
     from its ``(j mod n)``-th on, so that under a dense mask the kv-blocks of a head start
     at different q-blocks and each q-block's turns follow the order in which the walks
-    reach it: turns go by that step, then by kv-block. A turn ``t`` is stored as ``t``,
-    or as ``-t - 1`` for the q-block's last add (which resets the count it waits on).
+    reach it: turns go by that step, then by kv-block. The kv-blocks form groups of
+    ``group_size`` consecutive ones (default: all), each ordering its own adds (to a sum
+    of its own). A turn ``t`` is stored as ``t``, or as ``-t - 1`` for the group's last
+    add to the q-block (which resets the count it waits on).
     """
     num_full, q_indices = mask.q_num_full, mask.q_indices
     num_kv_blocks, num_q_blocks = q_indices.shape[-2:]
+    group_size = num_kv_blocks if group_size is None else group_size
+    num_groups = -(-num_kv_blocks // group_size)
     position = jnp.arange(num_q_blocks)
     walk_len = jnp.maximum(num_full, 1)[..., None]
     walked = position < num_full[..., None]
@@ -285,9 +289,15 @@ def rotated_add_turns(mask: KernelMask) -> Array:
 
     reached = jnp.vectorize(by_q_block, signature="(n),(n),(n)->(n)")(
         q_indices, reached.astype(jnp.int32), walked)  # [..., nkv, nq]
-    turn = jnp.argsort(jnp.argsort(reached, axis=-2), axis=-2).astype(jnp.int32)  # rank
-    adds = (reached < never).sum(-2, keepdims=True, dtype=jnp.int32)
+    # [..., groups, group_size, nq], the last group padded with kv-blocks that never add.
+    padding = [(0, 0)] * (reached.ndim - 2) + [(0, num_groups * group_size - num_kv_blocks),
+                                               (0, 0)]
+    grouped = jnp.pad(reached, padding, constant_values=never).reshape(
+        *reached.shape[:-2], num_groups, group_size, num_q_blocks)
+    turn = jnp.argsort(jnp.argsort(grouped, axis=-2), axis=-2).astype(jnp.int32)  # rank
+    adds = (grouped < never).sum(-2, keepdims=True, dtype=jnp.int32)
     turn = jnp.where(turn == adds - 1, -turn - 1, turn)
+    turn = turn.reshape(*reached.shape[:-2], -1, num_q_blocks)[..., :num_kv_blocks, :]
     turns = jnp.take_along_axis(turn, jnp.clip(q_indices, 0, num_q_blocks - 1), axis=-1)
     return jnp.where(walked, turns, 0).astype(jnp.int32)
 

@@ -61,7 +61,8 @@ order, so the sum's last bits vary between runs: `omni_jax.attention`'s
 ``deterministic=False`` takes them so. Its deterministic default orders them where
 that beats the dQ kernel (`BackwardConfig.ordered_dq`, head dim 64: walks of FULL tiles
 only, each rotated to start at its kv-block, every add awaiting its turn on a global
-semaphore) and otherwise takes the dQ kernel. The one-step delay keeps the
+semaphore among a group of kv-blocks that fit the SMs together, each group adding into
+a sum of its own) and otherwise takes the dQ kernel. The one-step delay keeps the
 consumers out of lockstep; an earlier form with a rendezvous every step (commit
 0e02a52) was no faster. At head dim 64 the columns do not split into 64-column tiles
 between two consumers; there the steps are whole 128-row q-blocks and dQ splits by
@@ -220,16 +221,17 @@ class BackwardConfig:
     dq_reducer_warp: bool = True
     # The fused dQ's reduce-adds into each q step in a fixed order, so that dQ is the same
     # bit for bit from run to run (`omni_jax.attention`'s ``deterministic``), for walks
-    # of FULL tiles only: the reducer waits until a global semaphore per (batch, query
-    # head, q step) has counted the adds whose turn comes first
+    # of FULL tiles only: the reducer waits until a global semaphore per (group of
+    # kv-blocks, batch, query head, q step) has counted the adds whose turn comes first
     # (`block_sparse.rotated_add_turns`), adds, waits for the add to land and counts it;
     # the last add resets the count for the next call. Each kv-block walks its q-blocks
     # rotated, from its own index on, so that the kv-blocks of a head reach a q-block one
     # step apart and each finds the adds before its own done (all starting at one
     # q-block, they would form a chain of one add's latency per kv-block: H100,
     # 2026-12-06, dense d128 s4096 fwd+bwd 8% slower than the dQ kernel). A CTA then
-    # waits on CTAs of its head launched after it: `attention_backward` takes the
-    # ordered dQ only where a head's kv-blocks fit on half of the device's SMs, and with
+    # waits on CTAs launched after it, so a head's kv-blocks order their adds in groups
+    # of at most half of the device's SMs (`ordered_dq_group`), each group into a dQ sum
+    # of its own, the sums added in order afterwards. `attention_backward` takes it with
     # the reducer warp (`dq_reducer_warp`, whose adds it orders); elsewhere the dQ
     # kernel serves.
     ordered_dq: bool = False
@@ -313,7 +315,8 @@ class BackwardConfig:
 _CONFIGS = {
     # ordered_dq: the deterministic default takes the ordered fused dQ where it beats the
     # dQ kernel. H100, 2026-12-06, dense fwd+bwd s4096 / s8192: 11% / 16% faster at head
-    # dim 64, 7% / 7% slower at 128 (whose 64-row steps add twice as often).
+    # dim 64, 7% / 7% slower at 128 (whose 64-row steps add twice as often); at head dim
+    # 64 s16384 / s32768 (two and four groups of kv-blocks) 17% / 15% faster.
     64: BackwardConfig(block_kv=128, dkv_stages=4, dq_stages=3, q_step=BLOCK_Q,
                        fused_dq=True, ordered_dq=True),
     128: BackwardConfig(block_kv=128, dkv_stages=2, dq_stages=2, fused_dq=True),
@@ -437,6 +440,11 @@ class _Statics(common.LeafCounts):
     def orders_dq(self) -> bool:
         """Whether the fused dQ's adds go in a fixed order (`BackwardConfig.ordered_dq`)."""
         return self.fused_dq and self.config.ordered_dq
+
+    @property
+    def dq_group(self) -> int:
+        """Kv-blocks whose ordered dQ adds go into one sum, in order (`ordered_dq_group`)."""
+        return ordered_dq_group(self.layout.num_kv_blocks)
 
     @property
     def dkv_consumers(self) -> int:
@@ -568,13 +576,13 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
     index_offset, flags_offset, partial_offset = walk_offsets(s.layout.num_q_blocks)
     turn_offset = partial_offset + s.layout.num_q_blocks  # `rotated_add_turns`
     reducer = s.fused_dq and cfg.dq_reducer_warp
-    # The ordered dQ's count of adds per (batch, query head, q step): kept across calls
-    # (`pl.get_global`), zero between them, as each q step's last add resets it. The
-    # interpreter has no global semaphores: there each kv-block has a sum of its own
-    # (`_dq_adders`), added in order afterwards.
+    # The ordered dQ's count of adds per (group of kv-blocks, batch, query head, q step):
+    # kept across calls (`pl.get_global`), zero between them, as each q step's last add
+    # resets it. The interpreter has no global semaphores: there each kv-block has a sum
+    # of its own (`_dq_adders`), added in order afterwards.
     q_steps = q_ref.shape[1] // q_step
-    locks = (pl.get_global(plgpu.SemaphoreType.REGULAR((q_ref.shape[0] * s.num_q_heads
-                                                        * q_steps,)))
+    locks = (pl.get_global(plgpu.SemaphoreType.REGULAR(
+        (_dq_adders(s) * q_ref.shape[0] * s.num_q_heads * q_steps,)))
              if s.orders_dq and not s.interpret else None)
 
     # Fused dQ: consumer c's share of a step's dQ (`_dq_share`) is whole 64-column tiles
@@ -644,8 +652,8 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
             head, q_start, *turn = position
             lock = None
             if locks is not None:
-                lock = locks.at[(batch * s.num_q_heads + head) * q_steps
-                                + lax.div(q_start, q_step)]
+                lock = locks.at[((_dq_adder(s, kv_block) * q_ref.shape[0] + batch)
+                                 * s.num_q_heads + head) * q_steps + lax.div(q_start, q_step)]
                 last = turn[0] < 0
                 turn = jnp.where(last, -turn[0] - 1, turn[0])
                 for c in range(consumers):
@@ -1345,12 +1353,23 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
 
 def orders_dq(layout: MaskLayout, masked_tiles: bool) -> bool:
     """Whether the ordered fused dQ (`BackwardConfig.ordered_dq`) serves a mask: walks of
-    FULL tiles only, whose kv-blocks a head fit on half of the device's SMs. Its CTAs
-    wait on CTAs of their head launched after them, so all of a head's must be resident
-    at once, also beside another kernel holding some SMs (one CTA an SM: the fused
-    launch's shared memory takes most of one). A head's CTAs launch one after another:
-    Mosaic GPU maps the grid's last axis (``kv_block``) to CUDA's fastest, x."""
-    return not masked_tiles and layout.num_kv_blocks <= runtime.num_sms() // 2
+    FULL tiles only."""
+    del layout
+    return not masked_tiles
+
+
+def ordered_dq_group(num_kv_blocks: int) -> int:
+    """How many consecutive kv-blocks of a head order their dQ adds among themselves
+    (`BackwardConfig.ordered_dq`), each group into a dQ sum of its own: as even groups
+    of at most half of the device's SMs. A CTA waits on CTAs of its group launched
+    after it, so a group's must be resident at once, also beside another kernel holding
+    some SMs (one CTA an SM: the fused launch's shared memory takes most of one); CTAs
+    of earlier groups wait on nothing launched later, so they finish and make room. A
+    group's CTAs launch one after another: Mosaic GPU maps the grid's last axis
+    (``kv_block``) to CUDA's fastest, x."""
+    most = max(runtime.num_sms() // 2, 1)
+    groups = -(-num_kv_blocks // most)
+    return -(-num_kv_blocks // groups)
 
 
 def _fused_configs(config: BackwardConfig, layout: MaskLayout, has_partial: bool,
@@ -1413,7 +1432,8 @@ def _backward(q: Array, k: Array, v: Array, kmask: KernelMask, out: Array, lse: 
         partial_masks_kv_major = jnp.swapaxes(partial_masks, 1, 2)
         # The ordered dQ's walks carry each tile's add turn (`BackwardConfig.ordered_dq`).
         ranked_walk = (common.walk_lines(jnp.concatenate(
-            [block_sparse.packed_walk(kmask, "q"), block_sparse.rotated_add_turns(kmask)],
+            [block_sparse.packed_walk(kmask, "q"),
+             block_sparse.rotated_add_turns(kmask, ordered_dq_group(layout.num_kv_blocks))],
             axis=-1)) if fused_configs is not None and config.ordered_dq else None)
     interpret = interpret_params is not None
     scores, packed_captured = common.score_spec(scale, softcap, score_mod, captured)
@@ -1538,17 +1558,22 @@ def _dkv_scratch(s: _Statics):
 
 
 def _dq_adders(s: _Statics) -> int:
-    """Partial dQ sums of the fused backward. Compiled, one: TMA reductions are atomic.
+    """Partial dQ sums of the fused backward, added in order afterwards. Compiled, one
+    (TMA reductions are atomic), or ordered one per group of kv-blocks (`s.dq_group`).
     Interpreted, a read-modify-write stands in for them, which would race where two
     writers add to the same elements: each kv-block's CTA then has a sum of its own (the
     interpreter of jax 0.11 and later reports the adds of two CTAs as racing); its
     consumers add disjoint parts (`_dq_share`)."""
-    return s.layout.num_kv_blocks if s.interpret else 1
+    if s.interpret:
+        return s.layout.num_kv_blocks
+    return -(-s.layout.num_kv_blocks // s.dq_group) if s.orders_dq else 1
 
 
 def _dq_adder(s: _Statics, kv_block):
     """The partial dQ sum (`_dq_adders`) ``kv_block``'s CTA adds to."""
-    return kv_block if s.interpret else 0
+    if s.interpret:
+        return kv_block
+    return lax.div(kv_block, s.dq_group) if s.orders_dq else 0
 
 
 def fused_dq_splits(head_dim: int, consumers: int, q_step: int = ROWS_PER_CONSUMER) -> bool:

@@ -202,6 +202,9 @@ def test_fused_dq_backward_through_the_public_call(case, dtype, overlapped_step,
          head_dim=128),
     Case("dense_softcap_sinks_head_dim_64", batch=1, q_len=2048, kv_len=2048, heads=4,
          kv_heads=1, head_dim=64, softcap=20.0, sinks=True),
+    # 72 kv-blocks a head, past half of an H100's SMs: two groups order their adds apart.
+    Case("dense_s9216_head_dim_64", batch=1, q_len=9216, kv_len=9216, heads=2, kv_heads=1,
+         head_dim=64),
     # Masked tiles: the dQ kernel, deterministic too.
     Case("causal_ragged_head_dim_128", batch=2, q_len=1000, kv_len=1100, heads=4,
          kv_heads=2, head_dim=128, is_causal=True),

@@ -63,11 +63,12 @@ def test_walks_list_full_tiles_first(tile_flags):
 
 
 @settings(max_examples=25, deadline=None)
-@given(random_tile_flags(), st.booleans())
-def test_add_turns_follow_the_rotated_walks(tile_flags, all_full):
+@given(random_tile_flags(), st.booleans(), st.integers(1, 4))
+def test_add_turns_follow_the_rotated_walks(tile_flags, all_full, group_size):
     """Kv-block j walks its n FULL tiles from its (j mod n)-th on; each q-block's adds
-    take the turns 0, 1, ... in the order the walks reach it (by step, then kv-block),
-    the last stored as -turn - 1; 0 past the walk."""
+    from a group of ``group_size`` consecutive kv-blocks take the turns 0, 1, ... in the
+    order the walks reach it (by step, then kv-block), the last stored as -turn - 1; 0
+    past the walk."""
     if all_full:  # Walks of FULL tiles only, the ordered dQ's (dense ones among them).
         tile_flags = np.where(tile_flags > 0, FULL, 0).astype(tile_flags.dtype)
     nq, nkv = tile_flags.shape[2:]
@@ -75,21 +76,22 @@ def test_add_turns_follow_the_rotated_walks(tile_flags, all_full):
     mask = BlockMask.from_tile_flags(tile_flags, ids, np.ones((1, 16, 16), bool),
                                      q_len=16 * nq, kv_len=16 * nkv, block_size=(16, 16))
     kmask, _ = kernel_mask(mask)
-    turns = np.asarray(rotated_add_turns(kmask))
+    turns = np.asarray(rotated_add_turns(kmask, group_size))
     num_full, indices = np.asarray(kmask.q_num_full), np.asarray(kmask.q_indices)
     assert turns.shape == indices.shape and turns.dtype == np.int32
     for b, h in np.ndindex(tile_flags.shape[:2]):
-        adds = {}  # q-block -> [(step reached, kv-block, stored turn)]
+        adds = {}  # (group, q-block) -> [(step reached, kv-block, stored turn)]
         for kv in range(nkv):
             n = num_full[b, h, kv]
             assert np.all(turns[b, h, kv, n:] == 0)
             for p in range(n):
                 step = (p - kv % n) % n
-                adds.setdefault(indices[b, h, kv, p], []).append((step, kv, turns[b, h, kv, p]))
-        for q, q_adds in adds.items():
-            stored = [turn for *_, turn in sorted(q_adds)]
+                adds.setdefault((kv // group_size, indices[b, h, kv, p]), []).append(
+                    (step, kv, turns[b, h, kv, p]))
+        for key, group_adds in adds.items():
+            stored = [turn for *_, turn in sorted(group_adds)]
             expected = list(range(len(stored) - 1)) + [-len(stored)]
-            assert stored == expected, (q, q_adds)
+            assert stored == expected, (key, group_adds)
 
 
 def _check_packed(kmask, over):

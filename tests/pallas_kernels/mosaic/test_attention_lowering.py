@@ -78,6 +78,8 @@ VARIANTS = {
     # Head dim 64, pipelined (not causal): QK^T takes Q from registers (`q_in_registers`;
     # `causal_ragged_hd64` covers the serial schedule's).
     "dense_hd64_q_in_registers": dict(shape=(1, 256, 2, 64), kv_heads=2),
+    # 128 kv-blocks a head, more than half of an H100's SMs: the ordered dQ in two groups.
+    "dense_long_hd64": dict(shape=(1, 16384, 2, 64), kv_heads=1),
     # Long walks under a causal mask: the backward's fused dQ, the FULL steps in one
     # launch, the masked steps in a second.
     "long_walk": dict(shape=(1, 16384, 1, 128), kv_heads=1, is_causal=True),
@@ -232,8 +234,10 @@ def test_backward_launches(name, fields, launches, fused, _compiled_mosaic, monk
 
 
 @pytest.mark.parametrize("name,fields,launches", [
-    # Head dim 64 without masked tiles: the ordered fused dQ (`ordered_dq`) in one launch.
+    # Head dim 64 without masked tiles: the ordered fused dQ (`ordered_dq`) in one launch,
+    # the kv-blocks of long walks in groups (`ordered_dq_group`).
     ("dense_hd64_q_in_registers", {}, 2),
+    ("dense_long_hd64", {}, 2),
     # Head dim 128 and masked tiles: the dQ kernel.
     ("dense_fused_dq_hd128", {}, 3),
     ("causal_ragged_hd64", {"fused_dq_min_full_walk": 0.0}, 3),
@@ -250,6 +254,17 @@ def test_deterministic_backward_never_adds_atomically(name, fields, launches,
     assert launched == launches
     assert all(config.ordered_dq for configs in chosen for config in configs)
     assert bool(chosen) == (launches == 2)
+
+
+def test_ordered_dq_groups_sum_apart(_compiled_mosaic, monkeypatch):
+    """Past half of the SMs a head's kv-blocks order their dQ adds in groups, each into a
+    float32 sum of its own ([groups, batch, q, heads, head dim]), added afterwards."""
+    from pallas_kernels.mosaic import attention_bwd_sm90 as bwd
+
+    monkeypatch.setattr(runtime, "num_sms", lambda: 132)
+    assert bwd.ordered_dq_group(128) == 64
+    text = _lowered_backward("dense_long_hd64")
+    assert "tensor<2x1x16384x2x64xf32>" in text
 
 
 def _launches(name, fields, deterministic, monkeypatch) -> tuple[int, list]:
