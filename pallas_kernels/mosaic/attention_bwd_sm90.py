@@ -232,9 +232,13 @@ class BackwardConfig:
     # waits on CTAs launched after it, so a head's kv-blocks order their adds in groups
     # of at most half of the device's SMs (`ordered_dq_group`), each group into a dQ sum
     # of its own, the sums added in order afterwards. `attention_backward` takes it with
-    # the reducer warp (`dq_reducer_warp`, whose adds it orders); elsewhere the dQ
-    # kernel serves.
+    # the reducer warp (`dq_reducer_warp`, whose adds it orders) and at most
+    # `ordered_dq_max_groups` groups; elsewhere the dQ kernel serves.
     ordered_dq: bool = False
+    # The ordered dQ's float32 sums (one a group) take this many times dQ's float32 size
+    # at most: 4 (eight times a bf16 dQ) serve up to 4 x 66 kv-blocks of 128 rows on an
+    # H100, 33792 keys a head.
+    ordered_dq_max_groups: int = 4
     # Pallas's automatic warpgroup barriers: one before and one after every register-to-
     # smem store (in the fused dK/dV step, two for dS^T and two for the dQ stage) and one
     # before each TMA load. The kernels order their shared memory themselves: a tile is
@@ -1315,7 +1319,8 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
     masked_tiles = common.has_masked_tiles(layout, has_partial)
     long_walks = (mean_full_walk is not None
                   and mean_full_walk >= config.fused_dq_min_full_walk)
-    if config.ordered_dq and not (config.dq_reducer_warp and orders_dq(layout, masked_tiles)):
+    if config.ordered_dq and not (config.dq_reducer_warp and orders_dq(
+            layout, masked_tiles, config.ordered_dq_max_groups)):
         config = dataclasses.replace(config, fused_dq=False, ordered_dq=False)
     if config.fused_dq and (long_walks or not masked_tiles):
         group = q.shape[2] // k.shape[2]
@@ -1351,11 +1356,11 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
     return fused(q, k, v, traced_leaves, out, lse, dout, dlse, tuple(captured))
 
 
-def orders_dq(layout: MaskLayout, masked_tiles: bool) -> bool:
+def orders_dq(layout: MaskLayout, masked_tiles: bool, max_groups: int) -> bool:
     """Whether the ordered fused dQ (`BackwardConfig.ordered_dq`) serves a mask: walks of
-    FULL tiles only."""
-    del layout
-    return not masked_tiles
+    FULL tiles only, in at most ``max_groups`` groups of kv-blocks (`ordered_dq_group`)."""
+    groups = -(-layout.num_kv_blocks // ordered_dq_group(layout.num_kv_blocks))
+    return not masked_tiles and groups <= max_groups
 
 
 def ordered_dq_group(num_kv_blocks: int) -> int:

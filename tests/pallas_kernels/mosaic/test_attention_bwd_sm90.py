@@ -421,14 +421,16 @@ def test_long_sequences_compiled(dtype, head_dim, seq, mask):
 
 
 @pytest.mark.parametrize("num_kv_blocks,masked_tiles,ordered", [
-    (32, False, True), (4 * runtime.num_sms(), False, True), (32, True, False)])
+    (32, False, True), (2 * runtime.num_sms(), False, True),
+    (2 * runtime.num_sms() + 1, False, False), (32, True, False)])
 def test_ordered_dq_serves_full_walks_in_groups_that_fit_half_the_sms(num_kv_blocks,
                                                                       masked_tiles, ordered):
     """The ordered dQ serves walks of FULL tiles (the rest of the deterministic default
     takes the dQ kernel). Its CTAs wait on CTAs of their group launched after them: a
-    head's kv-blocks order their adds in even groups of at most half of the SMs."""
+    head's kv-blocks order their adds in even groups of at most half of the SMs, each
+    into a sum of its own, four sums at most."""
     layout = types.SimpleNamespace(num_kv_blocks=num_kv_blocks)
-    assert bwd.orders_dq(layout, masked_tiles) == ordered
+    assert bwd.orders_dq(layout, masked_tiles, max_groups=4) == ordered
     group = bwd.ordered_dq_group(num_kv_blocks)
     groups = -(-num_kv_blocks // group)
     assert group <= runtime.num_sms() // 2 and groups * group - num_kv_blocks < groups

@@ -238,6 +238,7 @@ def test_backward_launches(name, fields, launches, fused, _compiled_mosaic, monk
     # the kv-blocks of long walks in groups (`ordered_dq_group`).
     ("dense_hd64_q_in_registers", {}, 2),
     ("dense_long_hd64", {}, 2),
+    ("dense_long_hd64", {"ordered_dq_max_groups": 1}, 3),  # more groups than sums allowed
     # Head dim 128 and masked tiles: the dQ kernel.
     ("dense_fused_dq_hd128", {}, 3),
     ("causal_ragged_hd64", {"fused_dq_min_full_walk": 0.0}, 3),
