@@ -256,7 +256,7 @@ def packed_walk(mask: KernelMask, over: Literal["kv", "q"]) -> Array:
                             partial_ids], axis=-1).astype(jnp.int32)
 
 
-def rotated_add_turns(mask: KernelMask, group_size: int | None = None) -> Array:
+def rotated_add_turns(mask: KernelMask, group_size: int) -> Array:
     """``[Bm, Hm, nkv, nq]`` int32: the turn of the ``p``-th tile of each kv-block's walk
     over q-blocks among the adds to its q-block from its group of kv-blocks, for walks
     of FULL tiles only; 0 past the walk.
@@ -266,13 +266,12 @@ def rotated_add_turns(mask: KernelMask, group_size: int | None = None) -> Array:
     from its ``(j mod n)``-th on, so that under a dense mask the kv-blocks of a head start
     at different q-blocks and each q-block's turns follow the order in which the walks
     reach it: turns go by that step, then by kv-block. The kv-blocks form groups of
-    ``group_size`` consecutive ones (default: all), each ordering its own adds (to a sum
-    of its own). A turn ``t`` is stored as ``t``, or as ``-t - 1`` for the group's last
-    add to the q-block (which resets the count it waits on).
+    ``group_size`` consecutive ones, each ordering its own adds (to a sum of its own). A
+    turn ``t`` is stored as ``t``, or as ``-t - 1`` for the group's last add to the
+    q-block (which resets the count it waits on).
     """
     num_full, q_indices = mask.q_num_full, mask.q_indices
     num_kv_blocks, num_q_blocks = q_indices.shape[-2:]
-    group_size = num_kv_blocks if group_size is None else group_size
     num_groups = -(-num_kv_blocks // group_size)
     position = jnp.arange(num_q_blocks)
     walk_len = jnp.maximum(num_full, 1)[..., None]

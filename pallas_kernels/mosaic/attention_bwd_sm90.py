@@ -230,7 +230,7 @@ class BackwardConfig:
     # q-block, they would form a chain of one add's latency per kv-block: H100,
     # 2026-12-06, dense d128 s4096 fwd+bwd 8% slower than the dQ kernel). A CTA then
     # waits on CTAs launched after it, so a head's kv-blocks order their adds in groups
-    # of at most half of the device's SMs (`ordered_dq_group`), each group into a dQ sum
+    # of at most half of the device's SMs (`ordered_dq_groups`), each group into a dQ sum
     # of its own, the sums added in order afterwards. `attention_backward` takes it with
     # the reducer warp (`dq_reducer_warp`, whose adds it orders) and at most
     # `ordered_dq_max_groups` groups; elsewhere the dQ kernel serves.
@@ -1358,23 +1358,25 @@ def attention_backward(q: Array, k: Array, v: Array, kmask: KernelMask, layout: 
 
 def orders_dq(layout: MaskLayout, masked_tiles: bool, max_groups: int) -> bool:
     """Whether the ordered fused dQ (`BackwardConfig.ordered_dq`) serves a mask: walks of
-    FULL tiles only, in at most ``max_groups`` groups of kv-blocks (`ordered_dq_group`)."""
-    groups = -(-layout.num_kv_blocks // ordered_dq_group(layout.num_kv_blocks))
-    return not masked_tiles and groups <= max_groups
+    FULL tiles only, in at most ``max_groups`` groups of kv-blocks (`ordered_dq_groups`)."""
+    return not masked_tiles and ordered_dq_groups(layout.num_kv_blocks) <= max_groups
+
+
+def ordered_dq_groups(num_kv_blocks: int) -> int:
+    """How many groups of consecutive kv-blocks of a head order their dQ adds among
+    themselves (`BackwardConfig.ordered_dq`), each into a dQ sum of its own: groups of at
+    most half of the device's SMs. A CTA waits on CTAs of its group launched after it,
+    so a group's must be resident at once, also beside another kernel holding some SMs
+    (one CTA an SM: the fused launch's shared memory takes most of one); CTAs of earlier
+    groups wait on nothing launched later, so they finish and make room. A group's CTAs
+    launch one after another: Mosaic GPU maps the grid's last axis (``kv_block``) to
+    CUDA's fastest, x."""
+    return -(-num_kv_blocks // max(runtime.num_sms() // 2, 1))
 
 
 def ordered_dq_group(num_kv_blocks: int) -> int:
-    """How many consecutive kv-blocks of a head order their dQ adds among themselves
-    (`BackwardConfig.ordered_dq`), each group into a dQ sum of its own: as even groups
-    of at most half of the device's SMs. A CTA waits on CTAs of its group launched
-    after it, so a group's must be resident at once, also beside another kernel holding
-    some SMs (one CTA an SM: the fused launch's shared memory takes most of one); CTAs
-    of earlier groups wait on nothing launched later, so they finish and make room. A
-    group's CTAs launch one after another: Mosaic GPU maps the grid's last axis
-    (``kv_block``) to CUDA's fastest, x."""
-    most = max(runtime.num_sms() // 2, 1)
-    groups = -(-num_kv_blocks // most)
-    return -(-num_kv_blocks // groups)
+    """Kv-blocks a group (`ordered_dq_groups`) holds: the groups as even as they go."""
+    return -(-num_kv_blocks // ordered_dq_groups(num_kv_blocks))
 
 
 def _fused_configs(config: BackwardConfig, layout: MaskLayout, has_partial: bool,
@@ -1564,14 +1566,14 @@ def _dkv_scratch(s: _Statics):
 
 def _dq_adders(s: _Statics) -> int:
     """Partial dQ sums of the fused backward, added in order afterwards. Compiled, one
-    (TMA reductions are atomic), or ordered one per group of kv-blocks (`s.dq_group`).
+    (TMA reductions are atomic), or ordered one a group of kv-blocks (`ordered_dq_groups`).
     Interpreted, a read-modify-write stands in for them, which would race where two
     writers add to the same elements: each kv-block's CTA then has a sum of its own (the
     interpreter of jax 0.11 and later reports the adds of two CTAs as racing); its
     consumers add disjoint parts (`_dq_share`)."""
     if s.interpret:
         return s.layout.num_kv_blocks
-    return -(-s.layout.num_kv_blocks // s.dq_group) if s.orders_dq else 1
+    return ordered_dq_groups(s.layout.num_kv_blocks) if s.orders_dq else 1
 
 
 def _dq_adder(s: _Statics, kv_block):

@@ -431,7 +431,6 @@ def test_ordered_dq_serves_full_walks_in_groups_that_fit_half_the_sms(num_kv_blo
     into a sum of its own, four sums at most."""
     layout = types.SimpleNamespace(num_kv_blocks=num_kv_blocks)
     assert bwd.orders_dq(layout, masked_tiles, max_groups=4) == ordered
-    group = bwd.ordered_dq_group(num_kv_blocks)
-    groups = -(-num_kv_blocks // group)
-    assert group <= runtime.num_sms() // 2 and groups * group - num_kv_blocks < groups
+    group, groups = bwd.ordered_dq_group(num_kv_blocks), bwd.ordered_dq_groups(num_kv_blocks)
+    assert group <= runtime.num_sms() // 2 and 0 <= groups * group - num_kv_blocks < groups
     assert groups == -(-num_kv_blocks // (runtime.num_sms() // 2))
