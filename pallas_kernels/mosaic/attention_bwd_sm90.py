@@ -262,6 +262,13 @@ class BackwardConfig:
     # (head dims 64 and 128, dense and causal, s4096 and s16384); the overlapped fused
     # step ran even (-3% to +1%) and spilled 12 bytes more, so it does not seed.
     seeded_stats: bool = True
+    # Both kernels' CTAs launch in sections of heads that fill one wave of the SMs, each
+    # section rank by rank, longest walks first (`attention_sm90_common.sectioned_launch`),
+    # rather than head by head, whose last head's longest walks start as the launch ends.
+    # H100, 2026-12-07 (benchmarks/RESULTS.md), fwd+bwd with the forward's sections too:
+    # causal 4-5% faster at s4096 and s8192 (head dims 64 and 128, deterministic or not),
+    # dense within 1%. At s16384 a head's 128 blocks fill a wave alone: unchanged.
+    sectioned_launch: bool = True
 
     def __post_init__(self):
         if self.block_q != BLOCK_Q:
@@ -571,8 +578,11 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
      mask_ready, q_leaf_ready, consumed, captured_barrier, ds_ready, ds_free, dq_staged,
      dq_stage_free, pair_ready, pair_free, operand_read) = barriers
 
-    kv_block = lax.axis_index("kv_block")
-    batch_head = lax.axis_index("batch_head")
+    # Rank 0 is kv-block 0, the longest walk under causal-like masks. The ordered dQ's
+    # groups must launch kv-block by kv-block (`ordered_dq_groups`); its walks are even.
+    batch_head, kv_block = common.sectioned_launch(
+        "kv_block", q_ref.shape[0] * s.num_kv_heads, s.layout.num_kv_blocks,
+        sections=cfg.sectioned_launch and not s.orders_dq)
     batch = lax.div(batch_head, s.num_kv_heads)
     kv_head = lax.rem(batch_head, s.num_kv_heads)
     first_head = kv_head * s.group_size
@@ -1181,7 +1191,8 @@ def _dq_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *r
     (walk_barrier, q_leaf_barrier, q_barriers, do_barriers, stats_barriers, k_ready, v_ready,
      mask_ready, kv_leaf_ready, k_consumed, v_consumed, captured_barrier) = barriers
 
-    q_block, batch, head, kv_head = common.q_block_program(s)
+    q_block, batch, head, kv_head = common.q_block_program(
+        s, q_ref.shape[0] * s.num_q_heads, sections=cfg.sectioned_launch)
     wg = lax.axis_index("wg")
     offsets = walk_offsets(s.layout.num_kv_blocks)
     index_offset, flags_offset, _ = offsets

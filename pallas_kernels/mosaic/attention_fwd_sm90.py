@@ -144,6 +144,11 @@ class ForwardConfig:
     # checks at trace time (a config is not refused on its own, so that fields forced on
     # `forward_config` for A/B runs apply to every config it makes).
     num_consumers: int = 2
+    # Without kv splits, the CTAs launch in sections of heads that fill one wave of the
+    # SMs, each section rank by rank, longest walks first, rather than head by head
+    # (`attention_sm90_common.sectioned_launch`). H100, 2026-12-07 (benchmarks/
+    # RESULTS.md): causal d128 forward 4-7% faster at s4096 and s8192, dense even.
+    sectioned_launch: bool = True
     block_q: int = BLOCK_Q
 
     @property
@@ -350,11 +355,14 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
     # consumer on q_block_done[i % 2] when done. With kv_splits, consecutive CTAs take
     # the shares of one head's walks.
     splits = cfg.kv_splits
-    program = lax.axis_index("batch_head")
+    per_cta, consumers, cta_rows = cfg.q_blocks_per_cta, cfg.num_consumers, cfg.cta_rows
+    num_ctas = pl.cdiv(s.num_row_blocks, per_cta)
+    program, cta = common.sectioned_launch(
+        "q_blocks", q_ref.shape[0] * s.num_q_heads * splits, num_ctas,
+        sections=cfg.sectioned_launch and splits == 1)
     split = lax.rem(program, splits)
     batch, head, kv_head = common.head_program(s, lax.div(program, splits))
-    per_cta, consumers, cta_rows = cfg.q_blocks_per_cta, cfg.num_consumers, cfg.cta_rows
-    first = lax.axis_index("q_blocks") * per_cta
+    first = cta * per_cta
     blocks_here = jnp.minimum(per_cta, s.num_row_blocks - first)
 
     def row_block_of(i):

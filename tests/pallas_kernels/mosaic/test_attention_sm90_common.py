@@ -5,6 +5,8 @@ broadcast nothing reads), and the head dims that serve a problem's."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import omni_jax
 from omni_jax.scores import convert_score_mod
@@ -56,3 +58,18 @@ def test_score_spec_reads_indices(score_mod, reads):
 def test_padded_head_dims(dims, padded):
     """192 beside 256 takes 256 for both (Q and O in one buffer: shared memory)."""
     assert common.padded_head_dims(*dims) == padded
+
+
+@settings(max_examples=60, deadline=None)
+@given(num_heads=st.integers(1, 70), num_blocks=st.integers(1, 40), section=st.integers(1, 9))
+def test_sectioned_launch_visits_every_cta_once_longest_first(num_heads, num_blocks,
+                                                              section):
+    """Every (head, block rank) once; a section launches rank 0 (the longest walk) of
+    each of its heads before any of their rank 1, and sections go in head order."""
+    positions = jnp.arange(num_heads * num_blocks, dtype=jnp.int32)
+    heads, ranks = (np.asarray(x) for x in common.sectioned_position(
+        positions, num_heads, num_blocks, section))
+    assert sorted(zip(heads.tolist(), ranks.tolist(), strict=True)) == [
+        (h, r) for h in range(num_heads) for r in range(num_blocks)]
+    order = np.lexsort((heads, ranks, heads // section))
+    np.testing.assert_array_equal(order, np.arange(len(positions)))
