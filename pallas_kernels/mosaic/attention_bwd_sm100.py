@@ -129,6 +129,10 @@ class BackwardConfig:
     # dQ summed per kv-block and added by XLA in a fixed order (see the module
     # docstring); off, one sum by TMA reduce-add.
     deterministic: bool = True
+    # CTAs launched in sections of heads, longest walks (under causal masks the first
+    # kv-blocks) first across each section (`attention_sm90_common.sectioned_launch`;
+    # measured on the sm90 kernels only).
+    sectioned_launch: bool = True
 
     def __post_init__(self):
         if self.block_q != BLOCK_Q:
@@ -273,8 +277,9 @@ def _kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *refs
      p_ready, p_free, ds_ready, ds_free, dq_ready, dq_free, sums_ready,
      captured_barrier) = barriers
 
-    kv_block = lax.axis_index("kv_block")
-    batch_head = lax.axis_index("batch_head")
+    batch_head, kv_block = common.sectioned_launch(
+        "kv_block", q_ref.shape[0] * s.num_kv_heads, s.layout.num_kv_blocks,
+        sections=s.config.sectioned_launch)
     batch = lax.div(batch_head, s.num_kv_heads)
     kv_head = lax.rem(batch_head, s.num_kv_heads)
     first_head = kv_head * s.group_size

@@ -91,6 +91,9 @@ class ForwardConfig:
     # on the FMA pipes instead of MUFU (FA4 emulates part of them at head dims <= 128).
     emulated_exp2: float = 0.0
     rescale_threshold: float = common100.RESCALE_THRESHOLD
+    # CTAs launched in sections of heads, longest walks first across each section
+    # (`attention_sm90_common.sectioned_launch`; measured on the sm90 kernels only).
+    sectioned_launch: bool = True
     block_q: int = BLOCK_Q
 
     def __post_init__(self):
@@ -191,9 +194,12 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
      v_consumed, s_full, p_full, o_full, o_ready, corr_full, corr_empty, q_free,
      captured_barrier) = barriers
 
-    batch, head, kv_head = common.head_program(s)
+    batch_head, rank = common.sectioned_launch(
+        "q_blocks", q_ref.shape[0] * s.num_q_heads, _num_groups(s),
+        sections=s.config.sectioned_launch)
+    batch, head, kv_head = common.head_program(s, batch_head)
     # Heaviest groups of q-blocks (under causal masks the last) first.
-    group = common.q_block_at(_num_groups(s), lax.axis_index("q_blocks"), interleaved=False)
+    group = common.q_block_at(_num_groups(s), rank, interleaved=False)
     wg = lax.axis_index("wg")
     correction_wg, other_wg = tiles, tiles + 1
 
