@@ -147,7 +147,7 @@ class ForwardConfig:
     # Without kv splits, the CTAs launch in sections of heads that fill one wave of the
     # SMs, each section rank by rank, longest walks first, rather than head by head
     # (`attention_sm90_common.sectioned_launch`). H100, 2026-12-07 (benchmarks/
-    # RESULTS.md): causal d128 forward 4-7% faster at s4096 and s8192, dense even.
+    # RESULTS.md): causal d128 forward 4-8% faster at s4096 and s8192, dense even.
     sectioned_launch: bool = True
     block_q: int = BLOCK_Q
 
