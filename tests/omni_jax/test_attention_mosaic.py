@@ -23,6 +23,7 @@ from pallas_kernels.mosaic import attention_bwd_sm90 as bwd
 from pallas_kernels.mosaic import attention_bwd_sm100 as bwd100
 from pallas_kernels.mosaic import attention_fwd_sm90 as fwd
 from pallas_kernels.mosaic import attention_fwd_sm100 as fwd100
+from pallas_kernels.mosaic import attention_sm90_common as common
 from tests.forced_configs import force_config_fields, record_configs, record_plans
 from tests.jax_releases import skip_unless_blackwell_interpreter
 from tests.mosaic_interpret import interpreted_mosaic
@@ -423,6 +424,32 @@ def test_dense_head_dim_64_consumers_compiled(q_len, num_consumers, monkeypatch)
     check_case("mosaic", Case("dense_head_dim_64", batch=2, q_len=q_len, kv_len=1024, heads=4,
                               kv_heads=2, head_dim=64), "bfloat16", (128, 128), block_rows=32)
     assert {c.num_consumers for c in configs} == {num_consumers}
+
+
+@pytest.mark.interpreted
+@pytest.mark.parametrize("deterministic", [True, False], ids=["dq_kernel", "fused_dq"])
+def test_sectioned_launch_with_a_short_last_section_interpreted(deterministic, monkeypatch,
+                                                                _interpreted):
+    """The sectioned launch order (`attention_sm90_common.sectioned_launch`) with sections
+    of two heads (6 SMs, 3 blocks a head) over 5 heads, the last section one head short:
+    the forward, the dK/dV kernel and the dQ kernel or the fused dQ's two launches, under
+    a ragged causal mask, against float64."""
+    monkeypatch.setattr(runtime, "num_sms", lambda: 6)
+    force_config_fields(monkeypatch, fwd, "forward_config", q_blocks_per_cta=1)
+    force_config_fields(monkeypatch, bwd, "backward_config", fused_dq_min_full_walk=0.0)
+    positions, accumulating = [], []
+    sectioned = common.sectioned_position
+    monkeypatch.setattr(common, "sectioned_position",
+                        lambda *args: positions.append(args[1:]) or sectioned(*args))
+    kernel = compat.mosaic_kernel_accumulating
+    monkeypatch.setattr(compat, "mosaic_kernel_accumulating",
+                        lambda *args, **kwargs: accumulating.append(1) or kernel(*args, **kwargs))
+    case = Case("causal_ragged_five_heads", batch=1, q_len=300, kv_len=330, heads=5,
+                kv_heads=5, head_dim=64, is_causal=True, deterministic=deterministic)
+    check_case("mosaic", case, "bfloat16", (128, 128), block_rows=32)
+    assert set(positions) == {(5, 3, 2)}, positions
+    assert len(positions) >= 3, positions  # the forward, then dK/dV and dQ
+    assert len(accumulating) == (0 if deterministic else 2), accumulating  # fused launches
 
 
 _SPLIT_CASES = ("decode_step_gqa_sinks", "causal_ragged", "generic_block_mask_and_causal")
