@@ -208,11 +208,6 @@ def q_block_at(num_q_blocks: int, position, *, interleaved: bool):
     return jnp.where(lax.rem(position, 2) == 0, num_q_blocks - 1 - half, half)
 
 
-def heads_a_section(num_blocks: int) -> int:
-    """Heads whose blocks fill one wave of the device's SMs (`sectioned_launch`)."""
-    return runtime.num_sms() // num_blocks
-
-
 def sectioned_position(position, num_heads: int, num_blocks: int, section: int,
                        ) -> tuple[Array, Array]:
     """(head, block rank) of the CTA at launch ``position`` of ``num_heads`` x
@@ -231,14 +226,15 @@ def sectioned_launch(block_axis: str, num_heads: int, num_blocks: int, *, sectio
     whose last axis CUDA launches fastest. Rank 0 is a head's longest walk under causal-
     like masks (the caller maps ranks to blocks). Unsectioned, the heads launch one after
     another; ``sections`` launches them in sections of heads whose blocks fill one wave
-    of the SMs (`heads_a_section`), rank by rank across the section: launched head by
-    head, the last head's longest CTAs start as the launch ends and run on alone (under
-    a causal mask, 64 heads of 32 blocks on 132 SMs finish about 6% after an even split
-    of the work, in a model of the greedy launch), while sections leave the shortest
-    CTAs last and keep the CTAs that run at once on a few heads (whose Q/dO or K/V they
-    share in L2). Sections larger than a wave lose most of that in the model."""
+    of the SMs (`runtime.num_sms` // ``num_blocks`` heads), rank by rank across the
+    section: launched head by head, the last head's longest CTAs start as the launch
+    ends and run on alone (under a causal mask, 64 heads of 32 blocks on 132 SMs finish
+    about 6% after an even split of the work, in a model of the greedy launch), while
+    sections leave the shortest CTAs last and keep the CTAs that run at once on a few
+    heads (whose Q/dO or K/V they share in L2). Sections larger than a wave lose most of
+    that in the model."""
     batch_head, rank = lax.axis_index("batch_head"), lax.axis_index(block_axis)
-    section = heads_a_section(num_blocks)
+    section = runtime.num_sms() // num_blocks
     if not sections or section < 2:
         return batch_head, rank
     return sectioned_position(batch_head * num_blocks + rank, num_heads, num_blocks,
