@@ -2,11 +2,9 @@
 
 ``implementation=None`` takes the first of the device's preference order
 (`pallas_kernels.runtime.implementation_preference`: on Hopper "mosaic", "triton",
-"xla") that serves the call; "xla" serves every call. (H200, 2026-11-28 12:04: with
-the walks built in closed form the Mosaic kernel is at or ahead of the Triton one in
-every decoding shape measured, 64 x 4096 ragged even, 32 x 16384 10% ahead.) Each
-implementation returns the sink-free ``(out, lse)`` of the grouped-query layout the
-API passes in.
+"xla"; Triton first for decoding steps over short caches, `SHORT_CACHE_TOKENS`) that
+serves the call; "xla" serves every call. Each implementation returns the sink-free
+``(out, lse)`` of the grouped-query layout the API passes in.
 """
 
 from __future__ import annotations
@@ -30,6 +28,17 @@ logger = logging.getLogger("omni_jax.paged")
 Array = Any
 
 
+# Decoding steps (one query a sequence) whose page table holds at most this many tokens
+# go to the Triton kernel before the Mosaic one: their CTAs walk one to eight kv tiles,
+# so a step's time is each CTA's latency (page-table row, first loads), which the Triton
+# kernel's several programs an SM overlap and the Mosaic kernel's one CTA an SM cannot.
+# H100, 2026-12-07 (benchmarks/RESULTS.md), GQA 32/8, d128: caches of 256-1024 tokens
+# 0-28% faster under Triton (256 x 256 ragged 0.092 against 0.118 ms, 256 x 512 ragged
+# 0.154-0.173 against 0.173-0.190), 2048 tokens 0-5% slower; from 4096 the Mosaic
+# kernel is even or ahead (H200, 2026-11-28: 32 x 16384 10% ahead).
+SHORT_CACHE_TOKENS = 1024
+
+
 @dataclasses.dataclass(frozen=True)
 class PagedProblem:
     """The static description of one call: what decides who serves it."""
@@ -43,6 +52,11 @@ class PagedProblem:
     q_len: int = 1
     num_kv_heads: int = 1
     group: int = 1  # query heads per kv head
+
+    @property
+    def short_decoding_step(self) -> bool:
+        """A decoding step over a page table of at most `SHORT_CACHE_TOKENS` tokens."""
+        return self.q_len == 1 and self.page_size * self.pages_per_seq <= SHORT_CACHE_TOKENS
 
 
 def unsupported_reason(name: str, problem: PagedProblem) -> str | None:
@@ -59,6 +73,14 @@ def unsupported_reason(name: str, problem: PagedProblem) -> str | None:
                                            problem.head_dim_v)
 
 
+def _preference(problem: PagedProblem) -> tuple[str, ...]:
+    """The device's order, Triton moved first for short decoding steps."""
+    order = runtime.implementation_preference()
+    if problem.short_decoding_step and "triton" in order:
+        return ("triton", *(name for name in order if name != "triton"))
+    return order
+
+
 def choose(implementation: str | None, problem: PagedProblem) -> str:
     """The implementation that computes ``problem``; a named one that cannot raises."""
     if implementation is not None:
@@ -68,7 +90,7 @@ def choose(implementation: str | None, problem: PagedProblem) -> str:
                              f"paged_attention call: {reason}")
         return implementation
     declined = {}
-    for name in (*runtime.implementation_preference(), "xla"):
+    for name in (*_preference(problem), "xla"):
         reason = unsupported_reason(name, problem)
         if reason is None:
             break

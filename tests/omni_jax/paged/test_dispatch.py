@@ -23,7 +23,7 @@ def hopper(monkeypatch):
     monkeypatch.setattr(runtime, "implementation_preference", lambda: ("mosaic", "triton", "xla"))
 
 
-def _problem(head_dim=128, dtype=jnp.bfloat16, page_size=16, pages_per_seq=64, **shape):
+def _problem(head_dim=128, dtype=jnp.bfloat16, page_size=16, pages_per_seq=256, **shape):
     return backends.PagedProblem(jnp.dtype(dtype), head_dim, head_dim, page_size,
                                  pages_per_seq, **shape)
 
@@ -41,6 +41,22 @@ def test_hopper_takes_the_mosaic_kernel(hopper):
 ])
 def test_every_shape_takes_mosaic_first(hopper, shape):
     assert backends.choose(None, _problem(**shape)) == "mosaic"
+
+
+@pytest.mark.parametrize("page_size, pages_per_seq, q_len, head_dim, expected", [
+    (16, 64, 1, 128, "triton"),  # a table of 1024 tokens (`SHORT_CACHE_TOKENS`)
+    (64, 4, 1, 128, "triton"),
+    (16, 65, 1, 128, "mosaic"),  # 1040 tokens
+    (16, 64, 2, 128, "mosaic"),  # two queries a sequence: a prefill chunk
+    (16, 64, 1, 96, "mosaic"),  # the Triton kernel declines head dim 96
+])
+def test_decoding_steps_over_short_caches_take_triton_first(hopper, page_size, pages_per_seq,
+                                                             q_len, head_dim, expected):
+    problem = _problem(head_dim=head_dim, page_size=page_size, pages_per_seq=pages_per_seq,
+                       batch=256, q_len=q_len, num_kv_heads=8, group=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert backends.choose(None, problem) == expected
 
 
 @pytest.mark.parametrize("problem, reason", [
