@@ -423,6 +423,10 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
             @pl.when(i >= 2)
             def _():
                 plgpu.barrier_wait(q_block_done.at[buffer])
+                # This warpgroup read row block i - 2's walk from the buffer (generic
+                # proxy) that the TMA now overwrites (async proxy): a proxy fence orders
+                # those reads first (the jax 0.12 interpreter's race check).
+                plgpu.commit_smem()
 
             common.load_q_block_walk(
                 s, walk_ref, walk_smem.at[buffer], walk_barriers.at[buffer],

@@ -465,6 +465,19 @@ def test_sectioned_launch_with_a_short_last_section_interpreted(deterministic, m
         assert len(accumulating) == (0 if deterministic else 2), accumulating
 
 
+@pytest.mark.interpreted
+def test_a_cta_reloads_its_walk_buffers_interpreted(monkeypatch, _interpreted):
+    """Three row blocks in one forward CTA under a block mask whose walks the producer
+    reads from shared memory: the third row block's walk overwrites the first one's
+    buffer by TMA after the producer read it (a race on jax 0.12 without a proxy fence)."""
+    force_config_fields(monkeypatch, fwd, "forward_config", q_blocks_per_cta=4)
+    configs = record_configs(monkeypatch, fwd, "attention_forward")
+    case = Case("chunked_three_row_blocks", batch=1, q_len=348, kv_len=154, heads=2,
+                kv_heads=1, head_dim=64, block_mask="chunked")
+    check_case("mosaic", case, "bfloat16", (128, 64), block_rows=32)
+    assert configs and all(c.q_blocks_per_cta == 4 for c in configs)
+
+
 _SPLIT_CASES = ("decode_step_gqa_sinks", "causal_ragged", "generic_block_mask_and_causal")
 
 
