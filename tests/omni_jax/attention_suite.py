@@ -22,6 +22,7 @@ import pytest
 
 import omni_jax
 from omni_jax.flax.cache import CachedCausal
+from pallas_kernels.softmax import sinks_cotangent, softmax_delta
 from tests.reference import dense_mask, reference_attention, relative_error, worst_block_error
 
 
@@ -269,10 +270,19 @@ def check_case(implementation: str | None, case: Case, dtype: str,
         # dcaptured by XLA's backward from its own forward's output). Triton's and Mosaic's
         # outputs on 13 random ALiBi problems (causal, softcap, 783 x 365, bfloat16) gave
         # 0.7-2.1x XLA's dcaptured error where that was above 1%, up to 8.7x below it.
+        # dsinks may also reach twice what the backend's own output implies (the
+        # cotangent computed in float64 from its out and lse): a Mosaic forward rounds
+        # out twice when it folds the sinks in after its kernel, and a 19 x 2 causal ALiBi
+        # problem with sinks cancelled that into 14% where XLA's error was 0.8%.
         cancelling = bool(block_rows) and name in ("dsinks", "dcaptured")
         limit = 4 * tolerance if cancelling else 2 * tolerance
         if error >= limit and cancelling and implementation != "xla":
             limit = max(limit, 4 * relative_error(xla_grads()[names.index(name)], ref))
+        if error >= limit and cancelling and name == "dsinks":
+            with jax.enable_x64(True):
+                implied = sinks_cotangent(as64(sinks), as64(lse),
+                                          softmax_delta(as64(out), as64(dout), as64(dlse)))
+                limit = max(limit, 2 * relative_error(implied, ref))
         assert error < limit, (context, name, error, limit)
         if block_rows and name in ("dq", "dk", "dv"):
             error = worst_block_error(grad, ref, 1, block_rows)
