@@ -159,29 +159,18 @@ class PagedWalk:
         return WalkSteps(begin, full_begin, full_end, end)
 
 
-# The lane of a walk line (`walk_seeds`) that names its sequence when the lines are
-# sorted (``order``).
-SEQUENCE_LANE = 2
-
-
 def walk_seeds(kv_lens: Array, page_table: Array, *, num_pages: int, page_size: int,
-               width: int, order: Array | None = None) -> Array:
+               width: int) -> Array:
     """``[batch, width]`` int32: per sequence its length, then 1 when every page id it
     uses (of its first ``kv_lens`` tokens) lies in the cache, else 0 (`PagedWalk.steps`'
     ``pages_real``), then zeros. One reduction over the table (the minimum of each lane):
-    XLA computes it in one kernel, the line a kernel loads as it is. With ``order`` (a
-    permutation of the batch), line ``r`` is sequence ``order[r]``'s, which lane
-    `SEQUENCE_LANE` names."""
-    if order is not None:
-        kv_lens, page_table = kv_lens[order], page_table[order]
+    XLA computes it in one kernel, the line a kernel loads as it is."""
     slots = page_table.shape[1]
     in_use = (jnp.arange(slots) * page_size)[None, :] < kv_lens[:, None]
     real = ((page_table >= 0) & (page_table < num_pages)) | ~in_use
     lane = jnp.arange(width)[None, None, :]
-    sequence = 0 if order is None else order.astype(jnp.int32)[:, None, None]
     lanes = jnp.where(lane == 0, kv_lens.astype(jnp.int32)[:, None, None],
-                      jnp.where(lane == 1, real.astype(jnp.int32)[:, :, None],
-                                jnp.where(lane == SEQUENCE_LANE, sequence, 0)))
+                      jnp.where(lane == 1, real.astype(jnp.int32)[:, :, None], 0))
     return lanes.min(axis=1)
 
 

@@ -111,8 +111,6 @@ def _config(call: _Call, programs: int, kv_len: int,
     splits = kv_splits.num_splits(programs, kv_len / config.block_kv, runtime.num_sms())
     if splits > 1:
         config = dataclasses.replace(config, kv_splits=splits, q_blocks_per_cta=1)
-    if overrides.get("longest_first"):  # One q-block a CTA (`ForwardConfig.longest_first`).
-        config = dataclasses.replace(config, q_blocks_per_cta=1)
     return dataclasses.replace(config, **{name: type(getattr(config, name))(value)
                                           for name, value in overrides.items()})
 

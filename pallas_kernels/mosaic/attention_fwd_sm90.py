@@ -88,7 +88,7 @@ from pallas_kernels.mosaic.attention_sm90_common import (
     padded_head_dim,
     padded_head_dims,
 )
-from pallas_kernels.paged import SEQUENCE_LANE, PagedWalk, walk_seeds
+from pallas_kernels.paged import PagedWalk, walk_seeds
 from pallas_kernels.score_pipeline import ConvertedScoreMod
 from pallas_kernels.tile_classes import trace_time_eval
 
@@ -134,14 +134,6 @@ class ForwardConfig:
     # output and lse, which the wrapper combines (split-KV, "flash decoding"): for calls
     # with fewer q-blocks than SMs and long walks, decoding steps above all.
     kv_splits: int = 1
-    # Paged calls (`attention_forward`'s kv_lens): CTAs take the sequences longest first,
-    # so that a ragged batch's longest walks do not start last and run on alone (a
-    # greedy-launch model puts 64 x 4096 ragged decoding 21% above an even split in batch
-    # order, 4% longest first). The walk lines come sorted (`walk_seeds`' order, one
-    # argsort before the kernel) and a CTA reads its sequence from its line before it
-    # loads the sequence's page table row and Q (one more round trip): one q-block a
-    # CTA. Off until measured on a GPU (benchmarks/RESULTS.md, 2026-12-07).
-    longest_first: bool = False
     # Consumer warpgroups, 64 query rows each: a CTA computes ``cta_rows`` = 64 x
     # num_consumers rows. Three (192 rows, FA3's tile at head dim 64) let each K/V tile
     # serve 192 rows and give each SM sub-partition a third consumer warp to hide the
@@ -176,9 +168,6 @@ class ForwardConfig:
         if self.kv_splits < 1 or (self.kv_splits > 1 and self.q_blocks_per_cta != 1):
             raise ValueError(f"kv_splits must be 1, or above 1 with q_blocks_per_cta=1; got "
                              f"kv_splits={self.kv_splits}, q_blocks_per_cta="
-                             f"{self.q_blocks_per_cta}")
-        if self.longest_first and self.q_blocks_per_cta != 1:
-            raise ValueError(f"longest_first needs q_blocks_per_cta=1, got "
                              f"{self.q_blocks_per_cta}")
         if self.num_consumers not in _REGISTERS:
             raise ValueError(f"num_consumers must be one of {tuple(_REGISTERS)}, got "
@@ -403,16 +392,10 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
             return common.SmemWalk(walk_smem, s.layout.num_kv_blocks)
         return s.paged_walk.steps(walk_smem[0, 0], walk_smem[0, 1], q_block)
 
-    def sequence_of(buffer):
-        """This CTA's sequence (batch index): its program's, or with longest_first the one
-        its walk line in ``buffer`` names (the program's index is then a rank)."""
-        return walk_smem.at[buffer][0, SEQUENCE_LANE] if cfg.longest_first else batch
-
-    def head_rows(ref, q_start, sequence):
+    def head_rows(ref, q_start):
         """This CTA's ``ROWS_PER_CONSUMER`` rows of Q or O from ``q_start`` in ``ref``."""
-        q_rows = pl.ds(q_start, rows)
-        return (ref.at[sequence, head, q_rows] if s.heads_first
-                else ref.at[sequence, q_rows, head])
+        sequence = pl.ds(q_start, rows)
+        return ref.at[batch, head, sequence] if s.heads_first else ref.at[batch, sequence, head]
 
     def split_of(walk_count, walk_num_full):
         """(first walk position, steps, FULL steps) of this CTA's share of a walk."""
@@ -425,19 +408,13 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
         plgpu.set_max_registers(producer_registers, action="decrease")
         common.load_captured(s, captured_ref, captured_smem, captured_barrier)
         pages = None
-
-        def load_table(sequence):
+        if s.page_size is not None:
             # The sequence's page table row, read by this warpgroup alone (a row shorter
             # than a line fills the line's start: the ids past it are never used unclamped).
             # Awaited with the first walk, whose load runs beside it: a short decoding
-            # CTA pays one round trip to global memory before its first K/V load, not two
-            # (with longest_first, once the walk line has named the sequence).
-            plgpu.copy_gmem_to_smem(table_ref.at[sequence],
+            # CTA pays one round trip to global memory before its first K/V load, not two.
+            plgpu.copy_gmem_to_smem(table_ref.at[batch],
                                     table_smem.at[:, :table_ref.shape[2]], table_barrier)
-
-        if s.page_size is not None:
-            if not cfg.longest_first:
-                load_table(batch)
             pages = (table_smem, s.page_size)
 
         def q_block_loads(i, first_step):
@@ -460,8 +437,6 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
                 block_q=cfg.block_q)
             walk = q_block_walk(walk_smem.at[buffer], i)
             if pages is not None:
-                if cfg.longest_first:
-                    pl.when(i == 0)(lambda: load_table(sequence_of(buffer)))
                 pl.when(i == 0)(lambda: plgpu.barrier_wait(table_barrier))
             # A paged walk's buffer holds its sequence's length (`attention_forward`).
             length = walk_smem.at[buffer][0, 0] if s.kv_leaves_computed else None
@@ -502,9 +477,9 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
             buffer = lax.rem(i, s.num_q_buffers)
             return q_smem.at[buffer, wg], q_barriers.at[buffer * consumers + wg]
 
-        def load_q(i, sequence=batch):
+        def load_q(i):
             q_start = row_block_of(i) * cta_rows + wg * rows
-            plgpu.copy_gmem_to_smem(head_rows(q_ref, q_start, sequence), *q_buffer(i))
+            plgpu.copy_gmem_to_smem(head_rows(q_ref, q_start), *q_buffer(i))
 
         def load_next_q(i):
             @pl.when(i + 1 < blocks_here)
@@ -531,9 +506,6 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
                         q_leaf_smem.at[buffer, leaf, pl.ds(wg * rows, rows)], row_layout,
                         interpret=s.interpret))
             plgpu.barrier_wait(walk_barriers.at[buffer])
-            sequence = sequence_of(buffer)
-            if cfg.longest_first:  # One q-block a CTA: its Q once its line named it.
-                load_q(i, sequence)
             walk = q_block_walk(walk_smem.at[buffer], i)
             begin, count, num_full = split_of(walk.count, walk.num_full)
             walk_steps, rows_past_end = count, None
@@ -554,7 +526,7 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
                 slot = lax.rem(first_step + step, stages)
                 kv_block = walk.index(begin + step)
                 if not fold_scale:
-                    scores = common.log2_scores(score_spec, scores, sequence, head,
+                    scores = common.log2_scores(score_spec, scores, batch, head,
                                                 functools.partial(indices, kv_block))
                 kv_leaf_columns = common.load_kv_leaf_columns(s, kv_leaf_smem,
                                                               kv_leaf_barriers, slot)
@@ -597,9 +569,9 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
             o_smem[...] = out.astype(s.dtype)
             lse_smem.at[wg][...] = lse
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, head_rows(out_ref.at[split], q_start, sequence))
+            plgpu.copy_smem_to_gmem(o_smem, head_rows(out_ref.at[split], q_start))
             plgpu.copy_smem_to_gmem(lse_smem.at[wg],
-                                    lse_ref.at[split, sequence, head, pl.ds(q_start, rows)])
+                                    lse_ref.at[split, batch, head, pl.ds(q_start, rows)])
             # The stores have read O and lse: their buffers (and this q-block's walk and
             # q leaves) may be refilled.
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -621,8 +593,7 @@ def _kernel(statics: _Statics, q_ref, k_ref, v_ref, walk_ref, *refs):
                     plgpu.barrier_wait(loaded.at[slot])
                     plgpu.barrier_arrive(consumed.at[slot])
 
-        if not cfg.longest_first:
-            load_q(0)
+        load_q(0)
         common.wait_captured(s, captured_barrier)
         score_spec = common.with_captured_read(s.scores, captured_smem, batch, head)
         # Each q-block's stores were awaited until they had read shared memory; the CTA
@@ -904,8 +875,6 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask | None,
         raise ValueError(f"kv_lens needs page_table, a mask of one kv leaf and no PARTIAL "
                          f"tile; got page_table={page_table is not None}, leaf kinds "
                          f"{layout.leaf_kinds}, has_partial={has_partial}")
-    if config.longest_first and paged_walk is None:
-        raise ValueError("config.longest_first needs a paged call's kv_lens and paged_walk")
     if (paged_walk is None) != (kv_lens is None) or (paged_walk is None) != (
             kmask is not None) or (paged_walk is not None and (
                 paged_walk.block_kv, paged_walk.num_kv_blocks)
@@ -918,9 +887,7 @@ def attention_forward(q: Array, k: Array, v: Array, kmask: KernelMask | None,
     if page_table is not None:
         page_size = k.shape[1]
         if paged_walk is not None:
-            order = (jnp.argsort(-kv_lens.astype(jnp.int32), stable=True)
-                     if config.longest_first else None)
-            seeds = walk_seeds(kv_lens, page_table, num_pages=k.shape[0], order=order,
+            seeds = walk_seeds(kv_lens, page_table, num_pages=k.shape[0],
                                page_size=page_size, width=common.WALK_LINE)
         k, v, page_table = _paged_operands(k, v, page_table, layout.num_kv_blocks,
                                            config.block_kv)

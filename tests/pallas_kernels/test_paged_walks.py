@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels.paged import SEQUENCE_LANE, PagedScores, PagedWalk, walk_seeds
+from pallas_kernels.paged import PagedScores, PagedWalk, walk_seeds
 
 BLOCK_Q = 128  # The Mosaic forward's q tile.
 
@@ -77,21 +77,6 @@ def _check_walks(lens, table, num_pages, scores, *, group, page_size, block_kv):
                 continue
             assert set(blocks) == set(np.flatnonzero(any_seen[b, i]))
             assert set(full) == set(np.flatnonzero(all_seen[b, i] & any_seen[b, i]))
-
-
-def test_sorted_walk_seeds_name_their_sequences():
-    """With an order (`ForwardConfig.longest_first`'s), line ``r`` is sequence
-    ``order[r]``'s line, which names it in `SEQUENCE_LANE`."""
-    rng = np.random.default_rng(0)
-    lens = np.asarray([37, 0, 150, 80, 150, 3], np.int32)
-    table = rng.integers(-1, 12, (6, 10), dtype=np.int32)
-    order = np.argsort(-lens, kind="stable").astype(np.int32)
-    plain, ordered = (np.asarray(walk_seeds(jnp.asarray(lens), jnp.asarray(table),
-                                            num_pages=10, page_size=16, width=8, order=o))
-                      for o in (None, jnp.asarray(order)))
-    np.testing.assert_array_equal(ordered[:, SEQUENCE_LANE], order)
-    np.testing.assert_array_equal(np.delete(ordered, SEQUENCE_LANE, axis=1),
-                                  np.delete(plain[order], SEQUENCE_LANE, axis=1))
 
 
 @pytest.mark.parametrize("bad_ids", [False, True])

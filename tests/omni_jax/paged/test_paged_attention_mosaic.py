@@ -145,22 +145,6 @@ def test_kv_splits_combine(mode, monkeypatch, seed):
     assert [c.kv_splits for c in configs] == [3]
 
 
-@pytest.mark.parametrize("kv_splits", [1, 2])
-def test_longest_sequences_first(mode, monkeypatch, kv_splits, seed):
-    """CTAs taking the sequences longest first (`ForwardConfig.longest_first`): each reads
-    its sequence from its sorted walk line, then loads that sequence's page table row and
-    queries and writes its rows; lengths tied, empty and out of batch order, with and
-    without kv splits."""
-    tuned = mosaic._config
-    forced = {"longest_first": 1, "kv_splits": kv_splits}
-    monkeypatch.setattr(mosaic, "_config", lambda call, programs, kv_len, overrides=None: tuned(
-        call, programs, kv_len, forced))
-    configs = record_configs(monkeypatch, fwd, "attention_forward")
-    jax.clear_caches()  # a trace of the same call would skip the patched choice
-    _check(_case(seed, kv_lens=[37, 0, 150, 80, 150, 3], heads=8, kv_heads=2), {})
-    assert [(c.longest_first, c.kv_splits) for c in configs] == [(True, kv_splits)]
-
-
 def test_config_overrides_choose_splits_by_their_block_kv(monkeypatch):
     """A benchmark's forced fields (`backends.forward`'s overrides) replace the tuned ones;
     the kv splits follow a forced block_kv (twice the kv-blocks, up to filling the SMs)."""
@@ -172,8 +156,6 @@ def test_config_overrides_choose_splits_by_their_block_kv(monkeypatch):
     assert (forced.block_kv, forced.num_stages, forced.kv_splits) == (64, 4, 8)
     assert forced.pipelined is False
     assert mosaic._config(call, 8, 4096, {"kv_splits": 1}).kv_splits == 1
-    head_dim_64 = mosaic._Call(64, 64, np.dtype(jnp.bfloat16), True)  # 4 q-blocks a CTA
-    assert mosaic._config(head_dim_64, 512, 512, {"longest_first": 1}).q_blocks_per_cta == 1
 
 
 def _eqns(jaxpr) -> list:

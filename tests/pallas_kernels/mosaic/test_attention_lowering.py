@@ -343,23 +343,16 @@ def test_dense_head_dim_64_lowers_with_its_consumer_count(kv_len, consumers, _co
     assert "mosaic_gpu" in text and [c.num_consumers for c in configs] == [consumers]
 
 
-@pytest.mark.parametrize("head_dim,page_size,q_len,heads,kwargs,overrides", [
-    (64, 16, 1, 8, {}, None),  # pages of 16: eight TMAs fill a K (V) tile of 128 rows
-    (128, 64, 4, 4, dict(local_window_size=(100, 0)), None),  # two TMAs per tile
-    (128, 128, 1, 4, dict(softcap=5.0), None),  # one TMA per tile
-    (256, 128, 2, 3, dict(is_causal=False), None),  # tiles of 64 rows inside one page
-    (128, 16, 1, 4, {}, {"longest_first": 1}),  # the sequence read from the walk line
+@pytest.mark.parametrize("head_dim,page_size,q_len,heads,kwargs", [
+    (64, 16, 1, 8, {}),  # pages of 16: eight TMAs fill a K (V) tile of 128 rows
+    (128, 64, 4, 4, dict(local_window_size=(100, 0))),  # two TMAs per tile
+    (128, 128, 1, 4, dict(softcap=5.0)),  # one TMA per tile
+    (256, 128, 2, 3, dict(is_causal=False)),  # tiles of 64 rows inside one page
 ])
-def test_paged_forward_lowers_for_cuda(head_dim, page_size, q_len, heads, kwargs, overrides,
-                                       _compiled_mosaic, monkeypatch):
+def test_paged_forward_lowers_for_cuda(head_dim, page_size, q_len, heads, kwargs,
+                                       _compiled_mosaic):
     """The paged forward (`omni_jax.paged_attention`'s "mosaic"), a decoding batch over a
     cache of 8192 tokens per sequence: TMA copies per page, the page table row in smem."""
-    if overrides:
-        from omni_jax.paged import mosaic
-
-        tuned = mosaic._config
-        monkeypatch.setattr(mosaic, "_config", lambda call, programs, kv_len, _=None: tuned(
-            call, programs, kv_len, overrides))
     pages_per_seq = 8192 // page_size
     q = jax.ShapeDtypeStruct((2, q_len, heads, head_dim), jnp.bfloat16)
     pages = jax.ShapeDtypeStruct((2 * pages_per_seq, page_size, 1, head_dim), jnp.bfloat16)
