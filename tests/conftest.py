@@ -10,6 +10,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 # blocks on barriers; XLA's CPU pool has one thread per core unless NPROC says more, so a
 # three-warpgroup kernel can deadlock on a two-core machine.
 os.environ.setdefault("NPROC", "16")
+# pytest-xdist workers share one GPU: none may take most of its memory up front.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402 (after the XLA environment above)
 
