@@ -23,11 +23,14 @@ Array = Any
 MIN_SPLIT_STEPS = 8
 
 
-def num_splits(num_programs: int, mean_walk: float, num_sms: int) -> int:
+def num_splits(num_programs: int, mean_walk: float, num_sms: int, waves: int = 1) -> int:
     """Shares of each q-block's walk for a call of ``num_programs`` q-block programs
     walking ``mean_walk`` kv-blocks on average: as many as fill ``num_sms`` SMs in
-    one wave, each share at least `MIN_SPLIT_STEPS` long."""
-    return max(1, min(num_sms // max(num_programs, 1), int(mean_walk // MIN_SPLIT_STEPS)))
+    ``waves`` waves, each share at least `MIN_SPLIT_STEPS` long. More than one wave
+    serves walks of lengths known only on the device (a ragged batch): the scheduler
+    evens out many short CTAs where one wave waits for its longest."""
+    return max(1, min(waves * num_sms // max(num_programs, 1),
+                      int(mean_walk // MIN_SPLIT_STEPS)))
 
 
 def share(count: Array, num_full: Array, split: Array,

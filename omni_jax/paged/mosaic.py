@@ -50,6 +50,12 @@ _DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 # The forward's block_kv is 64 or 128: page sizes that tile it one way or the other.
 PAGE_SIZES = (16, 32, 64, 128, 256)
 _MAX_BLOCK_KV = 256
+# Waves of CTAs that a batch's kv splits fill (`kv_splits.num_splits`): its sequences'
+# lengths are known only on the device, and one wave of CTAs waits for its longest
+# sequence where two waves of shorter shares even out (H100, 8 x 32768 ragged: 0.203
+# ms against 0.239 for one wave; uniform within 1%; four waves cost uniform batches
+# 3%: benchmarks/RESULTS.md, 2026-12-07 13:35).
+RAGGED_WAVES = 2
 
 
 @jax.tree_util.register_pytree_node_class
@@ -98,17 +104,20 @@ class _Call:
 
 
 def _config(call: _Call, programs: int, kv_len: int,
-            overrides: Mapping[str, int] | None = None) -> fwd.ForwardConfig:
+            overrides: Mapping[str, int] | None = None, *, batch: int = 1
+            ) -> fwd.ForwardConfig:
     """The forward's tuned config, with kv splits when ``programs`` CTAs walking up to
-    ``kv_len`` keys each leave SMs idle; ``overrides`` (`ForwardConfig` fields, for a
-    benchmark's A/B of configs) replace fields of it, the kv splits chosen by their
-    block_kv."""
+    ``kv_len`` keys each leave SMs idle (`RAGGED_WAVES` waves of them for a ``batch`` of
+    several sequences); ``overrides`` (`ForwardConfig` fields, for a benchmark's A/B of
+    configs) replace fields of it, the kv splits chosen by their block_kv."""
     config = fwd.forward_config(max(call.head_dim, call.head_dim_v), call.dtype,
                                 call.is_causal)
     overrides = dict(overrides or {})
     if "block_kv" in overrides:
         config = dataclasses.replace(config, block_kv=overrides["block_kv"])
-    splits = kv_splits.num_splits(programs, kv_len / config.block_kv, runtime.num_sms())
+    splits = kv_splits.num_splits(programs, kv_len / config.block_kv, runtime.num_sms(),
+                                  waves=RAGGED_WAVES if batch > 1 else 1)
+    splits = overrides.get("kv_splits", splits)
     if splits > 1:
         config = dataclasses.replace(config, kv_splits=splits, q_blocks_per_cta=1)
     return dataclasses.replace(config, **{name: type(getattr(config, name))(value)
@@ -173,7 +182,7 @@ def paged_attention_mosaic(q: Array, k_pages: Array, v_pages: Array, page_table:
     call = _Call(head_dim, head_dim_v, np.dtype(q.dtype), scores.is_causal)
     rows = q_len * group
     programs = batch * (num_heads // group) * -(-rows // fwd.BLOCK_Q)
-    config = _config(call, programs, pages_per_seq * page_size, overrides)
+    config = _config(call, programs, pages_per_seq * page_size, overrides, batch=batch)
     layout, walk = _kernel_mask(page_table, scores, group=group, rows=rows,
                                 page_size=page_size, block_kv=config.block_kv)
     # Packed rows go heads first: for a decoding step a view of q, and the output one of

@@ -24,6 +24,11 @@ def test_splits_fill_the_sms_in_one_wave(num_programs, mean_walk, num_sms, split
     assert splits == 1 or num_programs * splits <= num_sms
 
 
+def test_splits_fill_several_waves_when_asked():
+    assert kv_splits.num_splits(64, 256, 132, waves=2) == 4
+    assert kv_splits.num_splits(64, 24, 132, waves=2) == 3  # shares of MIN_SPLIT_STEPS
+
+
 @settings(deadline=None)  # each share is a few eager jax ops
 @given(count=st.integers(0, 200), data=st.data(), splits=st.integers(1, 20))
 def test_shares_partition_the_walk_with_full_steps_first(count, data, splits):

@@ -137,7 +137,7 @@ def test_kv_splits_combine(mode, monkeypatch, seed):
     one: three CTAs per q-block, each walking a share of its kv-blocks, one share empty."""
     from pallas_kernels import kv_splits
 
-    monkeypatch.setattr(kv_splits, "num_splits", lambda *args: 3)
+    monkeypatch.setattr(kv_splits, "num_splits", lambda *args, **kwargs: 3)
     configs = record_configs(monkeypatch, fwd, "attention_forward")
     jax.clear_caches()  # a trace of the same call would skip the patched choice
     _check(_case(seed, kv_lens=[300, 140], heads=4, kv_heads=2, page_size=32),
@@ -156,6 +156,24 @@ def test_config_overrides_choose_splits_by_their_block_kv(monkeypatch):
     assert (forced.block_kv, forced.num_stages, forced.kv_splits) == (64, 4, 8)
     assert forced.pipelined is False
     assert mosaic._config(call, 8, 4096, {"kv_splits": 1}).kv_splits == 1
+    head_dim_64 = mosaic._Call(64, 64, np.dtype(jnp.bfloat16), True)  # 4 q-blocks a CTA
+    forced = mosaic._config(head_dim_64, 512, 512, {"kv_splits": 2})
+    assert (forced.kv_splits, forced.q_blocks_per_cta) == (2, 1)
+
+
+@pytest.mark.parametrize("batch,programs,kv_len,splits", [
+    (8, 64, 32768, 4),  # 8 sequences x 8 kv heads: two waves of 132 SMs
+    (16, 128, 8192, 2),
+    (1, 8, 131072, 16),  # one sequence: one wave (its walks are as long as each other)
+    (32, 256, 16384, 1),
+])
+def test_batches_split_their_walks_for_several_waves(monkeypatch, batch, programs, kv_len,
+                                                     splits):
+    """A batch's lengths are known only on the device: its kv splits fill
+    `mosaic.RAGGED_WAVES` waves of CTAs, a single sequence's one."""
+    monkeypatch.setattr(runtime, "num_sms", lambda: 132)
+    call = mosaic._Call(128, 128, np.dtype(jnp.bfloat16), True)
+    assert mosaic._config(call, programs, kv_len, batch=batch).kv_splits == splits
 
 
 def _eqns(jaxpr) -> list:
@@ -229,7 +247,7 @@ def _upstream(entry, op) -> set[str]:
 
 
 # (batch, kv_len, page_size, splits): the decoding shapes of issue 49's ncu kernel lists.
-DECODE_STEPS = [(8, 8192, 16, 2), (64, 4096, 64, 1), (1, 131072, 64, 16)]
+DECODE_STEPS = [(8, 8192, 16, 4), (64, 4096, 64, 1), (1, 131072, 64, 16)]
 
 
 @pytest.mark.parametrize("batch,kv_len,page_size,splits", DECODE_STEPS)
