@@ -91,7 +91,7 @@ def implementation(request, monkeypatch):
 def test_random_calls_match_float64(implementation, seed):
     backend = BACKENDS[implementation]
 
-    @settings(max_examples=backend.examples, deadline=None, derandomize=False,
+    @settings(max_examples=backend.examples, deadline=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(paged_calls(backend))
     def check(drawn):
