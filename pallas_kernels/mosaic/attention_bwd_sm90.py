@@ -269,6 +269,16 @@ class BackwardConfig:
     # causal 4-5% faster at s4096 and s8192 (head dims 64 and 128, deterministic or not),
     # dense within 1%. At s16384 a head's 128 blocks fill a wave alone: unchanged.
     sectioned_launch: bool = True
+    # The overlapped fused step with 64-row steps computes S = Q K^T and dP = dO V^T
+    # q-major (FlashAttention-3's and -4's orientation at head dim 128) rather than S^T
+    # and dP^T: P and dS then reach dV, dK and dQ through shared memory (no product
+    # takes a register operand, whose registers would stay live until it is done), and
+    # lse and delta are per row, 2 registers a thread each instead of 16. It stores P
+    # besides dS (8 KiB a consumer a step) and reads both back by wgmma. Masks with
+    # PARTIAL tiles keep the transposed step (their stored tiles are kv-major). H200,
+    # 2026-12-07 (benchmarks/RESULTS.md): the fused kernel's spills fell from 136 to 44
+    # bytes, but fwd+bwd moved -3% to +4% (dense s4096 and s16384, causal s16384): off.
+    q_major_scores: bool = False
 
     def __post_init__(self):
         if self.block_q != BLOCK_Q:
@@ -380,8 +390,17 @@ def smem_bytes(config: BackwardConfig, head_dim: int, head_dim_v: int, itemsize:
         dkv += 2 * config.block_kv * q_step * itemsize
     if fused_dq:  # dS^T tiles of two steps, each consumer's float32 dQ stage
         dkv += 2 * config.block_kv * q_step * itemsize + q_step * head_dim * 4
+        if scores_q_major(config, has_partial):  # each consumer's P tile
+            dkv += config.block_kv * q_step * itemsize
     dq = config.block_q * width + 2 * config.block_q * 4 + config.dq_stages * dq_stage
     return dkv + walk_bytes[0], dq + walk_bytes[1]
+
+
+def scores_q_major(config: BackwardConfig, has_partial: bool) -> bool:
+    """Whether a fused dK/dV launch computes its score tiles q-major
+    (`BackwardConfig.q_major_scores`)."""
+    return (config.q_major_scores and config.overlapped_step
+            and config.q_step == ROWS_PER_CONSUMER and not has_partial)
 
 
 def pairs_consumers(config: BackwardConfig) -> bool:
@@ -446,6 +465,11 @@ class _Statics(common.LeafCounts):
         """Whether the launch's two consumers share 64 kv rows and split the work
         (`BackwardConfig.paired_consumers`): consumer 0 sums dV, consumer 1 dK."""
         return not self.fused_dq and pairs_consumers(self.config)
+
+    @property
+    def q_major(self) -> bool:
+        """Whether the fused step computes S and dP q-major (`scores_q_major`)."""
+        return self.fused_dq and scores_q_major(self.config, self.has_partial)
 
     @property
     def orders_dq(self) -> bool:
@@ -573,7 +597,7 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
     *grad_refs, smem, barriers = refs
     grad_refs = dict(zip(s.gradients, grad_refs, strict=True))
     (k_smem, v_smem, walk_smem, q_ring, do_ring, stats_ring, mask_ring, q_leaf_ring,
-     kv_leaf_smem, staging, captured_smem, ds_smem, dq_stage, pair_smem) = smem
+     kv_leaf_smem, staging, captured_smem, ds_smem, dq_stage, pair_smem, p_smem) = smem
     (walk_barrier, kv_leaf_barrier, k_barriers, v_barriers, q_ready, do_ready, stats_ready,
      mask_ready, q_leaf_ready, consumed, captured_barrier, ds_ready, ds_free, dq_staged,
      dq_stage_free, pair_ready, pair_free, operand_read) = barriers
@@ -778,20 +802,23 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                                     v_barriers.at[wg])
         row_layout = compat.wgmma_row_layout()
         col_layout = compat.wgmma_col_layout()
-        tile = (rows, q_step)  # Transposed scores: kv rows x q columns.
+        # Transposed scores: kv rows x q columns; q-major (`_Statics.q_major`) the reverse.
+        tile = (q_step, rows) if s.q_major else (rows, q_step)
+        q_axis = 0 if s.q_major else 1
         p_stage, ds_stage = (None, None) if staging is None else (staging.at[0, wg],
                                                                    staging.at[1, wg])
 
         def indices(q_start, read):
-            return common.tile_indices(tile, q_start, kv_start, q_axis=1, read=read)
+            return common.tile_indices(tile, q_start, kv_start, q_axis=q_axis, read=read)
 
-        kv_leaf_rows = []
+        # This consumer's kv mask leaves along its tiles' kv axis.
+        kv_leaf_values = []
         if s.num_kv_leaves:
             plgpu.barrier_wait(kv_leaf_barrier)
             for i in range(s.num_kv_leaves):
-                kv_leaf_rows.append(compat.mosaic_load(
-                    kv_leaf_smem.at[i, pl.ds(kv_row0, rows)], row_layout,
-                    interpret=s.interpret))
+                kv_leaf_values.append(compat.mosaic_load(
+                    kv_leaf_smem.at[i, pl.ds(kv_row0, rows)],
+                    col_layout if s.q_major else row_layout, interpret=s.interpret))
         plgpu.barrier_wait(walk_barrier)
         if computes_scores:
             plgpu.barrier_wait(k_barriers.at[wg])
@@ -818,7 +845,7 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
             if by_rows:
                 return [(_transposed(ds_smem.at[parity, c, :, pl.ds(dq_row0, dq_rows)]),
                          k_smem.at[c]) for c in parts]
-            return [(_transposed(ds_smem.at[parity, c]),
+            return [(ds_smem.at[parity, c] if s.q_major else _transposed(ds_smem.at[parity, c]),
                      k_smem.at[c, :, pl.ds(dq_col0, dq_cols)]) for c in parts]
 
         def dq_product(parity, *products):
@@ -950,7 +977,7 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                         compat.mosaic_load(q_leaf_ring.at[slot, i], col_layout,
                                            interpret=s.interpret)
                         for i in range(s.num_q_leaves)]
-                    leaves = common.tile_leaves(s.leaf_slots, q_leaf_cols, kv_leaf_rows, tile,
+                    leaves = common.tile_leaves(s.leaf_slots, q_leaf_cols, kv_leaf_values, tile,
                                                 q_axis=1)
                     partial = ((mask_ring.at[slot, pl.ds(kv_row0, rows)],
                                 mask_ready.at[slot]) if s.has_partial else None)
@@ -1100,7 +1127,88 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                 plgpu.barrier_arrive(consumed.at[slot])  # dK has read Q.
                 return step + 1, (head, q_start)
 
-            body = overlapped_step_fn if overlapped else step_fn
+            def q_major_probabilities(scores, slot, flags, q_start, full: bool):
+                """(P float32, the score slope or None) of the step's raw q-major S."""
+                scores, slope = common.log2_scores(score_spec, scores, batch, head,
+                                                   functools.partial(indices, q_start),
+                                                   slope=True)
+                if s.num_q_leaves:  # Loaded for every step, FULL ones too.
+                    plgpu.barrier_wait(q_leaf_ready.at[slot])
+                if not full:
+                    q_leaf_rows = [compat.mosaic_load(q_leaf_ring.at[slot, i], row_layout,
+                                                      interpret=s.interpret)
+                                   for i in range(s.num_q_leaves)]
+                    scores = common.masked_q_major_scores(
+                        s, scores, flags, functools.partial(indices, q_start), q_leaf_rows,
+                        kv_leaf_values)
+                plgpu.barrier_wait(stats_ready.at[slot])
+                return jnp.exp2(scores - q_major_stat(slot, 0)), slope
+
+            def q_major_stat(slot, row):
+                """The step's lse (``row`` 0) or delta (1) broadcast over its q rows."""
+                values = compat.mosaic_load(stats_ring.at[slot, row], row_layout,
+                                            interpret=s.interpret)
+                return lax.broadcast_in_dim(values, tile, [0])
+
+            def q_major_step_fn(j, carry, full: bool):
+                """The overlapped fused step on q-major tiles (`_Statics.q_major`): the
+                previous step's dQ, then dV and dK, all from shared memory."""
+                step, previous = carry
+                dk_ref, dv_ref = sum_refs
+                slot = lax.rem(step, stages)
+                flags, q_start, _, _ = step_position(g, j)
+                q_half, do_half = q_ring.at[slot], do_ring.at[slot]
+
+                plgpu.barrier_wait(q_ready.at[slot])
+                plgpu.barrier_wait(do_ready.at[slot])
+
+                def softmax(scores_ref, dprobs_ref):
+                    plgpu.wgmma(scores_ref, q_half, _transposed(k_tile))
+                    plgpu.wgmma(dprobs_ref, do_half, _transposed(v_tile))
+                    scores = plgpu.wgmma_accumulator_load(scores_ref, wait_n=1)
+                    # Pins P ahead of the wait for dP, so that it runs under dP.
+                    probs, slope = lax.optimization_barrier(
+                        q_major_probabilities(scores, slot, flags, q_start, full))
+                    dprobs = plgpu.wgmma_accumulator_load(dprobs_ref, wait_n=0)
+                    dscores = probs * (dprobs - q_major_stat(slot, 1))
+                    if slope is not None:
+                        dscores = dscores * slope
+                    if not s.folds_scale:
+                        dscores = dscores * s.scores.scale
+                    return probs.astype(s.dtype), dscores.astype(s.dtype)
+
+                probs, dscores = pl.run_scoped(softmax, plgpu.ACC(tile, jnp.float32),
+                                               plgpu.ACC(tile, jnp.float32))
+                parity = lax.rem(step, 2)
+
+                @pl.when(step >= 1)  # Both products of step - 2 have read the tile.
+                def _():
+                    plgpu.barrier_wait(ds_free.at[parity])
+
+                # P's tile was last read by the previous step's dV, awaited at its end.
+                p_smem.at[wg][...] = probs
+                ds_smem.at[parity, wg][...] = dscores
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(ds_ready.at[parity])
+
+                def products(dq_ref):
+                    plgpu.barrier_wait(ds_ready.at[1 - parity])
+                    for a, b in dq_products(1 - parity):
+                        plgpu.wgmma(dq_ref, a, b)
+                    plgpu.wgmma(dv_ref, _transposed(p_smem.at[wg]), do_half)
+                    plgpu.wgmma(dk_ref, _transposed(ds_smem.at[parity, wg]), q_half)
+                    # dQ is done; dV and dK still run.
+                    return plgpu.wgmma_accumulator_load(dq_ref, wait_n=2)
+
+                dq = pl.run_scoped(products, plgpu.ACC((dq_rows, dq_cols), jnp.float32))
+                plgpu.barrier_arrive(ds_free.at[1 - parity])
+                add_dq(dq, previous, step >= 1)  # Under dV and dK.
+                plgpu.wgmma_wait(0)
+                plgpu.barrier_arrive(consumed.at[slot])  # dV and dK have read dO and Q.
+                return step + 1, (head, q_start)
+
+            body = (q_major_step_fn if s.q_major else
+                    overlapped_step_fn if overlapped else step_fn)
             for start, stop, full in walk_loops(s, num_full_steps(g), num_steps(g)):
                 carry = lax.fori_loop(start, stop, functools.partial(body, full=full), carry)
             return carry
@@ -1550,6 +1658,8 @@ def _dkv_scratch(s: _Statics):
          if s.fused_dq and (cfg.dq_reducer_warp or not s.interpret) else None),
         # Paired consumers: P^T (times the score slope) of two steps.
         common.swizzled((2, rows, q_step), s.dtype) if s.paired else None,
+        # The q-major fused step: each consumer's P tile, read by its dV product.
+        common.swizzled((consumers, q_step, rows), s.dtype) if s.q_major else None,
     )
     ring = lambda: plgpu.Barrier(num_barriers=stages)
     reducer = s.fused_dq and cfg.dq_reducer_warp

@@ -166,18 +166,22 @@ class TestMosaicAttentionGpu(_MosaicSuite):
 @pytest.mark.parametrize("overlapped_step", [True, False], ids=["overlapped", "serial"])
 @pytest.mark.parametrize("dq_fields", [
     {}, {"dq_reducer_warp": False}, {"one_commit_a_step": False},
-    {"serial_dq_with_dkdv": True}, {"auto_barriers": True}],
-    ids=["reducer", "consumer_adds", "two_commits", "dq_with_dkdv", "auto_barriers"])
+    {"serial_dq_with_dkdv": True}, {"auto_barriers": True}, {"q_major_scores": True}],
+    ids=["reducer", "consumer_adds", "two_commits", "dq_with_dkdv", "auto_barriers",
+         "q_major"])
 def test_fused_dq_backward_through_the_public_call(case, dtype, overlapped_step, dq_fields,
                                                    monkeypatch):
     """Head dims 128 and 64, deterministic=False: the dK/dV kernel also sums dQ (into a
     ref), a path the suite's short walks never take; in both step orders
     (`BackwardConfig.overlapped_step`), its reductions issued by the producer (dS^T
     published with the dQ stage or apart) or by the consumers, and in the serial order
-    dQ issued with dV and dK; and with Pallas's automatic barriers, which the default
-    leaves out (only compiled kernels differ: the interpreter runs both the same)."""
+    dQ issued with dV and dK; with Pallas's automatic barriers, which the default
+    leaves out (only compiled kernels differ: the interpreter runs both the same); and
+    at head dim 128 with q-major score tiles."""
     if overlapped_step and dq_fields.get("serial_dq_with_dkdv"):
         pytest.skip("serial_dq_with_dkdv applies to the serial order only")
+    if dq_fields.get("q_major_scores") and not (overlapped_step and case.head_dim == 128):
+        pytest.skip("q-major score tiles serve the overlapped step's 64-row steps")
     force_config_fields(monkeypatch, bwd, "backward_config", fused_dq_min_full_walk=0.0,
                         overlapped_step=overlapped_step, **dq_fields)
     plans = record_plans(monkeypatch)

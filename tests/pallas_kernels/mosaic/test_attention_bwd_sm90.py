@@ -102,7 +102,9 @@ CASES = (
 # (`BackwardConfig.seeded_stats`); "_dv_first": the fused step issuing dV before the
 # previous step's dQ; "paired": dK and dV summed by two consumers sharing 64 kv rows;
 # "_ordered": the fused dQ's adds in a fixed order (interpreted: the rotated walks and
-# their add turns; no semaphores there), for walks of FULL tiles only.
+# their add turns; no semaphores there), for walks of FULL tiles only; "_q_major": the
+# fused step's score tiles q-major (`BackwardConfig.q_major_scores`; stored tiles keep
+# the transposed step).
 VARIANTS = {"dq_kernel": {}, "dq_kernel_scaled_ds": {"fold_scale": False},
             "fused_dq": {"fused_dq": True},
             "fused_dq_scaled_ds": {"fused_dq": True, "fold_scale": False},
@@ -123,7 +125,10 @@ VARIANTS = {"dq_kernel": {}, "dq_kernel_scaled_ds": {"fold_scale": False},
             "fused_dq_q128_dv_first": {"fused_dq": True, "q_step": 128,
                                        "dq_before_dv": False},
             "fused_dq_ordered": {"fused_dq": True, "ordered_dq": True},
-            "fused_dq_q128_ordered": {"fused_dq": True, "q_step": 128, "ordered_dq": True}}
+            "fused_dq_q128_ordered": {"fused_dq": True, "q_step": 128, "ordered_dq": True},
+            "fused_dq_q_major": {"fused_dq": True, "q_major_scores": True},
+            "fused_dq_q_major_consumer_adds": {"fused_dq": True, "q_major_scores": True,
+                                               "dq_reducer_warp": False}}
 
 # The variants each case runs under by default: every variant and every case at least
 # once, in about a third of the product; the rest of the product (each variant on every
@@ -131,12 +136,13 @@ VARIANTS = {"dq_kernel": {}, "dq_kernel_scaled_ds": {"fold_scale": False},
 DEFAULT_RUNS = {
     "partial_gqa_blind_blocks": ("dq_kernel", "fused_dq_q128", "unseeded"),
     "documents_causal_ragged": ("dq_kernel", "fused_dq", "fused_dq_serial_dq_with_dkdv",
-                                "fused_dq_two_commits", "paired"),
+                                "fused_dq_two_commits", "paired", "fused_dq_q_major"),
     "softcap_score_mod_fp16": ("dq_kernel_scaled_ds", "dq_kernel_q128",
                                "fused_dq_q128_consumer_adds"),
     "dense_gqa_d128": ("fused_dq_scaled_ds", "fused_dq_serial_step",
                        "fused_dq_serial_consumer_adds", "fused_dq_consumer_adds",
-                       "fused_dq_ordered"),
+                       "fused_dq_ordered", "fused_dq_q_major",
+                       "fused_dq_q_major_consumer_adds"),
     "causal_d256": ("dq_kernel", "split_dkdv"),
     "causal_ragged_gqa_d192_v128": ("paired", "fused_dq_dv_first"),
     "partial_softcap_score_mod_d192": ("paired",),
