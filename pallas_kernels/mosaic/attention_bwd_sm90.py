@@ -75,7 +75,9 @@ computes P^T while dP^T runs; stores its dS^T tile; issues the previous step's d
 and dK (`BackwardConfig.dq_before_dv`), and waits for dQ only, so that dQ's float32
 staging (and without the reducer, its reduction) runs under dV and dK. dK and dV
 therefore accumulate in wgmma accumulator refs, and no register of a wgmma in flight
-is written meanwhile (ptxas would serialize every wgmma of the kernel). The serial
+is written meanwhile (ptxas would serialize every wgmma of the kernel). At head dim 128
+the step computes S and dP q-major instead (`BackwardConfig.q_major_scores`,
+FlashAttention-3's orientation there) and passes P and dS to dV and dK through smem. The serial
 order (`overlapped_step=False`) waits for S^T and dP^T, then for dV and dK, then
 issues dQ and waits for it; or issues dQ right behind dV and dK and waits once
 (`BackwardConfig.serial_dq_with_dkdv`). Mask code beside the fused dQ's state spills
@@ -275,9 +277,11 @@ class BackwardConfig:
     # takes a register operand, whose registers would stay live until it is done), and
     # lse and delta are per row, 2 registers a thread each instead of 16. It stores P
     # besides dS (8 KiB a consumer a step) and reads both back by wgmma. Masks with
-    # PARTIAL tiles keep the transposed step (their stored tiles are kv-major). H200,
-    # 2026-12-07 (benchmarks/RESULTS.md): the fused kernel's spills fell from 136 to 44
-    # bytes, but fwd+bwd moved -3% to +4% (dense s4096 and s16384, causal s16384): off.
+    # PARTIAL tiles keep the transposed step (their stored tiles are kv-major). H200 and
+    # H100, 2026-12-07 (benchmarks/RESULTS.md), fwd+bwd with deterministic=False: dense
+    # s4096 3-4% faster in three calls of three, dense s16384 +1%, -3% and 0%, causal
+    # s16384 +1%; the fused kernel's spills fell from 136 to 44 bytes. Head dim 128 takes
+    # it.
     q_major_scores: bool = False
 
     def __post_init__(self):
@@ -340,7 +344,8 @@ _CONFIGS = {
     # 64 s16384 / s32768 (two and four groups of kv-blocks) 17% / 15% faster.
     64: BackwardConfig(block_kv=128, dkv_stages=4, dq_stages=3, q_step=BLOCK_Q,
                        fused_dq=True, ordered_dq=True),
-    128: BackwardConfig(block_kv=128, dkv_stages=2, dq_stages=2, fused_dq=True),
+    128: BackwardConfig(block_kv=128, dkv_stages=2, dq_stages=2, fused_dq=True,
+                        q_major_scores=True),
     # The dQ kernel fitted to 1 stage at 256, 2 at 192. Its 64 x 256 float32 sum beside
     # the mask code spills at 232 registers: H200, causal d256 fwd+bwd 9% faster at 240
     # (benchmarks/RESULTS.md, 2026-11-27).

@@ -165,10 +165,10 @@ class TestMosaicAttentionGpu(_MosaicSuite):
 ], ids=lambda case: case.name)
 @pytest.mark.parametrize("overlapped_step", [True, False], ids=["overlapped", "serial"])
 @pytest.mark.parametrize("dq_fields", [
-    {}, {"dq_reducer_warp": False}, {"one_commit_a_step": False},
-    {"serial_dq_with_dkdv": True}, {"auto_barriers": True}, {"q_major_scores": True}],
+    {}, {"dq_reducer_warp": False}, {"one_commit_a_step": False, "q_major_scores": False},
+    {"serial_dq_with_dkdv": True}, {"auto_barriers": True}, {"q_major_scores": False}],
     ids=["reducer", "consumer_adds", "two_commits", "dq_with_dkdv", "auto_barriers",
-         "q_major"])
+         "transposed"])
 def test_fused_dq_backward_through_the_public_call(case, dtype, overlapped_step, dq_fields,
                                                    monkeypatch):
     """Head dims 128 and 64, deterministic=False: the dK/dV kernel also sums dQ (into a
@@ -177,11 +177,12 @@ def test_fused_dq_backward_through_the_public_call(case, dtype, overlapped_step,
     published with the dQ stage or apart) or by the consumers, and in the serial order
     dQ issued with dV and dK; with Pallas's automatic barriers, which the default
     leaves out (only compiled kernels differ: the interpreter runs both the same); and
-    at head dim 128 with q-major score tiles."""
+    at head dim 128 with transposed score tiles as well as its default q-major ones."""
     if overlapped_step and dq_fields.get("serial_dq_with_dkdv"):
         pytest.skip("serial_dq_with_dkdv applies to the serial order only")
-    if dq_fields.get("q_major_scores") and not (overlapped_step and case.head_dim == 128):
-        pytest.skip("q-major score tiles serve the overlapped step's 64-row steps")
+    if "q_major_scores" in dq_fields and not (overlapped_step and case.head_dim == 128):
+        pytest.skip("the score tiles' orientation is a choice of the overlapped step's "
+                    "64-row steps")
     force_config_fields(monkeypatch, bwd, "backward_config", fused_dq_min_full_walk=0.0,
                         overlapped_step=overlapped_step, **dq_fields)
     plans = record_plans(monkeypatch)

@@ -198,13 +198,13 @@ def test_backward_lowers_for_cuda(name, _compiled_mosaic):
     # The serial order with dQ issued beside dV and dK (`serial_dq_with_dkdv`).
     ("dense_fused_dq_hd128", {"overlapped_step": False, "serial_dq_with_dkdv": True}, 2, True),
     ("long_walk", {"overlapped_step": False, "serial_dq_with_dkdv": True}, 3, True),
-    # The fused step's q-major score tiles (`BackwardConfig.q_major_scores`): dense,
-    # with softcap and score_mod, and the masked steps' launch under causal and window
-    # masks.
-    ("dense_fused_dq_hd128", {"q_major_scores": True}, 2, True),
-    ("softcap_score_mod_sinks_fp16", {"q_major_scores": True}, 2, True),
-    ("long_walk", {"q_major_scores": True}, 3, True),
-    ("window_ragged_hd128", {"q_major_scores": True, "fused_dq_min_full_walk": 0.0}, 3, True),
+    # Head dim 128's fused step on q-major score tiles (the default) with softcap and
+    # score_mod, and on transposed ones (`BackwardConfig.q_major_scores`): dense, and the
+    # masked steps' launch under causal and window masks.
+    ("softcap_score_mod_sinks_fp16", {}, 2, True),
+    ("dense_fused_dq_hd128", {"q_major_scores": False}, 2, True),
+    ("long_walk", {"q_major_scores": False}, 3, True),
+    ("window_ragged_hd128", {"q_major_scores": False, "fused_dq_min_full_walk": 0.0}, 3, True),
     ("window_ragged_hd128", {}, 3, False),  # short walks: the forward, dK/dV, dQ
     ("long_walk", {}, 3, True),  # the forward, fused launches for FULL and masked steps
     # The split at any walk length: stored tiles, and a ragged window under GQA.
