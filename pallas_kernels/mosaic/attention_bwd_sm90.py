@@ -810,6 +810,8 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
         # Transposed scores: kv rows x q columns; q-major (`_Statics.q_major`) the reverse.
         tile = (q_step, rows) if s.q_major else (rows, q_step)
         q_axis = 0 if s.q_major else 1
+        q_layout, kv_layout = ((row_layout, col_layout) if s.q_major else
+                               (col_layout, row_layout))  # Of per-q and per-kv vectors.
         p_stage, ds_stage = (None, None) if staging is None else (staging.at[0, wg],
                                                                    staging.at[1, wg])
 
@@ -822,8 +824,8 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
             plgpu.barrier_wait(kv_leaf_barrier)
             for i in range(s.num_kv_leaves):
                 kv_leaf_values.append(compat.mosaic_load(
-                    kv_leaf_smem.at[i, pl.ds(kv_row0, rows)],
-                    col_layout if s.q_major else row_layout, interpret=s.interpret))
+                    kv_leaf_smem.at[i, pl.ds(kv_row0, rows)], kv_layout,
+                    interpret=s.interpret))
         plgpu.barrier_wait(walk_barrier)
         if computes_scores:
             plgpu.barrier_wait(k_barriers.at[wg])
@@ -866,8 +868,8 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
             return sums, dq
 
         # The reducer's step commits its dS^T tile together with its dQ stage
-        # (`BackwardConfig.one_commit_a_step`).
-        shared_commit = reducer and cfg.one_commit_a_step
+        # (`BackwardConfig.one_commit_a_step`); the q-major step commits it with its P tile.
+        shared_commit = reducer and cfg.one_commit_a_step and not s.q_major
 
         def add_dq(dq, position, when, ds_parity=None):
             """Adds ``dq`` (of the step at ``position``, (head, first q row)) to the
@@ -952,11 +954,11 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
 
             def stat(slot, row, factor=1.0):
                 """``factor`` times the step's lse (``row`` 0) or delta (1), broadcast over
-                the transposed tile's kv rows."""
-                values = compat.mosaic_load(stats_ring.at[slot, row], col_layout,
+                the tile's kv positions."""
+                values = compat.mosaic_load(stats_ring.at[slot, row], q_layout,
                                             interpret=s.interpret)
                 return lax.broadcast_in_dim(values if factor == 1 else values * factor,
-                                            tile, [1])
+                                            tile, [q_axis])
 
             def stat_seeds(slot):
                 """(S^T's, dP^T's) accumulator seeds of the step in ``slot``, None where
@@ -970,7 +972,7 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
 
             def probabilities(scores, slot, flags, q_start, full: bool):
                 """(P^T float32, the score slope or None) of the step's S^T (raw, or
-                seeded with -lse: `stat_seeds`)."""
+                seeded with -lse: `stat_seeds`); q-major, P of S."""
                 wants_slope = sums_dk or s.paired  # Paired, consumer 1 takes it.
                 scores = common.log2_scores(score_spec, scores, batch, head,
                                             functools.partial(indices, q_start),
@@ -978,12 +980,12 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                 scores, slope = scores if wants_slope else (scores, None)
 
                 def masked(scores):
-                    q_leaf_cols = [
-                        compat.mosaic_load(q_leaf_ring.at[slot, i], col_layout,
+                    q_leaf_values = [
+                        compat.mosaic_load(q_leaf_ring.at[slot, i], q_layout,
                                            interpret=s.interpret)
                         for i in range(s.num_q_leaves)]
-                    leaves = common.tile_leaves(s.leaf_slots, q_leaf_cols, kv_leaf_values, tile,
-                                                q_axis=1)
+                    leaves = common.tile_leaves(s.leaf_slots, q_leaf_values, kv_leaf_values,
+                                                tile, q_axis=q_axis)
                     partial = ((mask_ring.at[slot, pl.ds(kv_row0, rows)],
                                 mask_ready.at[slot]) if s.has_partial else None)
                     return common.masked_scores(scores, s.layout, flags,
@@ -1077,7 +1079,8 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
 
             def overlapped_step_fn(j, carry, full: bool):
                 """The fused step in the order of `BackwardConfig.overlapped_step`; dK and
-                dV accumulate in ``sum_refs``."""
+                dV accumulate in ``sum_refs``. Transposed, P^T and dS^T feed dV and dK from
+                registers; q-major (`_Statics.q_major`), P and dS from shared memory."""
                 step, previous = carry
                 dk_ref, dv_ref = sum_refs
                 slot = lax.rem(step, stages)
@@ -1088,8 +1091,12 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                 plgpu.barrier_wait(do_ready.at[slot])
 
                 def softmax(scores_ref, dprobs_ref):
-                    plgpu.wgmma(scores_ref, k_tile, _transposed(q_half))
-                    plgpu.wgmma(dprobs_ref, v_tile, _transposed(do_half))
+                    if s.q_major:
+                        plgpu.wgmma(scores_ref, q_half, _transposed(k_tile))
+                        plgpu.wgmma(dprobs_ref, do_half, _transposed(v_tile))
+                    else:
+                        plgpu.wgmma(scores_ref, k_tile, _transposed(q_half))
+                        plgpu.wgmma(dprobs_ref, v_tile, _transposed(do_half))
                     # wgmma groups complete in order: waiting for all but the newest
                     # (dP^T) is waiting for S^T.
                     scores = plgpu.wgmma_accumulator_load(scores_ref, wait_n=1)
@@ -1097,6 +1104,9 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                     probs, slope = lax.optimization_barrier(
                         probabilities(scores, slot, flags, q_start, full))
                     dprobs = plgpu.wgmma_accumulator_load(dprobs_ref, wait_n=0)
+                    if s.q_major:  # P rounded once dS is done, as measured (RESULTS.md).
+                        dscores = score_grads(probs, dprobs, slope, slot)
+                        return probs.astype(s.dtype), dscores
                     return probs.astype(s.dtype), score_grads(probs, dprobs, slope, slot)
 
                 probs, dscores = pl.run_scoped(softmax, plgpu.ACC(tile, jnp.float32),
@@ -1107,19 +1117,26 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                 def _():
                     plgpu.barrier_wait(ds_free.at[parity])
 
+                if s.q_major:  # The tile was last read by the previous step's dV.
+                    p_smem.at[wg][...] = probs
+                    probs_operand = _transposed(p_smem.at[wg])
+                    dscores_operand = _transposed(ds_smem.at[parity, wg])
+                else:
+                    probs_operand = _staged(p_stage, probs)
+                    dscores_operand = _staged(ds_stage, dscores)
                 write_ds(parity, dscores, publish=not shared_commit)
 
                 # dQ's accumulator is zeroed before dV is issued: no register of a
                 # wgmma in flight may be defined.
                 def products(dq_ref):
                     if not cfg.dq_before_dv:
-                        plgpu.wgmma(dv_ref, _staged(p_stage, probs), do_half)
+                        plgpu.wgmma(dv_ref, probs_operand, do_half)
                     plgpu.barrier_wait(ds_ready.at[1 - parity])
                     for a, b in dq_products(1 - parity):
                         plgpu.wgmma(dq_ref, a, b)
                     if cfg.dq_before_dv:
-                        plgpu.wgmma(dv_ref, _staged(p_stage, probs), do_half)
-                    plgpu.wgmma(dk_ref, _staged(ds_stage, dscores), q_half)
+                        plgpu.wgmma(dv_ref, probs_operand, do_half)
+                    plgpu.wgmma(dk_ref, dscores_operand, q_half)
                     # dQ is done (and dV, unless issued after it); dK still runs.
                     return plgpu.wgmma_accumulator_load(
                         dq_ref, wait_n=2 if cfg.dq_before_dv else 1)
@@ -1132,88 +1149,7 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                 plgpu.barrier_arrive(consumed.at[slot])  # dK has read Q.
                 return step + 1, (head, q_start)
 
-            def q_major_probabilities(scores, slot, flags, q_start, full: bool):
-                """(P float32, the score slope or None) of the step's raw q-major S."""
-                scores, slope = common.log2_scores(score_spec, scores, batch, head,
-                                                   functools.partial(indices, q_start),
-                                                   slope=True)
-                if s.num_q_leaves:  # Loaded for every step, FULL ones too.
-                    plgpu.barrier_wait(q_leaf_ready.at[slot])
-                if not full:
-                    q_leaf_rows = [compat.mosaic_load(q_leaf_ring.at[slot, i], row_layout,
-                                                      interpret=s.interpret)
-                                   for i in range(s.num_q_leaves)]
-                    scores = common.masked_q_major_scores(
-                        s, scores, flags, functools.partial(indices, q_start), q_leaf_rows,
-                        kv_leaf_values)
-                plgpu.barrier_wait(stats_ready.at[slot])
-                return jnp.exp2(scores - q_major_stat(slot, 0)), slope
-
-            def q_major_stat(slot, row):
-                """The step's lse (``row`` 0) or delta (1) broadcast over its q rows."""
-                values = compat.mosaic_load(stats_ring.at[slot, row], row_layout,
-                                            interpret=s.interpret)
-                return lax.broadcast_in_dim(values, tile, [0])
-
-            def q_major_step_fn(j, carry, full: bool):
-                """The overlapped fused step on q-major tiles (`_Statics.q_major`): the
-                previous step's dQ, then dV and dK, all from shared memory."""
-                step, previous = carry
-                dk_ref, dv_ref = sum_refs
-                slot = lax.rem(step, stages)
-                flags, q_start, _, _ = step_position(g, j)
-                q_half, do_half = q_ring.at[slot], do_ring.at[slot]
-
-                plgpu.barrier_wait(q_ready.at[slot])
-                plgpu.barrier_wait(do_ready.at[slot])
-
-                def softmax(scores_ref, dprobs_ref):
-                    plgpu.wgmma(scores_ref, q_half, _transposed(k_tile))
-                    plgpu.wgmma(dprobs_ref, do_half, _transposed(v_tile))
-                    scores = plgpu.wgmma_accumulator_load(scores_ref, wait_n=1)
-                    # Pins P ahead of the wait for dP, so that it runs under dP.
-                    probs, slope = lax.optimization_barrier(
-                        q_major_probabilities(scores, slot, flags, q_start, full))
-                    dprobs = plgpu.wgmma_accumulator_load(dprobs_ref, wait_n=0)
-                    dscores = probs * (dprobs - q_major_stat(slot, 1))
-                    if slope is not None:
-                        dscores = dscores * slope
-                    if not s.folds_scale:
-                        dscores = dscores * s.scores.scale
-                    return probs.astype(s.dtype), dscores.astype(s.dtype)
-
-                probs, dscores = pl.run_scoped(softmax, plgpu.ACC(tile, jnp.float32),
-                                               plgpu.ACC(tile, jnp.float32))
-                parity = lax.rem(step, 2)
-
-                @pl.when(step >= 1)  # Both products of step - 2 have read the tile.
-                def _():
-                    plgpu.barrier_wait(ds_free.at[parity])
-
-                # P's tile was last read by the previous step's dV, awaited at its end.
-                p_smem.at[wg][...] = probs
-                ds_smem.at[parity, wg][...] = dscores
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(ds_ready.at[parity])
-
-                def products(dq_ref):
-                    plgpu.barrier_wait(ds_ready.at[1 - parity])
-                    for a, b in dq_products(1 - parity):
-                        plgpu.wgmma(dq_ref, a, b)
-                    plgpu.wgmma(dv_ref, _transposed(p_smem.at[wg]), do_half)
-                    plgpu.wgmma(dk_ref, _transposed(ds_smem.at[parity, wg]), q_half)
-                    # dQ is done; dV and dK still run.
-                    return plgpu.wgmma_accumulator_load(dq_ref, wait_n=2)
-
-                dq = pl.run_scoped(products, plgpu.ACC((dq_rows, dq_cols), jnp.float32))
-                plgpu.barrier_arrive(ds_free.at[1 - parity])
-                add_dq(dq, previous, step >= 1)  # Under dV and dK.
-                plgpu.wgmma_wait(0)
-                plgpu.barrier_arrive(consumed.at[slot])  # dV and dK have read dO and Q.
-                return step + 1, (head, q_start)
-
-            body = (q_major_step_fn if s.q_major else
-                    overlapped_step_fn if overlapped else step_fn)
+            body = overlapped_step_fn if overlapped else step_fn
             for start, stop, full in walk_loops(s, num_full_steps(g), num_steps(g)):
                 carry = lax.fori_loop(start, stop, functools.partial(body, full=full), carry)
             return carry
