@@ -1451,15 +1451,30 @@ def _fused_configs(config: BackwardConfig, layout: MaskLayout, has_partial: bool
     walks = walk_bytes(layout.num_q_blocks, layout.num_kv_blocks, dkv_walk_heads,
                        ranked=config.ordered_dq)
     # The FULL steps' launch loads no stored tiles and no mask leaves.
-    full = fit_config(config, common.SMEM_LIMIT, *dims, False, fused_dq=True,
-                      walk_bytes=walks)
+    full = _fit_fused(config, *dims, False, walk_bytes=walks)
     if not masked_tiles:
         return None if full is None else (full, None)
     num_q_leaves = sum(kind != "kv" for kind in layout.leaf_kinds)  # "batch" ones read as q
-    masked = fit_config(config, common.SMEM_LIMIT, *dims, has_partial, num_q_leaves,
-                        len(layout.leaf_kinds) - num_q_leaves, fused_dq=True,
-                        walk_bytes=walks)
+    masked = _fit_fused(config, *dims, has_partial, num_q_leaves,
+                        len(layout.leaf_kinds) - num_q_leaves, walk_bytes=walks)
     return None if full is None or masked is None else (full, masked)
+
+
+def _fit_fused(config: BackwardConfig, *args, **kwargs) -> BackwardConfig | None:
+    """A fused launch's config fitted to shared memory (`fit_config`); where the q-major
+    step's P tiles (`BackwardConfig.q_major_scores`) would cost a stage, the transposed
+    step (long walks keep their rows in shared memory: `walk_bytes`)."""
+    def fit(config):
+        return fit_config(config, common.SMEM_LIMIT, *args, fused_dq=True, **kwargs)
+
+    fitted = fit(config)
+    if not config.q_major_scores:
+        return fitted
+    transposed = fit(dataclasses.replace(config, q_major_scores=False))
+    if fitted is None or (transposed is not None
+                          and transposed.dkv_stages > fitted.dkv_stages):
+        return transposed
+    return fitted
 
 
 def _backward(q: Array, k: Array, v: Array, kmask: KernelMask, out: Array, lse: Array,

@@ -374,6 +374,19 @@ def test_every_head_dim_pair_has_a_config_that_fits(head_dim, head_dim_v, has_pa
     assert fitted is not None
 
 
+@pytest.mark.parametrize("num_q_blocks,walk_heads,q_major", [
+    (32, 1, True), (800, 1, True), (1024, 1, False), (128, 8, False)])
+def test_fused_dq_at_head_dim_128_keeps_its_stages(num_q_blocks, walk_heads, q_major):
+    """Head dim 128's fused launch takes q-major score tiles unless their P tiles would
+    cost it a stage: walks over 1024 q-blocks (131072 queries), or per-head masks over 8
+    query heads a CTA, keep their rows in the shared memory the P tiles need."""
+    config = bwd.backward_config(128, 128, jnp.bfloat16, causal=False)
+    walks = bwd.walk_bytes(num_q_blocks, num_q_blocks, walk_heads)
+    fitted = bwd._fit_fused(config, 128, 128, 2, False, walk_bytes=walks)
+    assert fitted.dkv_stages == config.dkv_stages
+    assert fitted.q_major_scores == q_major
+
+
 def test_configs_reject_bad_fields():
     assert bwd.backward_config(320, 320, jnp.bfloat16, causal=False) is None
     with pytest.raises(ValueError, match="block_kv"):
