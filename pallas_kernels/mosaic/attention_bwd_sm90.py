@@ -76,8 +76,8 @@ and dK (`BackwardConfig.dq_before_dv`), and waits for dQ only, so that dQ's floa
 staging (and without the reducer, its reduction) runs under dV and dK. dK and dV
 therefore accumulate in wgmma accumulator refs, and no register of a wgmma in flight
 is written meanwhile (ptxas would serialize every wgmma of the kernel). At head dim 128
-the step computes S and dP q-major instead (`BackwardConfig.q_major_scores`,
-FlashAttention-3's orientation there) and passes P and dS to dV and dK through smem. The serial
+the step computes S and dP q-major instead (`BackwardConfig.q_major_scores`; FA3 and
+FA4 keep S^T there) and passes P and dS to dV and dK through smem. The serial
 order (`overlapped_step=False`) waits for S^T and dP^T, then for dV and dK, then
 issues dQ and waits for it; or issues dQ right behind dV and dK and waits once
 (`BackwardConfig.serial_dq_with_dkdv`). Mask code beside the fused dQ's state spills
@@ -272,9 +272,10 @@ class BackwardConfig:
     # dense within 1%. At s16384 a head's 128 blocks fill a wave alone: unchanged.
     sectioned_launch: bool = True
     # The overlapped fused step with 64-row steps computes S = Q K^T and dP = dO V^T
-    # q-major (FlashAttention-3's and -4's orientation at head dim 128) rather than S^T
-    # and dP^T: P and dS then reach dV, dK and dQ through shared memory (no product
-    # takes a register operand, whose registers would stay live until it is done), and
+    # q-major rather than S^T and dP^T (which FlashAttention-3 and -4 compute at head
+    # dim 128, `SdP_swapAB`, with dK and dV from registers): P and dS then reach dV, dK
+    # and dQ through shared memory (no product takes a register operand, whose
+    # registers would stay live until it is done), and
     # lse and delta are per row, 2 registers a thread each instead of 16. It stores P
     # besides dS (8 KiB a consumer a step) and reads both back by wgmma. Masks with
     # PARTIAL tiles keep the transposed step (their stored tiles are kv-major). H200 and
