@@ -604,8 +604,8 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
     grad_refs = dict(zip(s.gradients, grad_refs, strict=True))
     (k_smem, v_smem, walk_smem, q_ring, do_ring, stats_ring, mask_ring, q_leaf_ring,
      kv_leaf_smem, staging, captured_smem, ds_smem, dq_stage, pair_smem, p_smem) = smem
-    (walk_barrier, kv_leaf_barrier, k_barriers, v_barriers, q_ready, do_ready, stats_ready,
-     mask_ready, q_leaf_ready, consumed, captured_barrier, ds_ready, ds_free, dq_staged,
+    (walk_barrier, kv_leaf_barrier, k_barriers, v_barriers, loaded, mask_ready, q_leaf_ready,
+     consumed, captured_barrier, ds_ready, ds_free, dq_staged,
      dq_stage_free, pair_ready, pair_free, operand_read) = barriers
 
     # Rank 0 is kv-block 0, the longest walk under causal-like masks. The ordered dQ's
@@ -756,7 +756,7 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                 common.load_q_step(
                     s, (q_ref, stats_ref, q_leaf_ref, partial_ref, do_ref),
                     (q_ring, stats_ring, q_leaf_ring, mask_ring, do_ring),
-                    (q_ready, stats_ready, q_leaf_ready, mask_ready, do_ready), slot=slot,
+                    (loaded, loaded, q_leaf_ready, mask_ready, loaded), slot=slot,
                     batch=batch, head=head, q_start=q_start, rows=q_step, part=part,
                     flags=flags, partial_id=lambda: entry(g, partial_offset + i))
                 if reducer:
@@ -963,11 +963,9 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
 
             def stat_seeds(slot):
                 """(S^T's, dP^T's) accumulator seeds of the step in ``slot``, None where
-                not seeded (`BackwardConfig.seeded_stats`); waits for the step's
-                statistics if either is."""
+                not seeded (`BackwardConfig.seeded_stats`)."""
                 if not seeds_any_stat:
                     return None, None
-                plgpu.barrier_wait(stats_ready.at[slot])
                 return (stat(slot, 0, -1 / (s.scores.scale * LOG2E)) if seeds_lse else None,
                         stat(slot, 1, -1.0) if seeds_delta else None)
 
@@ -1000,8 +998,6 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
 
                 if seeds_lse:
                     return jnp.exp2(scores), slope
-                if not seeds_any_stat:  # Else `stat_seeds` waited.
-                    plgpu.barrier_wait(stats_ready.at[slot])
                 return jnp.exp2(scores - stat(slot, 0)), slope
 
             def score_grads(probs, dprobs, slope, slot):
@@ -1021,8 +1017,7 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                 flags, q_start, _, _ = step_position(g, j)
                 q_half, do_half = q_ring.at[slot], do_ring.at[slot]
 
-                plgpu.barrier_wait(q_ready.at[slot])
-                plgpu.barrier_wait(do_ready.at[slot])
+                plgpu.barrier_wait(loaded.at[slot])  # Q, dO and the statistics.
                 lse_seed, delta_seed = stat_seeds(slot)
                 if not computes_scores:
                     (dprobs,) = _products(tile, (v_tile, _transposed(do_half)),
@@ -1088,8 +1083,7 @@ def _dkv_kernel(s: _Statics, q_ref, k_ref, v_ref, do_ref, stats_ref, walk_ref, *
                 flags, q_start, _, _ = step_position(g, j)
                 q_half, do_half = q_ring.at[slot], do_ring.at[slot]
 
-                plgpu.barrier_wait(q_ready.at[slot])
-                plgpu.barrier_wait(do_ready.at[slot])
+                plgpu.barrier_wait(loaded.at[slot])  # Q, dO and the statistics.
 
                 def softmax(scores_ref, dprobs_ref):
                     if s.q_major:
@@ -1619,6 +1613,10 @@ def _dkv_scratch(s: _Statics):
         common.swizzled((consumers, q_step, rows), s.dtype) if s.q_major else None,
     )
     ring = lambda: plgpu.Barrier(num_barriers=stages)
+    # A step's Q, statistics and dO signal one barrier (three arrivals): a consumer then
+    # waits once a step rather than three times, each wait a shared-memory round trip
+    # even when the data is there (fwd+bwd 2.6% faster at dense d128).
+    loaded = plgpu.Barrier(num_arrivals=3, num_barriers=stages)
     reducer = s.fused_dq and cfg.dq_reducer_warp
     ds_barrier = (plgpu.Barrier(num_arrivals=consumers, num_barriers=2) if s.fused_dq
                   else None)
@@ -1627,7 +1625,7 @@ def _dkv_scratch(s: _Statics):
         plgpu.Barrier(num_barriers=1),
         plgpu.Barrier(num_barriers=consumers),
         plgpu.Barrier(num_barriers=consumers),
-        ring(), ring(), ring(), ring(), ring(),
+        loaded, ring(), ring(),
         plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),
         captured_barrier,
         ds_barrier,

@@ -614,7 +614,8 @@ def load_q_step(statics, sources, rings, ready, *, slot, batch, head, q_start, r
     it; its ``part``-th ``rows`` q columns) and dO, which the first products need last.
 
     ``sources``, ``rings`` and ``ready`` are the gmem refs, smem rings and "loaded"
-    barriers of (Q, stats, q leaves, stored tiles, dO), None where the kernel has none.
+    barriers of (Q, stats, q leaves, stored tiles, dO), None where the kernel has none; one
+    barrier may serve several (its arrivals count them).
     """
     q_ref, stats_ref, q_leaf_ref, partial_ref, do_ref = sources
     q_ring, stats_ring, q_leaf_ring, mask_ring, do_ring = rings
