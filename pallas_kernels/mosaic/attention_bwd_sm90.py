@@ -1608,8 +1608,9 @@ def _dkv_scratch(s: _Statics):
         # consumer's float32 dQ stage (interpreted, only the reducer's).
         (common.swizzled((2, consumers, rows, q_step), s.dtype,
                          common.swizzle_bytes(s.head_dim, s.dtype)) if s.fused_dq else None),
-        # Swizzled: from the wgmma layout, a warp's stores to plain rows would hit the
-        # same banks 8 times over (15% of fwd+bwd at dense d128).
+        # Swizzled: from the wgmma layout, a warp's stores to plain rows hit the same
+        # banks 8 times over; unswizzled, the store and its fence took ~15% of dense
+        # d128 fwd+bwd (benchmarks/RESULTS.md, 2026-12-08).
         (common.swizzled((consumers, *_dq_share(s)), jnp.float32)
          if s.fused_dq and (cfg.dq_reducer_warp or not s.interpret) else None),
         # Paired consumers: P^T (times the score slope) of two steps.
